@@ -1,0 +1,156 @@
+#include "parallel.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "k3_kernels.h"
+
+namespace k3::kernels {
+namespace {
+
+int default_threads() {
+  if (const char* env = std::getenv("K3_NUM_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+class Pool {
+ public:
+  explicit Pool(int n) {
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this] { loop(); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int size() const { return static_cast<int>(workers_.size()) + 1; }
+
+  void run(size_t n_tasks, const std::function<void(size_t)>& fn) {
+    std::lock_guard<std::mutex> submit(submit_mu_);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      fn_ = &fn;
+      n_tasks_ = n_tasks;
+      next_.store(0);
+      pending_ = workers_.size();
+      error_ = nullptr;
+      ++generation_;
+    }
+    cv_.notify_all();
+    work();
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [this] { return pending_ == 0; });
+    fn_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void work() {
+    for (size_t t = next_.fetch_add(1); t < n_tasks_; t = next_.fetch_add(1)) {
+      try {
+        (*fn_)(t);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (!error_) error_ = std::current_exception();
+      }
+    }
+  }
+  void loop() {
+    size_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+      }
+      work();
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (--pending_ == 0) done_cv_.notify_one();
+      }
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mu_, submit_mu_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(size_t)>* fn_ = nullptr;
+  size_t n_tasks_ = 0;
+  std::atomic<size_t> next_{0};
+  size_t pending_ = 0;
+  size_t generation_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+};
+
+std::mutex pool_mu;
+std::shared_ptr<Pool> pool_instance;
+int wanted_threads = 0;
+
+std::shared_ptr<Pool> pool() {
+  std::lock_guard<std::mutex> lk(pool_mu);
+  int n = wanted_threads > 0 ? wanted_threads : default_threads();
+  if (!pool_instance || pool_instance->size() != n) pool_instance = std::make_shared<Pool>(n);
+  return pool_instance;
+}
+
+}  // namespace
+
+void parallel_for(size_t n_tasks, const std::function<void(size_t)>& fn) {
+  if (n_tasks == 0) return;
+  auto p = pool();
+  if (n_tasks == 1 || p->size() == 1) {
+    for (size_t t = 0; t < n_tasks; ++t) fn(t);
+    return;
+  }
+  p->run(n_tasks, fn);
+}
+
+int num_threads() {
+  return pool()->size();
+}
+
+void set_num_threads(int n) {
+  std::lock_guard<std::mutex> lk(pool_mu);
+  wanted_threads = std::max(0, n);
+}
+
+void parallel_range(size_t n, size_t min_chunk, const std::function<void(size_t, size_t)>& fn) {
+  if (n == 0) return;
+  size_t threads = static_cast<size_t>(num_threads());
+  size_t chunks = std::max<size_t>(1, std::min(threads * 4, n / std::max<size_t>(1, min_chunk)));
+  size_t step = (n + chunks - 1) / chunks;
+  parallel_for(chunks, [&](size_t c) {
+    size_t b = c * step, e = std::min(n, b + step);
+    if (b < e) fn(b, e);
+  });
+}
+
+}  // namespace k3::kernels
+
+extern "C" int k3_kernels_set_num_threads(int n) {
+  k3::kernels::set_num_threads(n);
+  return 0;
+}
+
+extern "C" int k3_kernels_num_threads(void) {
+  try {
+    return k3::kernels::num_threads();
+  } catch (...) {
+    return 1;
+  }
+}
