@@ -41,7 +41,18 @@ fn main() {
         .flag("-isystem")
         .flag(&mlx_include)
         .flag_if_supported("-Wno-unused-parameter")
+        // Kernels never read FP exception flags; without this GCC will not if-convert (and so not
+        // vectorize) loops whose selects guard divisions, e.g. the tanh/exp in vmath.hpp.
+        .flag_if_supported("-fno-trapping-math")
+        .flag_if_supported("-fno-math-errno")
         .warnings(true);
+    // Kernels are built on the machine that runs them (the wheel is installed there too), so target the host
+    // CPU as llama.cpp does by default; MLX_K3_PORTABLE=1 builds for the baseline ISA (e.g. to copy binaries).
+    println!("cargo:rerun-if-env-changed=MLX_K3_PORTABLE");
+    let portable = env::var("MLX_K3_PORTABLE").is_ok_and(|v| v == "1");
+    if !portable && env::var("HOST") == env::var("TARGET") {
+        build.flag_if_supported("-march=native");
+    }
     let mut sources: Vec<_> = fs::read_dir(manifest.join("cpp"))
         .unwrap()
         .filter_map(|e| e.ok())

@@ -23,6 +23,19 @@ int default_threads() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
+// One parallel_for call. The caller waits until every task has *run* (not until every worker has woken):
+// on a busy machine a descheduled worker must not add a scheduler tick to each kernel call. A worker that
+// wakes late finds no task left and goes back to sleep; the shared_ptr keeps the job alive for it.
+struct Job {
+  const std::function<void(size_t)>* fn;
+  size_t n_tasks;
+  std::atomic<size_t> next{0};
+  std::atomic<size_t> done{0};
+  std::mutex mu;
+  std::condition_variable finished;
+  std::exception_ptr error;
+};
+
 class Pool {
  public:
   explicit Pool(int n) {
@@ -39,65 +52,61 @@ class Pool {
   int size() const { return static_cast<int>(workers_.size()) + 1; }
 
   void run(size_t n_tasks, const std::function<void(size_t)>& fn) {
-    std::lock_guard<std::mutex> submit(submit_mu_);
+    auto job = std::make_shared<Job>();
+    job->fn = &fn;
+    job->n_tasks = n_tasks;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      fn_ = &fn;
-      n_tasks_ = n_tasks;
-      next_.store(0);
-      pending_ = workers_.size();
-      error_ = nullptr;
+      job_ = job;
       ++generation_;
     }
     cv_.notify_all();
-    work();
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [this] { return pending_ == 0; });
-    fn_ = nullptr;
-    if (error_) std::rethrow_exception(error_);
+    work(*job);
+    std::unique_lock<std::mutex> lk(job->mu);
+    job->finished.wait(lk, [&] { return job->done.load() == n_tasks; });
+    if (job->error) std::rethrow_exception(job->error);
   }
 
  private:
-  void work() {
-    for (size_t t = next_.fetch_add(1); t < n_tasks_; t = next_.fetch_add(1)) {
+  static void work(Job& job) {
+    for (size_t t = job.next.fetch_add(1); t < job.n_tasks; t = job.next.fetch_add(1)) {
       try {
-        (*fn_)(t);
+        (*job.fn)(t);
       } catch (...) {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (!error_) error_ = std::current_exception();
+        std::lock_guard<std::mutex> lk(job.mu);
+        if (!job.error) job.error = std::current_exception();
+      }
+      if (job.done.fetch_add(1) + 1 == job.n_tasks) {
+        std::lock_guard<std::mutex> lk(job.mu);
+        job.finished.notify_all();
       }
     }
   }
   void loop() {
     size_t seen = 0;
     for (;;) {
+      std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
         if (stop_) return;
         seen = generation_;
+        job = job_;
       }
-      work();
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (--pending_ == 0) done_cv_.notify_one();
-      }
+      if (job) work(*job);
     }
   }
 
   std::vector<std::thread> workers_;
-  std::mutex mu_, submit_mu_;
-  std::condition_variable cv_, done_cv_;
-  const std::function<void(size_t)>* fn_ = nullptr;
-  size_t n_tasks_ = 0;
-  std::atomic<size_t> next_{0};
-  size_t pending_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::shared_ptr<Job> job_;
   size_t generation_ = 0;
   bool stop_ = false;
-  std::exception_ptr error_;
 };
 
 std::mutex pool_mu;
+std::mutex run_mu;
 std::shared_ptr<Pool> pool_instance;
 int wanted_threads = 0;
 
@@ -117,6 +126,7 @@ void parallel_for(size_t n_tasks, const std::function<void(size_t)>& fn) {
     for (size_t t = 0; t < n_tasks; ++t) fn(t);
     return;
   }
+  std::lock_guard<std::mutex> serial(run_mu);  // one job at a time across MLX streams
   p->run(n_tasks, fn);
 }
 

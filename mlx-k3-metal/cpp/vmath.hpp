@@ -5,21 +5,29 @@
 // MLX's own ops.
 #pragma once
 
+#include <bit>
 #include <cstdint>
-#include <cstring>
 
 namespace k3::vmath {
 
 inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+  return std::bit_cast<float>(u);
+}
+
+inline float min(float a, float b) {
+  return a < b ? a : b;
+}
+
+inline float max(float a, float b) {
+  return a > b ? a : b;
 }
 
 inline float exp(float x) {
-  x = x > 88.0f ? 88.0f : x;  // keeps 2^n finite (n <= 127)
-  x = x < -87.3365447504019f ? -87.3365447504019f : x;
-  float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  x = min(x, 88.0f);  // keeps 2^n finite (n <= 127)
+  x = max(x, -87.3365447504019f);
+  // Round to nearest with the 1.5 * 2^23 trick (plain adds vectorize on every x86-64 / arm64; floorf needs
+  // SSE4.1 and otherwise becomes a library call per element).
+  float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;

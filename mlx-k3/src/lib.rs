@@ -26,6 +26,7 @@ mod device;
 mod dtype;
 mod error;
 
+pub mod cli;
 pub mod distributed;
 pub mod fast;
 pub mod io;

@@ -1,0 +1,21 @@
+//! `mlx-k3 info`.
+
+use crate::distributed::Backend;
+use crate::{kernels, Device, Result};
+
+pub(super) fn run() -> Result<()> {
+    println!("mlx-k3 {}", env!("CARGO_PKG_VERSION"));
+    println!("MLX {} (found at {})", crate::mlx_version(), crate::MLX_ORIGIN);
+    println!("default device: {:?}", Device::default_device()?);
+    for d in [Device::Cpu, Device::Gpu] {
+        println!("  {:?}: {}", d, if d.is_available() { format!("{} available", d.count()) } else { "none".into() });
+    }
+    let backends: Vec<&str> = [Backend::Ring, Backend::Jaccl, Backend::Nccl, Backend::Mpi]
+        .into_iter()
+        .filter(|b| b.is_available())
+        .map(|b| b.name())
+        .collect();
+    println!("distributed back-ends: {}", if backends.is_empty() { "none".into() } else { backends.join(", ") });
+    println!("CPU kernel threads: {}", kernels::num_threads());
+    Ok(())
+}

@@ -1,0 +1,41 @@
+//! The `mlx-k3` command line (clap). Subcommands report errors as one line on stderr and exit non-zero.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod dist_check;
+mod info;
+
+/// Run Kimi K3-class MoE models on MLX.
+#[derive(Parser, Debug)]
+#[command(name = "mlx-k3", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Print the MLX version, where it was found, the devices and distributed back-ends available.
+    Info,
+    /// Check MLX distributed set-up: every rank all_sums and all_gathers a known array and verifies the
+    /// result. Start it with MLX's launcher, e.g. `mlx.launch -n 2 --backend ring $(which mlx-k3) dist-check`.
+    DistCheck(dist_check::Args),
+}
+
+/// Parses the command line and runs the subcommand.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Info => info::run(),
+        Command::DistCheck(args) => dist_check::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mlx-k3: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! MLX's fused ops against host computations of their formulas.
+
+mod common;
+
+use common::{assert_close, f32s, vals};
+use mlx_k3::fast::{self, AttentionMask};
+use mlx_k3::{random, Array, Dtype};
+
+fn host_randn(shape: &[i32], seed: u64) -> (Array, Vec<f32>) {
+    let a = random::normal(shape, Dtype::F32, 0.0, 1.0, Some(&random::key(seed).unwrap())).unwrap();
+    let v = vals(&a);
+    (a, v)
+}
+
+#[test]
+fn rms_norm_and_layer_norm() {
+    let (x, xv) = host_randn(&[3, 8], 1);
+    let w: Vec<f32> = (0..8).map(|i| 0.5 + i as f32 * 0.1).collect();
+    let wa = f32s(&w, &[8]);
+    let got = vals(&fast::rms_norm(&x, Some(&wa), 1e-5).unwrap());
+    let mut want = vec![];
+    for r in xv.chunks(8) {
+        let ms = r.iter().map(|v| v * v).sum::<f32>() / 8.0;
+        want.extend(r.iter().zip(&w).map(|(v, g)| v / (ms + 1e-5).sqrt() * g));
+    }
+    assert_close(&got, &want, 1e-5);
+    let b: Vec<f32> = (0..8).map(|i| i as f32 * -0.2).collect();
+    let got = vals(&fast::layer_norm(&x, Some(&wa), Some(&f32s(&b, &[8])), 1e-5).unwrap());
+    let mut want = vec![];
+    for r in xv.chunks(8) {
+        let m = r.iter().sum::<f32>() / 8.0;
+        let var = r.iter().map(|v| (v - m) * (v - m)).sum::<f32>() / 8.0;
+        want.extend(r.iter().enumerate().map(|(i, v)| (v - m) / (var + 1e-5).sqrt() * w[i] + b[i]));
+    }
+    assert_close(&got, &want, 1e-5);
+    // Without a weight, rms_norm is the bare normalization.
+    let plain = vals(&fast::rms_norm(&f32s(&[3.0, 4.0], &[1, 2]), None, 0.0).unwrap());
+    assert_close(&plain, &[3.0 / 12.5f32.sqrt(), 4.0 / 12.5f32.sqrt()], 1e-6);
+}
+
+#[test]
+fn rope_rotates_pairs_by_position() {
+    // x [1, L=3, D=4]; angle(t, i) = (offset + t) * scale * base^(-2i/D) for pair i.
+    let (x, xv) = host_randn(&[1, 3, 4], 2);
+    let (base, scale, offset) = (10000.0f32, 1.0f32, 5);
+    for traditional in [false, true] {
+        let got = vals(&fast::rope(&x, 4, traditional, Some(base), scale, offset).unwrap());
+        let mut want = vec![0.0; 12];
+        for t in 0..3 {
+            for i in 0..2 {
+                let theta = (offset + t) as f32 * scale * base.powf(-(2 * i) as f32 / 4.0);
+                let (c, s) = (theta.cos(), theta.sin());
+                // traditional pairs adjacent features (2i, 2i+1); otherwise (i, i + D/2).
+                let (p, q) = if traditional { (2 * i, 2 * i + 1) } else { (i, i + 2) };
+                let (a, b) = (xv[(t * 4 + p) as usize], xv[(t * 4 + q) as usize]);
+                want[(t * 4 + p) as usize] = a * c - b * s;
+                want[(t * 4 + q) as usize] = a * s + b * c;
+            }
+        }
+        assert_close(&got, &want, 1e-5);
+    }
+}
+
+fn host_attention(q: &[f32], k: &[f32], v: &[f32], hq: usize, hkv: usize, l: usize, s: usize, d: usize,
+                  scale: f32, mask: impl Fn(usize, usize, usize) -> Option<f32>) -> Vec<f32> {
+    let mut out = vec![0.0; hq * l * d];
+    for h in 0..hq {
+        let kh = h / (hq / hkv);
+        for i in 0..l {
+            let mut scores: Vec<f32> = (0..s)
+                .map(|j| {
+                    let dot: f32 = (0..d).map(|e| q[(h * l + i) * d + e] * k[(kh * s + j) * d + e]).sum();
+                    match mask(h, i, j) {
+                        Some(add) => dot * scale + add,
+                        None => f32::NEG_INFINITY,
+                    }
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let z: f32 = scores.iter_mut().map(|x| { *x = (*x - m).exp(); *x }).sum();
+            for e in 0..d {
+                out[(h * l + i) * d + e] = (0..s).map(|j| scores[j] / z * v[(kh * s + j) * d + e]).sum();
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn scaled_dot_product_attention_masks() {
+    // Grouped-query: 4 query heads share 2 key/value heads; L = 3 queries over S = 5 keys.
+    let (hq, hkv, l, s, d) = (4, 2, 3, 5, 8);
+    let (q, qv) = host_randn(&[1, hq as i32, l as i32, d as i32], 3);
+    let (k, kv) = host_randn(&[1, hkv as i32, s as i32, d as i32], 4);
+    let (v, vv) = host_randn(&[1, hkv as i32, s as i32, d as i32], 5);
+    let scale = 1.0 / (d as f32).sqrt();
+    let none = fast::scaled_dot_product_attention(&q, &k, &v, scale, AttentionMask::None, None).unwrap();
+    assert_close(&vals(&none), &host_attention(&qv, &kv, &vv, hq, hkv, l, s, d, scale, |_, _, _| Some(0.0)), 1e-5);
+    // Causal with more keys than queries: query i sees keys j <= i + (S - L).
+    let causal = fast::scaled_dot_product_attention(&q, &k, &v, scale, AttentionMask::Causal, None).unwrap();
+    let want = host_attention(&qv, &kv, &vv, hq, hkv, l, s, d, scale, |_, i, j| (j <= i + s - l).then_some(0.0));
+    assert_close(&vals(&causal), &want, 1e-5);
+    // An additive float mask (the MLA rope-bias path) broadcast over heads.
+    let bias: Vec<f32> = (0..l * s).map(|x| (x as f32 * 0.37).sin()).collect();
+    let ba = f32s(&bias, &[1, 1, l as i32, s as i32]);
+    let got = fast::scaled_dot_product_attention(&q, &k, &v, scale, AttentionMask::Array(&ba), None).unwrap();
+    let want = host_attention(&qv, &kv, &vv, hq, hkv, l, s, d, scale, |_, i, j| Some(bias[i * s + j]));
+    assert_close(&vals(&got), &want, 1e-5);
+    // A boolean mask: true = attend.
+    let keep: Vec<bool> = (0..l * s).map(|x| x % 3 != 1).collect();
+    let ka = Array::from_slice(&keep, &[1, 1, l as i32, s as i32]).unwrap();
+    let got = fast::scaled_dot_product_attention(&q, &k, &v, scale, AttentionMask::Array(&ka), None).unwrap();
+    let want = host_attention(&qv, &kv, &vv, hq, hkv, l, s, d, scale, |_, i, j| keep[i * s + j].then_some(0.0));
+    assert_close(&vals(&got), &want, 1e-5);
+}
