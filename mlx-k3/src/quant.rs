@@ -90,6 +90,20 @@ impl QuantSpec {
     }
 }
 
+impl QuantSpec {
+    /// Rejects group sizes and bit widths MLX would divide by before validating (0 crashes the process
+    /// with SIGFPE inside MLX) and negative values (the shim reads those as "MLX's default").
+    fn validate(&self, op: &'static str) -> Result<()> {
+        if self.group_size <= 0 || self.bits <= 0 {
+            return Err(Error::invalid(
+                op,
+                format!("group_size and bits must be positive, got group_size={} bits={}", self.group_size, self.bits),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// A quantized tensor: packed codes (uint32), per-group scales, and biases for affine.
 #[derive(Clone, Debug)]
 pub struct Quantized {
@@ -104,6 +118,7 @@ pub struct Quantized {
 /// Quantizes `w` along its last axis. `global_scale` is for nvfp4 only.
 #[track_caller]
 pub fn quantize(w: &Array, spec: QuantSpec, global_scale: Option<&Array>) -> Result<Quantized> {
+    spec.validate("quantize")?;
     let st = s();
     // SAFETY: live handles in; the shim writes at most 3 outputs.
     let mut out = multi_output("quantize", 3, |res, cap, n| unsafe {
@@ -119,6 +134,7 @@ pub fn quantize(w: &Array, spec: QuantSpec, global_scale: Option<&Array>) -> Res
 /// Reconstructs the floating-point tensor; `dtype` defaults to the scales' dtype (bf16 for the fp modes).
 #[track_caller]
 pub fn dequantize(q: &Quantized, spec: QuantSpec, global_scale: Option<&Array>, dtype: Option<Dtype>) -> Result<Array> {
+    spec.validate("dequantize")?;
     let st = s();
     let out_dtype = dtype.map(|d| d.to_raw().0 as i32).unwrap_or(-1);
     // SAFETY: live handles (or null) in, new handle out.
@@ -132,6 +148,7 @@ pub fn dequantize(q: &Quantized, spec: QuantSpec, global_scale: Option<&Array>, 
 /// W stored `(K, N)` and quantized along N).
 #[track_caller]
 pub fn quantized_matmul(x: &Array, q: &Quantized, spec: QuantSpec, transpose: bool) -> Result<Array> {
+    spec.validate("quantized_matmul")?;
     let st = s();
     // SAFETY: live handles (or null) in, new handle out.
     Array::try_from_op("quantized_matmul", |res| unsafe {
@@ -157,6 +174,7 @@ pub struct Gather<'a> {
 /// Quantized matmul with matrix-level gather over an expert stack (SPEC_NOTES §1.5).
 #[track_caller]
 pub fn gather_qmm(x: &Array, q: &Quantized, spec: QuantSpec, transpose: bool, g: Gather<'_>) -> Result<Array> {
+    spec.validate("gather_qmm")?;
     let st = s();
     // SAFETY: live handles (or null) in, new handle out.
     Array::try_from_op("gather_qmm", |res| unsafe {
