@@ -27,7 +27,8 @@ fn run() -> Result<()> {
             let key = random::key(7)?;
             let ks = random::split(&key, 2)?;
             let up = random::normal(&[16, 3072], Dtype::F32, 0.0, 2.0, Some(&ks.slice_axis(0, 0, 1)?.squeeze(&[0])?))?;
-            let gate = random::normal(&[16, 3072], Dtype::F32, 0.0, 2.0, Some(&ks.slice_axis(0, 1, 2)?.squeeze(&[0])?))?;
+            let gate =
+                random::normal(&[16, 3072], Dtype::F32, 0.0, 2.0, Some(&ks.slice_axis(0, 1, 2)?.squeeze(&[0])?))?;
             mlx_k3::eval(&[&up, &gate])?;
             let t = Instant::now();
             let fused = situ(&up, &gate, 1.0, Some(8.0))?;

@@ -8,6 +8,7 @@
 #![allow(non_camel_case_types, non_upper_case_globals, non_snake_case, missing_docs)]
 #![allow(clippy::all)]
 
+#[rustfmt::skip]
 mod bindings;
 pub use bindings::*;
 

@@ -64,13 +64,7 @@ impl Array {
         check_len("from_slice", data.len(), shape)?;
         // SAFETY: data holds product(shape) elements of T, whose layout matches T::DTYPE (Element).
         Array::try_from_op("from_slice", |res| unsafe {
-            sys::k3_array_from_data(
-                res,
-                data.as_ptr().cast(),
-                shape.as_ptr(),
-                shape.len(),
-                T::DTYPE.to_raw(),
-            )
+            sys::k3_array_from_data(res, data.as_ptr().cast(), shape.as_ptr(), shape.len(), T::DTYPE.to_raw())
         })
     }
 

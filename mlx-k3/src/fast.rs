@@ -63,7 +63,16 @@ pub fn scaled_dot_product_attention(
     let st = s();
     // SAFETY: live handles (or null) in, new handle out.
     Array::try_from_op("scaled_dot_product_attention", |res| unsafe {
-        sys::k3_scaled_dot_product_attention(res, q.as_raw(), k.as_raw(), v.as_raw(), scale, mode.as_ptr(),
-            Array::raw_opt(arr), Array::raw_opt(sinks), st)
+        sys::k3_scaled_dot_product_attention(
+            res,
+            q.as_raw(),
+            k.as_raw(),
+            v.as_raw(),
+            scale,
+            mode.as_ptr(),
+            Array::raw_opt(arr),
+            Array::raw_opt(sinks),
+            st,
+        )
     })
 }

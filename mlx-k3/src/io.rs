@@ -120,8 +120,15 @@ pub fn save_safetensors(path: impl AsRef<Path>, tensors: &[(&str, &Array)], meta
     let mvp: Vec<_> = mv.iter().map(|c| c.as_ptr()).collect();
     // SAFETY: all pointer arrays have the stated lengths and outlive the call.
     let status = unsafe {
-        sys::k3_safetensors_save(cpath.as_ptr(), name_ptrs.as_ptr(), arrays.as_ptr(), arrays.len(), mkp.as_ptr(),
-            mvp.as_ptr(), mkp.len())
+        sys::k3_safetensors_save(
+            cpath.as_ptr(),
+            name_ptrs.as_ptr(),
+            arrays.as_ptr(),
+            arrays.len(),
+            mkp.as_ptr(),
+            mvp.as_ptr(),
+            mkp.len(),
+        )
     };
     if status != 0 {
         return Err(Error::Format { path: path.to_path_buf(), message: last_error() });

@@ -122,8 +122,17 @@ pub fn quantize(w: &Array, spec: QuantSpec, global_scale: Option<&Array>) -> Res
     let st = s();
     // SAFETY: live handles in; the shim writes at most 3 outputs.
     let mut out = multi_output("quantize", 3, |res, cap, n| unsafe {
-        sys::k3_quantize(res, cap, n, w.as_raw(), spec.group_size, spec.bits, spec.mode.c_name().as_ptr(),
-            Array::raw_opt(global_scale), st)
+        sys::k3_quantize(
+            res,
+            cap,
+            n,
+            w.as_raw(),
+            spec.group_size,
+            spec.bits,
+            spec.mode.c_name().as_ptr(),
+            Array::raw_opt(global_scale),
+            st,
+        )
     })?;
     let biases = if out.len() == 3 { out.pop() } else { None };
     let scales = out.pop().ok_or_else(|| Error::invalid("quantize", "MLX returned no scales"))?;
@@ -139,8 +148,18 @@ pub fn dequantize(q: &Quantized, spec: QuantSpec, global_scale: Option<&Array>, 
     let out_dtype = dtype.map(|d| d.to_raw().0 as i32).unwrap_or(-1);
     // SAFETY: live handles (or null) in, new handle out.
     Array::try_from_op("dequantize", |res| unsafe {
-        sys::k3_dequantize(res, q.weight.as_raw(), q.scales.as_raw(), Array::raw_opt(q.biases.as_ref()),
-            spec.group_size, spec.bits, spec.mode.c_name().as_ptr(), Array::raw_opt(global_scale), out_dtype, st)
+        sys::k3_dequantize(
+            res,
+            q.weight.as_raw(),
+            q.scales.as_raw(),
+            Array::raw_opt(q.biases.as_ref()),
+            spec.group_size,
+            spec.bits,
+            spec.mode.c_name().as_ptr(),
+            Array::raw_opt(global_scale),
+            out_dtype,
+            st,
+        )
     })
 }
 
@@ -152,9 +171,18 @@ pub fn quantized_matmul(x: &Array, q: &Quantized, spec: QuantSpec, transpose: bo
     let st = s();
     // SAFETY: live handles (or null) in, new handle out.
     Array::try_from_op("quantized_matmul", |res| unsafe {
-        sys::k3_quantized_matmul(res, x.as_raw(), q.weight.as_raw(), q.scales.as_raw(),
-            Array::raw_opt(q.biases.as_ref()), transpose, spec.group_size, spec.bits, spec.mode.c_name().as_ptr(),
-            st)
+        sys::k3_quantized_matmul(
+            res,
+            x.as_raw(),
+            q.weight.as_raw(),
+            q.scales.as_raw(),
+            Array::raw_opt(q.biases.as_ref()),
+            transpose,
+            spec.group_size,
+            spec.bits,
+            spec.mode.c_name().as_ptr(),
+            st,
+        )
     })
 }
 
@@ -178,9 +206,21 @@ pub fn gather_qmm(x: &Array, q: &Quantized, spec: QuantSpec, transpose: bool, g:
     let st = s();
     // SAFETY: live handles (or null) in, new handle out.
     Array::try_from_op("gather_qmm", |res| unsafe {
-        sys::k3_gather_qmm(res, x.as_raw(), q.weight.as_raw(), q.scales.as_raw(),
-            Array::raw_opt(q.biases.as_ref()), Array::raw_opt(g.lhs_indices), Array::raw_opt(g.rhs_indices),
-            transpose, spec.group_size, spec.bits, spec.mode.c_name().as_ptr(), Array::raw_opt(g.global_scale),
-            g.sorted_indices, st)
+        sys::k3_gather_qmm(
+            res,
+            x.as_raw(),
+            q.weight.as_raw(),
+            q.scales.as_raw(),
+            Array::raw_opt(q.biases.as_ref()),
+            Array::raw_opt(g.lhs_indices),
+            Array::raw_opt(g.rhs_indices),
+            transpose,
+            spec.group_size,
+            spec.bits,
+            spec.mode.c_name().as_ptr(),
+            Array::raw_opt(g.global_scale),
+            g.sorted_indices,
+            st,
+        )
     })
 }

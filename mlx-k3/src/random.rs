@@ -37,8 +37,16 @@ pub fn uniform(low: f32, high: f32, shape: &[i32], dtype: Dtype, key: Option<&Ar
     let st = s();
     // SAFETY: live handles (or null) in, new handle out.
     Array::try_from_op("random_uniform", |res| unsafe {
-        sys::k3_random_uniform(res, lo.as_raw(), hi.as_raw(), shape.as_ptr(), shape.len(), dtype.to_raw(),
-            Array::raw_opt(key), st)
+        sys::k3_random_uniform(
+            res,
+            lo.as_raw(),
+            hi.as_raw(),
+            shape.as_ptr(),
+            shape.len(),
+            dtype.to_raw(),
+            Array::raw_opt(key),
+            st,
+        )
     })
 }
 
@@ -60,8 +68,16 @@ pub fn randint(low: i64, high: i64, shape: &[i32], dtype: Dtype, key: Option<&Ar
     let st = s();
     // SAFETY: live handles (or null) in, new handle out.
     Array::try_from_op("random_randint", |res| unsafe {
-        sys::k3_random_randint(res, lo.as_raw(), hi.as_raw(), shape.as_ptr(), shape.len(), dtype.to_raw(),
-            Array::raw_opt(key), st)
+        sys::k3_random_randint(
+            res,
+            lo.as_raw(),
+            hi.as_raw(),
+            shape.as_ptr(),
+            shape.len(),
+            dtype.to_raw(),
+            Array::raw_opt(key),
+            st,
+        )
     })
 }
 

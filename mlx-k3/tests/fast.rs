@@ -61,8 +61,18 @@ fn rope_rotates_pairs_by_position() {
     }
 }
 
-fn host_attention(q: &[f32], k: &[f32], v: &[f32], hq: usize, hkv: usize, l: usize, s: usize, d: usize,
-                  scale: f32, mask: impl Fn(usize, usize, usize) -> Option<f32>) -> Vec<f32> {
+fn host_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    hq: usize,
+    hkv: usize,
+    l: usize,
+    s: usize,
+    d: usize,
+    scale: f32,
+    mask: impl Fn(usize, usize, usize) -> Option<f32>,
+) -> Vec<f32> {
     let mut out = vec![0.0; hq * l * d];
     for h in 0..hq {
         let kh = h / (hq / hkv);
@@ -77,7 +87,13 @@ fn host_attention(q: &[f32], k: &[f32], v: &[f32], hq: usize, hkv: usize, l: usi
                 })
                 .collect();
             let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let z: f32 = scores.iter_mut().map(|x| { *x = (*x - m).exp(); *x }).sum();
+            let z: f32 = scores
+                .iter_mut()
+                .map(|x| {
+                    *x = (*x - m).exp();
+                    *x
+                })
+                .sum();
             for e in 0..d {
                 out[(h * l + i) * d + e] = (0..s).map(|j| scores[j] / z * v[(kh * s + j) * d + e]).sum();
             }

@@ -83,7 +83,11 @@ fn binary_ops_broadcast_and_take_the_arrays_dtype_for_scalars() {
     assert_eq!(vals(&a.power(2.0f32).unwrap()), [1.0, 4.0, 9.0, 16.0, 25.0, 36.0]);
     assert_eq!(vals(&a.maximum(3.5f32).unwrap()), [3.5, 3.5, 3.5, 4.0, 5.0, 6.0]);
     assert_eq!(vals(&a.minimum(3.5f32).unwrap()), [1.0, 2.0, 3.0, 3.5, 3.5, 3.5]);
-    assert_close(&vals(&f32s(&[0.0, 1.0], &[2]).logaddexp(0.0f32).unwrap()), &[2f32.ln(), (1.0 + 1f32.exp()).ln()], 1e-6);
+    assert_close(
+        &vals(&f32s(&[0.0, 1.0], &[2]).logaddexp(0.0f32).unwrap()),
+        &[2f32.ln(), (1.0 + 1f32.exp()).ln()],
+        1e-6,
+    );
     // A Rust scalar adopts a bf16 array's dtype (as Python scalars do), so no promotion to f32.
     let h = a.astype(Dtype::BF16).unwrap();
     assert_eq!(h.multiply(0.5f32).unwrap().dtype(), Dtype::BF16);
@@ -133,8 +137,11 @@ fn reductions_closed_forms() {
     assert_close(&vals(&a.logsumexp(&[1], false).unwrap()), &[lse, lse + 3.0], 1e-5);
     // softmax([1,2,3]) = e^(x - lse).
     let sm = vals(&a.softmax(&[1], true).unwrap());
-    let want: Vec<f32> = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0].iter().enumerate()
-        .map(|(i, v)| (v - if i < 3 { lse } else { lse + 3.0 }).exp()).collect();
+    let want: Vec<f32> = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]
+        .iter()
+        .enumerate()
+        .map(|(i, v)| (v - if i < 3 { lse } else { lse + 3.0 }).exp())
+        .collect();
     assert_close(&sm, &want, 1e-6);
     // A precise bf16 softmax sums to 1 within bf16 rounding of each term.
     let hsm = a.astype(Dtype::BF16).unwrap().softmax(&[1], true).unwrap();
@@ -173,7 +180,10 @@ fn shapes_and_indexing() {
     let t = a.transpose(&[2, 0, 1]).unwrap();
     assert_eq!(t.shape(), [4, 2, 3]);
     // t[k][i][j] = a[i][j][k] = 12i + 4j + k; t[1] = [[1,5,9],[13,17,21]].
-    assert_eq!(vals(&t.take(&Array::from_slice(&[1i32], &[1]).unwrap(), 0).unwrap()), [1.0, 5.0, 9.0, 13.0, 17.0, 21.0]);
+    assert_eq!(
+        vals(&t.take(&Array::from_slice(&[1i32], &[1]).unwrap(), 0).unwrap()),
+        [1.0, 5.0, 9.0, 13.0, 17.0, 21.0]
+    );
     assert_eq!(a.swapaxes(0, 2).unwrap().shape(), [4, 3, 2]);
     assert_eq!(a.moveaxis(0, -1).unwrap().shape(), [3, 4, 2]);
     assert_eq!(a.expand_dims(&[0, 2]).unwrap().shape(), [1, 2, 1, 3, 4]);
@@ -187,9 +197,15 @@ fn shapes_and_indexing() {
     assert_eq!(vals(&a.slice_axis(-1, -1, 4).unwrap()), [3.0, 7.0, 11.0, 15.0, 19.0, 23.0]);
     // dynamic slice along axis 2 starting at an array-held position (no host read).
     let start = Array::from_slice(&[2i32], &[1]).unwrap();
-    assert_eq!(vals(&a.slice_dynamic(&start, &[2], &[2, 3, 2]).unwrap().reshape(&[-1]).unwrap())[..4], [2.0, 3.0, 6.0, 7.0]);
+    assert_eq!(
+        vals(&a.slice_dynamic(&start, &[2], &[2, 3, 2]).unwrap().reshape(&[-1]).unwrap())[..4],
+        [2.0, 3.0, 6.0, 7.0]
+    );
     let upd = a.slice_update(&full(&[2, 1, 4], -1.0, Dtype::F32).unwrap(), &[0, 0, 0], &[2, 1, 4], &[1, 1, 1]).unwrap();
-    assert_eq!(vals(&upd.sum_all(false).unwrap())[0], 276.0 - (0.0 + 1.0 + 2.0 + 3.0 + 12.0 + 13.0 + 14.0 + 15.0) - 8.0);
+    assert_eq!(
+        vals(&upd.sum_all(false).unwrap())[0],
+        276.0 - (0.0 + 1.0 + 2.0 + 3.0 + 12.0 + 13.0 + 14.0 + 15.0) - 8.0
+    );
     let parts = a.split(2, 2).unwrap();
     assert_eq!(parts.len(), 2);
     assert_eq!(vals(&parts[1].slice_axis(1, 0, 1).unwrap()), [2.0, 3.0, 14.0, 15.0]);
@@ -201,7 +217,8 @@ fn shapes_and_indexing() {
     let m = f32s(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
     let idx = Array::from_slice(&[2u32, 0, 1, 1], &[2, 2]).unwrap();
     assert_eq!(vals(&m.take_along_axis(&idx, 1).unwrap()), [3.0, 1.0, 5.0, 5.0]);
-    let put = m.put_along_axis(&Array::from_slice(&[1u32, 2], &[2, 1]).unwrap(), &f32s(&[-1.0, -2.0], &[2, 1]), 1).unwrap();
+    let put =
+        m.put_along_axis(&Array::from_slice(&[1u32, 2], &[2, 1]).unwrap(), &f32s(&[-1.0, -2.0], &[2, 1]), 1).unwrap();
     assert_eq!(vals(&put), [1.0, -1.0, 3.0, 4.0, 5.0, -2.0]);
     assert_eq!(vals(&f32s(&[1.0, 2.0], &[2, 1]).broadcast_to(&[2, 3]).unwrap()), [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]);
     assert_eq!(vals(&f32s(&[1.0, 2.0], &[2]).pad(&[0], &[1], &[2], Some(9.0)).unwrap()), [9.0, 1.0, 2.0, 9.0, 9.0]);

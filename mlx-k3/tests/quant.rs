@@ -50,7 +50,11 @@ fn scalar_f32(x: f32) -> Result<Array> {
 fn e2m1(code: u32) -> f32 {
     let (sign, e, m) = ((code >> 3) & 1, (code >> 1) & 3, code & 1);
     let mag = if e == 0 { m as f32 * 0.5 } else { (1.0 + m as f32 * 0.5) * 2f32.powi(e as i32 - 1) };
-    if sign == 1 { -mag } else { mag }
+    if sign == 1 {
+        -mag
+    } else {
+        mag
+    }
 }
 
 /// E8M0 scale byte: 2^(e-127) (e = 0 gives the f32 subnormal 2^-127, 0xFF is NaN).
@@ -72,7 +76,11 @@ fn e4m3(b: u8) -> f32 {
     } else {
         (1.0 + m / 8.0) * 2f32.powi(e - 7)
     };
-    if sign == 1 { -mag } else { mag }
+    if sign == 1 {
+        -mag
+    } else {
+        mag
+    }
 }
 
 /// Element `i` of the LSB-first bitstream held by `words` viewed as little-endian bytes (§1.2).
@@ -284,7 +292,11 @@ fn ref_affine_group(w: &[f32], bits: i32) -> (Vec<u32>, f32, f32) {
         let s = ((mx - mn) / n).max(eps);
         let (s, edge) = if mn.abs() > mx.abs() { (s, mn) } else { (-s, mx) };
         let q0 = (edge / s).round_ties_even();
-        if q0 != 0.0 { (edge / q0, edge) } else { (s, 0.0) }
+        if q0 != 0.0 {
+            (edge / q0, edge)
+        } else {
+            (s, 0.0)
+        }
     };
     let codes = w.iter().map(|&x| ((x - bias) / s).round_ties_even().clamp(0.0, n) as u32).collect();
     (codes, s, bias)
@@ -598,9 +610,8 @@ fn ref_matmul(x: &[f32], w: &[f32], k: usize, n: usize, w_nk: bool) -> Vec<f32> 
     let mut out = vec![0f32; rows * n];
     for r in 0..rows {
         for c in 0..n {
-            let acc: f64 = (0..k)
-                .map(|i| x[r * k + i] as f64 * if w_nk { w[c * k + i] } else { w[i * n + c] } as f64)
-                .sum();
+            let acc: f64 =
+                (0..k).map(|i| x[r * k + i] as f64 * if w_nk { w[c * k + i] } else { w[i * n + c] } as f64).sum();
             out[r * n + c] = acc as f32;
         }
     }
@@ -689,7 +700,7 @@ fn gather_qmm_rhs_indices_match_per_expert_matmuls() -> Result<()> {
     let (_, w) = weights(&[e, n, k], 41)?;
     let x_host = normal_host(10 * k as usize, 42)?;
     let x = Array::from_slice(&x_host, &[2, 5, 1, 1, k])?; // 10 tokens, M = 1
-    // (token, slot) -> expert; the sorted variant is non-decreasing over the flattened (2, 5, 3).
+                                                           // (token, slot) -> expert; the sorted variant is non-decreasing over the flattened (2, 5, 3).
     let unsorted: Vec<u32> = (0..30u32).map(|i| (i * 7 + i / 3) % 4).collect();
     let mut sorted = unsorted.clone();
     sorted.sort();

@@ -11,8 +11,15 @@ pub fn situ(up: &Array, gate: &Array, beta: f32, linear_beta: Option<f32>) -> Re
     let st = s();
     // SAFETY: live handles in, new handle out; the C++ op validates the arguments.
     Array::try_from_op("situ", |res| unsafe {
-        mlx_k3_metal::k3_situ(res, up.as_raw(), gate.as_raw(), beta, linear_beta.is_some(),
-            linear_beta.unwrap_or(0.0), st)
+        mlx_k3_metal::k3_situ(
+            res,
+            up.as_raw(),
+            gate.as_raw(),
+            beta,
+            linear_beta.is_some(),
+            linear_beta.unwrap_or(0.0),
+            st,
+        )
     })
 }
 

@@ -121,14 +121,62 @@ mod paste_sys {
         right_shift => k3_right_shift, arctan2 => k3_arctan2);
 }
 
-unary!(abs, negative, sign, floor, ceil, square, sqrt, rsqrt = "`1/sqrt(x)`.", reciprocal, exp,
-    expm1 = "`exp(x) - 1`, accurate near 0.", log, log1p = "`log(1 + x)`, accurate near 0.", log2, sin, cos,
-    tanh, sigmoid = "`1 / (1 + exp(-x))`.", erf, erfinv, logical_not, isnan, isinf, isfinite,
-    stop_gradient, copy = "A new array with the same values.", bitwise_invert);
+unary!(
+    abs,
+    negative,
+    sign,
+    floor,
+    ceil,
+    square,
+    sqrt,
+    rsqrt = "`1/sqrt(x)`.",
+    reciprocal,
+    exp,
+    expm1 = "`exp(x) - 1`, accurate near 0.",
+    log,
+    log1p = "`log(1 + x)`, accurate near 0.",
+    log2,
+    sin,
+    cos,
+    tanh,
+    sigmoid = "`1 / (1 + exp(-x))`.",
+    erf,
+    erfinv,
+    logical_not,
+    isnan,
+    isinf,
+    isfinite,
+    stop_gradient,
+    copy = "A new array with the same values.",
+    bitwise_invert
+);
 
-binary!(add, subtract, multiply, divide, power, maximum, minimum, equal, not_equal, greater, greater_equal, less,
-    less_equal, logical_and, logical_or, logaddexp = "`log(exp(a) + exp(b))` computed stably.", remainder,
-    floor_divide, bitwise_and, bitwise_or, bitwise_xor, left_shift, right_shift, arctan2);
+binary!(
+    add,
+    subtract,
+    multiply,
+    divide,
+    power,
+    maximum,
+    minimum,
+    equal,
+    not_equal,
+    greater,
+    greater_equal,
+    less,
+    less_equal,
+    logical_and,
+    logical_or,
+    logaddexp = "`log(exp(a) + exp(b))` computed stably.",
+    remainder,
+    floor_divide,
+    bitwise_and,
+    bitwise_or,
+    bitwise_xor,
+    left_shift,
+    right_shift,
+    arctan2
+);
 
 impl Array {
     /// `softplus(x) = log(1 + exp(x))`, computed stably as `logaddexp(x, 0)`.

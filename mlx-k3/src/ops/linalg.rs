@@ -48,7 +48,14 @@ pub fn gather_mm(
     let st = s();
     // SAFETY: live handles (or null) in, new handle out.
     Array::try_from_op("gather_mm", |res| unsafe {
-        sys::k3_gather_mm(res, a.as_raw(), b.as_raw(), Array::raw_opt(lhs_indices), Array::raw_opt(rhs_indices),
-            sorted_indices, st)
+        sys::k3_gather_mm(
+            res,
+            a.as_raw(),
+            b.as_raw(),
+            Array::raw_opt(lhs_indices),
+            Array::raw_opt(rhs_indices),
+            sorted_indices,
+            st,
+        )
     })
 }

@@ -84,9 +84,7 @@ impl Array {
     pub fn cumsum(&self, axis: i32, reverse: bool, inclusive: bool) -> Result<Array> {
         let st = s();
         // SAFETY: live handle in, new handle out.
-        Array::try_from_op("cumsum", |res| unsafe {
-            sys::k3_cumsum(res, self.as_raw(), axis, reverse, inclusive, st)
-        })
+        Array::try_from_op("cumsum", |res| unsafe { sys::k3_cumsum(res, self.as_raw(), axis, reverse, inclusive, st) })
     }
 
     /// Sorted copy along `axis` (ascending).

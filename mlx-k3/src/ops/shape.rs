@@ -57,9 +57,7 @@ impl Array {
     pub fn t(&self) -> Result<Array> {
         let st = s();
         // SAFETY: live handle in (null axes = reverse), new handle out.
-        Array::try_from_op("transpose", |res| unsafe {
-            sys::k3_transpose(res, self.as_raw(), std::ptr::null(), 0, st)
-        })
+        Array::try_from_op("transpose", |res| unsafe { sys::k3_transpose(res, self.as_raw(), std::ptr::null(), 0, st) })
     }
 
     /// Swaps two axes.
@@ -75,9 +73,7 @@ impl Array {
     pub fn moveaxis(&self, source: i32, destination: i32) -> Result<Array> {
         let st = s();
         // SAFETY: live handle in, new handle out.
-        Array::try_from_op("moveaxis", |res| unsafe {
-            sys::k3_moveaxis(res, self.as_raw(), source, destination, st)
-        })
+        Array::try_from_op("moveaxis", |res| unsafe { sys::k3_moveaxis(res, self.as_raw(), source, destination, st) })
     }
 
     /// Inserts size-1 axes at `axes`.
@@ -180,8 +176,16 @@ impl Array {
         let st = s();
         // SAFETY: live handles and slices in, new handle out.
         Array::try_from_op("slice", |res| unsafe {
-            sys::k3_slice_dynamic(res, self.as_raw(), start.as_raw(), axes.as_ptr(), axes.len(), sizes.as_ptr(),
-                sizes.len(), st)
+            sys::k3_slice_dynamic(
+                res,
+                self.as_raw(),
+                start.as_raw(),
+                axes.as_ptr(),
+                axes.len(),
+                sizes.as_ptr(),
+                sizes.len(),
+                st,
+            )
         })
     }
 
@@ -195,8 +199,16 @@ impl Array {
         let st = s();
         // SAFETY: slices of ndim entries, live handles in, new handle out.
         Array::try_from_op("slice_update", |res| unsafe {
-            sys::k3_slice_update(res, self.as_raw(), update.as_raw(), start.as_ptr(), stop.as_ptr(),
-                strides.as_ptr(), n, st)
+            sys::k3_slice_update(
+                res,
+                self.as_raw(),
+                update.as_raw(),
+                start.as_ptr(),
+                stop.as_ptr(),
+                strides.as_ptr(),
+                n,
+                st,
+            )
         })
     }
 
@@ -248,8 +260,16 @@ impl Array {
         let st = s();
         // SAFETY: slices of equal length, live handles in, new handle out.
         Array::try_from_op("pad", |res| unsafe {
-            sys::k3_pad(res, self.as_raw(), axes.as_ptr(), axes.len(), low.as_ptr(), high.as_ptr(),
-                Array::raw_opt(v.as_ref()), st)
+            sys::k3_pad(
+                res,
+                self.as_raw(),
+                axes.as_ptr(),
+                axes.len(),
+                low.as_ptr(),
+                high.as_ptr(),
+                Array::raw_opt(v.as_ref()),
+                st,
+            )
         })
     }
 
