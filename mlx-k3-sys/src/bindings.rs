@@ -143,18 +143,10 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_array_scalar(
-        res: *mut k3_array,
-        value: f64,
-        dtype: k3_dtype,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_array_scalar(res: *mut k3_array, value: f64, dtype: k3_dtype) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_array_scalar_i64(
-        res: *mut k3_array,
-        value: i64,
-        dtype: k3_dtype,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_array_scalar_i64(res: *mut k3_array, value: i64, dtype: k3_dtype) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
     pub fn k3_array_ndim(res: *mut usize, a: k3_array) -> ::std::os::raw::c_int;
@@ -178,16 +170,10 @@ unsafe extern "C" {
     pub fn k3_array_is_available(res: *mut bool, a: k3_array) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_array_data(
-        res: *mut *const ::std::os::raw::c_void,
-        a: k3_array,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_array_data(res: *mut *const ::std::os::raw::c_void, a: k3_array) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_array_to_string(
-        res: *mut *mut ::std::os::raw::c_char,
-        a: k3_array,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_array_to_string(res: *mut *mut ::std::os::raw::c_char, a: k3_array) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
     pub fn k3_string_free(s: *mut ::std::os::raw::c_char);
@@ -202,22 +188,13 @@ unsafe extern "C" {
     pub fn k3_device_is_available(res: *mut bool, type_: k3_device_type) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_device_count(
-        res: *mut ::std::os::raw::c_int,
-        type_: k3_device_type,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_device_count(res: *mut ::std::os::raw::c_int, type_: k3_device_type) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_default_device(
-        res: *mut k3_device_type,
-        index: *mut ::std::os::raw::c_int,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_default_device(res: *mut k3_device_type, index: *mut ::std::os::raw::c_int) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_set_default_device(
-        type_: k3_device_type,
-        index: ::std::os::raw::c_int,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_set_default_device(type_: k3_device_type, index: ::std::os::raw::c_int) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
     pub fn k3_default_stream(res: *mut k3_stream, type_: k3_device_type) -> ::std::os::raw::c_int;
@@ -328,210 +305,85 @@ unsafe extern "C" {
     pub fn k3_isfinite(res: *mut k3_array, a: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_stop_gradient(res: *mut k3_array, a: k3_array, s: k3_stream)
-        -> ::std::os::raw::c_int;
+    pub fn k3_stop_gradient(res: *mut k3_array, a: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
     pub fn k3_copy(res: *mut k3_array, a: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_bitwise_invert(
-        res: *mut k3_array,
-        a: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_bitwise_invert(res: *mut k3_array, a: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_add(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_add(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_subtract(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_subtract(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_multiply(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_multiply(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_divide(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_divide(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_power(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_power(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_maximum(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_maximum(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_minimum(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_minimum(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_equal(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_equal(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_not_equal(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_not_equal(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_greater(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_greater(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_greater_equal(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_greater_equal(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_less(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_less(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_less_equal(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_less_equal(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_logical_and(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_logical_and(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_logical_or(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_logical_or(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_logaddexp(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_logaddexp(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_remainder(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_remainder(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_floor_divide(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_floor_divide(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_bitwise_and(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_bitwise_and(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_bitwise_or(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_bitwise_or(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_bitwise_xor(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_bitwise_xor(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_left_shift(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_left_shift(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_right_shift(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_right_shift(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_arctan2(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_arctan2(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
     pub fn k3_where(
@@ -543,13 +395,7 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_clip(
-        res: *mut k3_array,
-        a: k3_array,
-        lo: k3_array,
-        hi: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_clip(res: *mut k3_array, a: k3_array, lo: k3_array, hi: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
     pub fn k3_round(
@@ -709,12 +555,8 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_sort(
-        res: *mut k3_array,
-        a: k3_array,
-        axis: ::std::os::raw::c_int,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_sort(res: *mut k3_array, a: k3_array, axis: ::std::os::raw::c_int, s: k3_stream)
+        -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
     pub fn k3_argsort(
@@ -934,20 +776,10 @@ unsafe extern "C" {
     pub fn k3_contiguous(res: *mut k3_array, a: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_astype(
-        res: *mut k3_array,
-        a: k3_array,
-        dtype: k3_dtype,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_astype(res: *mut k3_array, a: k3_array, dtype: k3_dtype, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_view(
-        res: *mut k3_array,
-        a: k3_array,
-        dtype: k3_dtype,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_view(res: *mut k3_array, a: k3_array, dtype: k3_dtype, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
     pub fn k3_repeat(
@@ -968,20 +800,10 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_tril(
-        res: *mut k3_array,
-        a: k3_array,
-        k: ::std::os::raw::c_int,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_tril(res: *mut k3_array, a: k3_array, k: ::std::os::raw::c_int, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_triu(
-        res: *mut k3_array,
-        a: k3_array,
-        k: ::std::os::raw::c_int,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_triu(res: *mut k3_array, a: k3_array, k: ::std::os::raw::c_int, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
     pub fn k3_arange(
@@ -1032,12 +854,7 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_matmul(
-        res: *mut k3_array,
-        a: k3_array,
-        b: k3_array,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_matmul(res: *mut k3_array, a: k3_array, b: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
     pub fn k3_addmm(
@@ -1274,10 +1091,7 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_safetensors_metadata_len(
-        res: *mut usize,
-        st: k3_safetensors,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_safetensors_metadata_len(res: *mut usize, st: k3_safetensors) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
     pub fn k3_safetensors_metadata_entry(
@@ -1299,10 +1113,8 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_distributed_is_available(
-        res: *mut bool,
-        backend: *const ::std::os::raw::c_char,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_distributed_is_available(res: *mut bool, backend: *const ::std::os::raw::c_char)
+        -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
     pub fn k3_distributed_init(
@@ -1329,36 +1141,16 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_all_sum(
-        res: *mut k3_array,
-        x: k3_array,
-        g: k3_group,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_all_sum(res: *mut k3_array, x: k3_array, g: k3_group, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_all_gather(
-        res: *mut k3_array,
-        x: k3_array,
-        g: k3_group,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_all_gather(res: *mut k3_array, x: k3_array, g: k3_group, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_all_max(
-        res: *mut k3_array,
-        x: k3_array,
-        g: k3_group,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_all_max(res: *mut k3_array, x: k3_array, g: k3_group, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    pub fn k3_all_min(
-        res: *mut k3_array,
-        x: k3_array,
-        g: k3_group,
-        s: k3_stream,
-    ) -> ::std::os::raw::c_int;
+    pub fn k3_all_min(res: *mut k3_array, x: k3_array, g: k3_group, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
     pub fn k3_send(
