@@ -32,6 +32,7 @@ pub mod fast;
 pub mod io;
 pub mod kernels;
 pub mod memory;
+pub mod model;
 pub mod ops;
 pub mod quant;
 pub mod random;

@@ -1,0 +1,197 @@
+//! Per-layer caches: KDA keeps a short-conv window and an fp32 recurrent state (fixed size per sequence);
+//! MLA keeps the normalized KV latent and the shared rope-slot key of every position (grown in steps of
+//! 256 positions, as mlx-lm's `KVCache`).
+//!
+//! Reusing a prompt prefix: MLA caches can be trimmed; a KDA state cannot be rewound, so a whole-model
+//! [`ModelCache::snapshot`] (cheap: arrays are immutable and shared) is what a prompt cache keeps at turn
+//! boundaries and restores with [`ModelCache::restore`].
+
+use crate::ops::{concatenate, zeros};
+use crate::{Array, Error, Result};
+
+const STEP: i32 = 256;
+
+/// Growing key/value storage of one MLA layer: keys `[B, 1, S, r]` (latents), values `[B, 1, S, d_r]`.
+#[derive(Clone, Debug, Default)]
+pub struct KvCache {
+    keys: Option<Array>,
+    values: Option<Array>,
+    offset: usize,
+}
+
+impl KvCache {
+    /// Positions stored.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Appends `keys`/`values` (`[B, H, L, D]`) and returns everything stored so far.
+    pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let (ks, vs) = (keys.shape(), values.shape());
+        let (b, h, l) = (ks[0], ks[1], ks[2]);
+        let prev = self.offset as i32;
+        let capacity = self.keys.as_ref().map(|k| k.shape()[2]).unwrap_or(0);
+        if self.keys.is_none() || prev + l > capacity {
+            let n_steps = (STEP + l - 1) / STEP;
+            let new_k = zeros(&[b, h, n_steps * STEP, ks[3]], keys.dtype())?;
+            let new_v = zeros(&[b, h, n_steps * STEP, vs[3]], values.dtype())?;
+            match (self.keys.take(), self.values.take()) {
+                (Some(mut k), Some(mut v)) => {
+                    if prev % STEP != 0 {
+                        k = k.slice_axis(2, 0, prev)?;
+                        v = v.slice_axis(2, 0, prev)?;
+                    }
+                    self.keys = Some(concatenate(&[&k, &new_k], 2)?);
+                    self.values = Some(concatenate(&[&v, &new_v], 2)?);
+                }
+                _ => {
+                    self.keys = Some(new_k);
+                    self.values = Some(new_v);
+                }
+            }
+        }
+        let end = prev + l;
+        let k = self.keys.as_ref().ok_or_else(|| Error::invalid("kv_cache", "no keys"))?;
+        let v = self.values.as_ref().ok_or_else(|| Error::invalid("kv_cache", "no values"))?;
+        let k = k.slice_update(keys, &[0, 0, prev, 0], &[b, h, end, ks[3]], &[1, 1, 1, 1])?;
+        let v = v.slice_update(values, &[0, 0, prev, 0], &[b, h, end, vs[3]], &[1, 1, 1, 1])?;
+        self.offset = end as usize;
+        let out = (k.slice_axis(2, 0, end)?, v.slice_axis(2, 0, end)?);
+        self.keys = Some(k);
+        self.values = Some(v);
+        Ok(out)
+    }
+
+    /// Drops the last `n` positions (fewer if fewer are stored); returns how many were dropped.
+    pub fn trim(&mut self, n: usize) -> usize {
+        let n = n.min(self.offset);
+        self.offset -= n;
+        n
+    }
+
+    /// Bytes held (allocated capacity).
+    pub fn nbytes(&self) -> usize {
+        self.keys.as_ref().map_or(0, |k| k.nbytes()) + self.values.as_ref().map_or(0, |v| v.nbytes())
+    }
+
+    /// The arrays to evaluate with a step's output.
+    pub fn arrays(&self) -> Vec<&Array> {
+        self.keys.iter().chain(self.values.iter()).collect()
+    }
+}
+
+/// State of one KDA layer: conv window `[B, K-1, 3P]` and recurrent state `[B, H, d, d]` (f32).
+#[derive(Clone, Debug, Default)]
+pub struct KdaCache {
+    /// The last K-1 inputs of the short convolution.
+    pub conv: Option<Array>,
+    /// The gated-delta state.
+    pub ssm: Option<Array>,
+    offset: usize,
+}
+
+impl KdaCache {
+    /// Positions consumed.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.offset += n;
+    }
+
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        self.conv.as_ref().map_or(0, |k| k.nbytes()) + self.ssm.as_ref().map_or(0, |v| v.nbytes())
+    }
+
+    /// The arrays to evaluate with a step's output.
+    pub fn arrays(&self) -> Vec<&Array> {
+        self.conv.iter().chain(self.ssm.iter()).collect()
+    }
+}
+
+/// One layer's cache.
+#[derive(Clone, Debug)]
+pub enum LayerCache {
+    /// A KDA (linear attention) layer.
+    Kda(KdaCache),
+    /// An MLA layer.
+    Mla(KvCache),
+}
+
+impl LayerCache {
+    /// Positions seen.
+    pub fn offset(&self) -> usize {
+        match self {
+            LayerCache::Kda(c) => c.offset(),
+            LayerCache::Mla(c) => c.offset(),
+        }
+    }
+}
+
+/// The caches of every layer of a model, for one sequence.
+#[derive(Clone, Debug)]
+pub struct ModelCache {
+    /// One per layer, in order.
+    pub layers: Vec<LayerCache>,
+}
+
+impl ModelCache {
+    /// Positions processed so far.
+    pub fn offset(&self) -> usize {
+        self.layers.first().map_or(0, LayerCache::offset)
+    }
+
+    /// Whether [`ModelCache::trim`] can rewind (only when no layer is recurrent).
+    pub fn is_trimmable(&self) -> bool {
+        self.layers.iter().all(|l| matches!(l, LayerCache::Mla(_)))
+    }
+
+    /// Rewinds the last `n` positions; an error for models with KDA layers (their state cannot be
+    /// rewound: keep a [`ModelCache::snapshot`] instead).
+    pub fn trim(&mut self, n: usize) -> Result<usize> {
+        if !self.is_trimmable() {
+            return Err(Error::invalid("cache", "KDA layers cannot be trimmed; restore a snapshot instead"));
+        }
+        let mut dropped = 0;
+        for l in &mut self.layers {
+            if let LayerCache::Mla(c) = l {
+                dropped = c.trim(n);
+            }
+        }
+        Ok(dropped)
+    }
+
+    /// A copy of the current state (shares the arrays; later steps do not change it).
+    pub fn snapshot(&self) -> ModelCache {
+        self.clone()
+    }
+
+    /// Returns to a snapshot taken earlier from this cache.
+    pub fn restore(&mut self, snapshot: &ModelCache) {
+        *self = snapshot.clone();
+    }
+
+    /// Bytes held by all layers.
+    pub fn nbytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerCache::Kda(c) => c.nbytes(),
+                LayerCache::Mla(c) => c.nbytes(),
+            })
+            .sum()
+    }
+
+    /// Every state array (evaluate them with the logits so a step leaves no pending graph behind).
+    pub fn arrays(&self) -> Vec<&Array> {
+        self.layers
+            .iter()
+            .flat_map(|l| match l {
+                LayerCache::Kda(c) => c.arrays(),
+                LayerCache::Mla(c) => c.arrays(),
+            })
+            .collect()
+    }
+}

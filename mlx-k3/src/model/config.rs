@@ -1,0 +1,401 @@
+//! `config.json` of a `kimi_k3` checkpoint, with mlx-lm's defaults (`TextArgs` in `kimi_k3.py`).
+//!
+//! mlx-lm accepts the text config nested under `text_config` or flat at the top level, ignores unknown
+//! keys, and rejects activations other than SiTU, routers other than sigmoid and non-NoPE MLA. Errors here
+//! name the file and the field (`text_config.rms_norm_eps: invalid type ...`).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::quant::{QuantMode, QuantSpec};
+use crate::{Error, Result};
+
+/// The KDA block of the config (`linear_attn_config`).
+#[derive(Clone, Debug, Deserialize)]
+pub struct LinearAttnConfig {
+    /// KDA heads.
+    pub num_heads: usize,
+    /// Head dimension (d_k = d_v).
+    pub head_dim: usize,
+    /// Short convolution width.
+    pub short_conv_kernel_size: usize,
+    /// Optional negative lower bound of the log decay (changes the gate formula).
+    #[serde(default)]
+    pub gate_lower_bound: Option<f32>,
+    /// Full-rank output gate (`g_proj`) instead of low-rank (`g_a_proj`, `g_b_proj`).
+    #[serde(default)]
+    pub use_full_rank_gate: bool,
+    /// 1-based indices of the KDA layers; every other layer is MLA.
+    pub kda_layers: Vec<usize>,
+}
+
+fn d_vocab() -> usize {
+    163_840
+}
+fn d_hidden() -> usize {
+    7168
+}
+fn d_layers() -> usize {
+    93
+}
+fn d_heads() -> usize {
+    96
+}
+fn d_inter() -> usize {
+    33_792
+}
+fn d_eps() -> f32 {
+    1e-5
+}
+fn d_max_pos() -> usize {
+    1_048_576
+}
+fn d_situ() -> String {
+    "situ".into()
+}
+fn d_true() -> bool {
+    true
+}
+fn d_top_k() -> usize {
+    16
+}
+fn d_sigmoid() -> String {
+    "sigmoid".into()
+}
+fn d_one_f() -> f32 {
+    1.0
+}
+fn d_one() -> usize {
+    1
+}
+
+/// The text model's hyper-parameters (mlx-lm's `TextArgs`, same names and defaults).
+#[derive(Clone, Debug, Deserialize)]
+#[allow(missing_docs)]
+pub struct TextConfig {
+    #[serde(default = "d_vocab")]
+    pub vocab_size: usize,
+    #[serde(default = "d_hidden")]
+    pub hidden_size: usize,
+    #[serde(default = "d_layers")]
+    pub num_hidden_layers: usize,
+    #[serde(default = "d_heads")]
+    pub num_attention_heads: usize,
+    #[serde(default = "d_heads")]
+    pub num_key_value_heads: usize,
+    #[serde(default = "d_inter")]
+    pub intermediate_size: usize,
+    #[serde(default = "d_eps")]
+    pub rms_norm_eps: f32,
+    #[serde(default = "d_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default)]
+    pub linear_attn_config: Option<LinearAttnConfig>,
+    #[serde(default = "d_situ")]
+    pub hidden_act: String,
+    #[serde(default)]
+    pub activation_situ_beta: Option<f32>,
+    #[serde(default)]
+    pub activation_situ_linear_beta: Option<f32>,
+    #[serde(default)]
+    pub attn_res_block_size: Option<usize>,
+    #[serde(default)]
+    pub q_lora_rank: Option<usize>,
+    #[serde(default)]
+    pub kv_lora_rank: Option<usize>,
+    #[serde(default)]
+    pub qk_nope_head_dim: Option<usize>,
+    #[serde(default)]
+    pub qk_rope_head_dim: Option<usize>,
+    #[serde(default)]
+    pub v_head_dim: Option<usize>,
+    #[serde(default = "d_true")]
+    pub mla_use_nope: bool,
+    #[serde(default)]
+    pub mla_use_output_gate: bool,
+    #[serde(default)]
+    pub num_experts: Option<usize>,
+    #[serde(default = "d_top_k")]
+    pub num_experts_per_token: usize,
+    #[serde(default)]
+    pub num_shared_experts: usize,
+    #[serde(default)]
+    pub moe_intermediate_size: Option<usize>,
+    #[serde(default = "d_sigmoid")]
+    pub moe_router_activation_func: String,
+    #[serde(default = "d_true")]
+    pub moe_renormalize: bool,
+    #[serde(default = "d_one_f")]
+    pub routed_scaling_factor: f32,
+    #[serde(default)]
+    pub first_k_dense_replace: usize,
+    #[serde(default = "d_one")]
+    pub moe_layer_freq: usize,
+    #[serde(default = "d_true")]
+    pub use_grouped_topk: bool,
+    #[serde(default = "d_one")]
+    pub num_expert_group: usize,
+    #[serde(default = "d_one")]
+    pub topk_group: usize,
+    #[serde(default)]
+    pub routed_expert_hidden_size: Option<usize>,
+    #[serde(default)]
+    pub latent_moe_use_norm: bool,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+}
+
+/// The MLA dimensions, present when the model has MLA layers.
+#[derive(Clone, Copy, Debug)]
+pub struct MlaDims {
+    /// Attention heads.
+    pub heads: usize,
+    /// Query latent rank (None: a direct `q_proj`).
+    pub q_lora_rank: Option<usize>,
+    /// KV latent rank r.
+    pub kv_lora_rank: usize,
+    /// Non-positional query/key dim d_n.
+    pub qk_nope: usize,
+    /// The extra "rope" (NoPE: bias) dim d_r.
+    pub qk_rope: usize,
+    /// Value dim d_v.
+    pub v_head: usize,
+}
+
+impl TextConfig {
+    /// Whether layer `i` (0-based) is a KDA layer.
+    pub fn is_kda(&self, i: usize) -> bool {
+        self.linear_attn_config.as_ref().is_some_and(|c| c.kda_layers.contains(&(i + 1)))
+    }
+
+    /// Whether layer `i` has a sparse MoE FFN (else a dense SiTU MLP).
+    pub fn is_moe(&self, i: usize) -> bool {
+        self.num_experts.unwrap_or(0) > 0
+            && i >= self.first_k_dense_replace
+            && self.moe_layer_freq > 0
+            && i % self.moe_layer_freq == 0
+    }
+
+    /// SiTU's β (mlx-lm: `activation_situ_beta or 1.0`).
+    pub fn situ_beta(&self) -> f32 {
+        match self.activation_situ_beta {
+            Some(b) if b != 0.0 => b,
+            _ => 1.0,
+        }
+    }
+
+    /// The MLA dimensions (checked present by [`TextConfig::validate`] when MLA layers exist).
+    pub fn mla(&self) -> Result<MlaDims> {
+        let need = |v: Option<usize>, name: &str| {
+            v.ok_or_else(|| Error::invalid("config", format!("{name} is required for MLA layers")))
+        };
+        Ok(MlaDims {
+            heads: self.num_attention_heads,
+            q_lora_rank: self.q_lora_rank,
+            kv_lora_rank: need(self.kv_lora_rank, "kv_lora_rank")?,
+            qk_nope: need(self.qk_nope_head_dim, "qk_nope_head_dim")?,
+            qk_rope: need(self.qk_rope_head_dim, "qk_rope_head_dim")?,
+            v_head: need(self.v_head_dim, "v_head_dim")?,
+        })
+    }
+
+    /// The unsupported or inconsistent values mlx-lm would reject (or crash on), as errors naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &str, msg: String| Error::invalid("config", format!("{field}: {msg}"));
+        if self.hidden_act != "situ" {
+            return Err(bad("hidden_act", format!("unsupported activation '{}' (only 'situ')", self.hidden_act)));
+        }
+        if self.moe_router_activation_func != "sigmoid" {
+            return Err(bad(
+                "moe_router_activation_func",
+                format!("unsupported router activation '{}' (only 'sigmoid')", self.moe_router_activation_func),
+            ));
+        }
+        if !self.mla_use_nope {
+            return Err(bad("mla_use_nope", "only NoPE MLA is supported (mla_use_nope = true)".into()));
+        }
+        let la = self
+            .linear_attn_config
+            .as_ref()
+            .ok_or_else(|| bad("linear_attn_config", "missing (it lists the KDA layers)".into()))?;
+        if la.num_heads == 0 || la.head_dim == 0 || la.short_conv_kernel_size < 1 {
+            return Err(bad(
+                "linear_attn_config",
+                "num_heads, head_dim and short_conv_kernel_size must be positive".into(),
+            ));
+        }
+        if let Some(l) = la.kda_layers.iter().find(|&&l| l == 0 || l > self.num_hidden_layers) {
+            return Err(bad(
+                "linear_attn_config.kda_layers",
+                format!("layer {l} is not in 1..={}", self.num_hidden_layers),
+            ));
+        }
+        if self.hidden_size == 0 || self.vocab_size == 0 || self.num_hidden_layers == 0 {
+            return Err(bad("hidden_size", "hidden_size, vocab_size and num_hidden_layers must be positive".into()));
+        }
+        if (0..self.num_hidden_layers).any(|i| !self.is_kda(i)) {
+            let m = self.mla()?;
+            if m.heads == 0 || m.kv_lora_rank == 0 || m.qk_nope == 0 || m.v_head == 0 {
+                return Err(bad("num_attention_heads", "MLA dimensions must be positive".into()));
+            }
+        }
+        if self.num_experts.unwrap_or(0) > 0 {
+            let e = self.num_experts.unwrap_or(0);
+            if self.moe_intermediate_size.unwrap_or(0) == 0 {
+                return Err(bad("moe_intermediate_size", "required when num_experts > 0".into()));
+            }
+            if self.num_experts_per_token == 0 || self.num_experts_per_token > e {
+                return Err(bad(
+                    "num_experts_per_token",
+                    format!("{} is not in 1..={e} (num_experts)", self.num_experts_per_token),
+                ));
+            }
+            if self.num_expert_group > 1 {
+                let g = self.num_expert_group;
+                if e % g != 0 || self.topk_group == 0 || self.topk_group > g || e / g < 2 {
+                    return Err(bad(
+                        "num_expert_group",
+                        format!("{e} experts cannot form {g} groups of at least 2 with topk_group {}", self.topk_group),
+                    ));
+                }
+            }
+        }
+        if self.attn_res_block_size == Some(0) {
+            return Err(bad("attn_res_block_size", "must be positive".into()));
+        }
+        if self.moe_layer_freq == 0 {
+            return Err(bad("moe_layer_freq", "must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+/// How one weight is quantized, as `config.json` records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PathQuant {
+    /// Quantized with these settings.
+    Quantized(QuantSpec),
+    /// Explicitly left unquantized (`false`).
+    Unquantized,
+}
+
+/// `quantization` from `config.json`: the default plus per-module-path overrides, as `mlx_lm.convert`
+/// writes them (paths without the `language_model.` prefix here).
+#[derive(Clone, Debug, Default)]
+pub struct QuantizationConfig {
+    /// Top-level `group_size` / `bits` / `mode`.
+    pub default: Option<QuantSpec>,
+    /// Per-path entries (`"model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}` or `false`).
+    pub per_path: BTreeMap<String, PathQuant>,
+}
+
+impl QuantizationConfig {
+    /// The override recorded for module `path`, if any.
+    pub fn for_path(&self, path: &str) -> Option<PathQuant> {
+        self.per_path.get(path).copied()
+    }
+}
+
+/// A parsed `config.json` of a `kimi_k3` checkpoint.
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    /// `model_type` (always `kimi_k3`).
+    pub model_type: String,
+    /// The text model.
+    pub text: TextConfig,
+    /// Quantization as recorded by mlx-lm (empty for unquantized checkpoints).
+    pub quantization: QuantizationConfig,
+    /// The raw JSON (for tools that need other keys, e.g. `eos_token_id`).
+    pub raw: Value,
+}
+
+fn spec_from(field: &str, v: &Value, default_mode: QuantMode) -> Result<QuantSpec> {
+    let bad = |m: String| Error::invalid("config", format!("{field}: {m}"));
+    let obj = v.as_object().ok_or_else(|| bad(format!("expected an object or false, found {v}")))?;
+    let mode = match obj.get("mode") {
+        None | Some(Value::Null) => default_mode,
+        Some(Value::String(m)) => QuantMode::from_name(m).ok_or_else(|| bad(format!("unknown mode '{m}'")))?,
+        Some(other) => return Err(bad(format!("mode must be a string, found {other}"))),
+    };
+    let int = |k: &str, dflt: i64| -> Result<i32> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Ok(dflt as i32),
+            Some(v) => v
+                .as_i64()
+                .filter(|n| *n > 0 && *n <= 1024)
+                .map(|n| n as i32)
+                .ok_or_else(|| bad(format!("{k} must be a positive integer, found {v}"))),
+        }
+    };
+    let d = QuantSpec::default_for(mode);
+    Ok(QuantSpec { group_size: int("group_size", d.group_size as i64)?, bits: int("bits", d.bits as i64)?, mode })
+}
+
+impl ModelConfig {
+    /// Parses `config.json` text; `path` is only used in error messages.
+    pub fn parse(text: &str, path: &Path) -> Result<ModelConfig> {
+        let fmt = |message: String| Error::Format { path: path.to_path_buf(), message };
+        let raw: Value = serde_json::from_str(text).map_err(|e| fmt(format!("not valid JSON: {e}")))?;
+        let obj = raw.as_object().ok_or_else(|| fmt("the top level must be a JSON object".into()))?;
+        let model_type = match obj.get("model_type") {
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => return Err(fmt(format!("model_type: expected a string, found {other}"))),
+            None => return Err(fmt("model_type: missing (expected \"kimi_k3\")".into())),
+        };
+        if model_type != "kimi_k3" {
+            return Err(fmt(format!("model_type: '{model_type}' is not supported (expected \"kimi_k3\")")));
+        }
+        // mlx-lm: without `text_config` the whole object is the text config.
+        let (text_value, prefix) = match obj.get("text_config") {
+            Some(t) => (t.clone(), "text_config."),
+            None => (raw.clone(), ""),
+        };
+        let text: TextConfig = serde_path_to_error::deserialize(text_value).map_err(|e| {
+            let field = e.path().to_string();
+            let field = if field == "." { String::from("(top level)") } else { format!("{prefix}{field}") };
+            fmt(format!("{field}: {}", e.inner()))
+        })?;
+        text.validate().map_err(|e| fmt(e.to_string().trim_start_matches("[config] ").to_string()))?;
+
+        let mut quantization = QuantizationConfig::default();
+        if let Some(q) = obj.get("quantization").filter(|q| !q.is_null()) {
+            let qo = q.as_object().ok_or_else(|| fmt(format!("quantization: expected an object, found {q}")))?;
+            let default_mode = match qo.get("mode") {
+                Some(Value::String(m)) => {
+                    QuantMode::from_name(m).ok_or_else(|| fmt(format!("quantization.mode: unknown mode '{m}'")))?
+                }
+                _ => QuantMode::Affine,
+            };
+            if qo.contains_key("group_size") || qo.contains_key("bits") {
+                quantization.default =
+                    Some(spec_from("quantization", q, default_mode).map_err(|e| fmt(e.to_string()))?);
+            }
+            for (k, v) in qo {
+                if matches!(k.as_str(), "group_size" | "bits" | "mode") {
+                    continue;
+                }
+                let path = k.strip_prefix("language_model.").unwrap_or(k).to_string();
+                let pq = match v {
+                    Value::Bool(false) => PathQuant::Unquantized,
+                    Value::Object(_) => PathQuant::Quantized(
+                        spec_from(&format!("quantization.{k}"), v, default_mode).map_err(|e| fmt(e.to_string()))?,
+                    ),
+                    // Other metadata keys (e.g. "quant_method") are not module paths.
+                    _ => continue,
+                };
+                quantization.per_path.insert(path, pq);
+            }
+        }
+        Ok(ModelConfig { model_type, text, quantization, raw })
+    }
+
+    /// Reads and parses `DIR/config.json`.
+    pub fn load(dir: &Path) -> Result<ModelConfig> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+        ModelConfig::parse(&text, &path)
+    }
+}

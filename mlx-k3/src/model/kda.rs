@@ -1,0 +1,165 @@
+//! Kimi Delta Attention (SPEC_NOTES §3; mlx-lm `KimiK3DeltaAttention` with `gated_delta_ops`): a causal
+//! depthwise short convolution over the merged q/k/v projection, L2-normalized q/k, a per-channel decay
+//! gate, and the gated delta rule on an fp32 state, followed by a gated RMSNorm and the output projection.
+//!
+//! The recurrence is written with plain MLX ops, one step per token, exactly as mlx-lm's ops reference
+//! (which is what mlx-lm itself runs off Metal); a fused decode primitive is separate work.
+
+use super::cache::KdaCache;
+use super::config::TextConfig;
+use super::linear::{Linear, RmsNorm};
+use super::weights::WeightStore;
+use crate::ops::{stack, zeros};
+use crate::{fast, ops, Array, Dtype, Result};
+
+/// Low-rank or full-rank output gate.
+#[derive(Debug)]
+enum Gate {
+    LowRank(Linear, Linear),
+    Full(Linear),
+}
+
+/// One KDA layer.
+#[derive(Debug)]
+pub struct Kda {
+    heads: i32,
+    head_dim: i32,
+    kernel: i32,
+    lower_bound: Option<f32>,
+    qkv_proj: Linear,
+    conv_weight: Array,
+    f_a: Linear,
+    f_b: Linear,
+    b_proj: Linear,
+    gate: Gate,
+    a_log: Array,
+    dt_bias: Array,
+    o_norm: RmsNorm,
+    o_proj: Linear,
+}
+
+impl Kda {
+    /// Loads the layer at `prefix` (`model.layers.N.self_attn`).
+    pub fn load(ws: &mut WeightStore, prefix: &str, cfg: &TextConfig) -> Result<Kda> {
+        let la = cfg.linear_attn_config.as_ref().expect("validated config has linear_attn_config");
+        let (h, d, k) = (la.num_heads, la.head_dim, la.short_conv_kernel_size);
+        let p = h * d;
+        let hidden = cfg.hidden_size;
+        let p_ = |n: &str| format!("{prefix}.{n}");
+        let gate = if la.use_full_rank_gate {
+            Gate::Full(Linear::load(ws, &p_("g_proj"), hidden, p)?)
+        } else {
+            Gate::LowRank(Linear::load(ws, &p_("g_a_proj"), hidden, d)?, Linear::load(ws, &p_("g_b_proj"), d, p)?)
+        };
+        Ok(Kda {
+            heads: h as i32,
+            head_dim: d as i32,
+            kernel: k as i32,
+            lower_bound: la.gate_lower_bound,
+            qkv_proj: Linear::load(ws, &p_("qkv_proj"), hidden, 3 * p)?,
+            conv_weight: ws.take(&p_("qkv_conv.conv.weight"), &[3 * p as i32, k as i32, 1])?,
+            f_a: Linear::load(ws, &p_("f_a_proj"), hidden, d)?,
+            f_b: Linear::load(ws, &p_("f_b_proj"), d, p)?,
+            b_proj: Linear::load(ws, &p_("b_proj"), hidden, h)?,
+            gate,
+            a_log: ws.take(&p_("A_log"), &[h as i32])?,
+            dt_bias: ws.take(&p_("dt_bias"), &[p as i32])?,
+            o_norm: RmsNorm::load(ws, &p_("o_norm"), d, cfg.rms_norm_eps)?,
+            o_proj: Linear::load(ws, &p_("o_proj"), p, hidden)?,
+        })
+    }
+
+    /// `x [B, T, D]` -> `[B, T, D]`, updating `cache` when given.
+    pub fn forward(&self, x: &Array, cache: Option<&mut KdaCache>) -> Result<Array> {
+        let shape = x.shape();
+        let (b, t) = (shape[0], shape[1]);
+        let (h, d) = (self.heads, self.head_dim);
+        let p = h * d;
+        let dtype = x.dtype();
+        let (conv_state, ssm_state) = match &cache {
+            Some(c) => (c.conv.clone(), c.ssm.clone()),
+            None => (None, None),
+        };
+        let conv_state = match conv_state {
+            Some(s) => s,
+            None => zeros(&[b, self.kernel - 1, 3 * p], dtype)?,
+        };
+
+        // Short causal depthwise conv over [state, new inputs], then SiLU.
+        let qkv = self.qkv_proj.forward(x)?;
+        let conv_in = ops::concatenate(&[&conv_state, &qkv], 1)?;
+        let conv = conv_in.conv1d(&self.conv_weight, 1, 0, 1, 3 * p)?.silu()?;
+        let total = conv_in.dim(1)?;
+        let new_conv = conv_in.slice_axis(1, total - (self.kernel - 1), total)?.contiguous()?;
+
+        let split = |i: i32| conv.slice_axis(-1, i * p, (i + 1) * p).and_then(|a| a.reshape(&[b, t, h, d]));
+        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+        // normalize_qk: L2 norm via rms_norm (eps 1e-6 on sum(x^2) = eps/d on mean), readout scale folded in q.
+        let inv_scale = (d as f32).powf(-0.5);
+        let rms_eps = 1e-6 * inv_scale * inv_scale;
+        let q = fast::rms_norm(&q, None, rms_eps)?.multiply(inv_scale * inv_scale)?;
+        let k = fast::rms_norm(&k, None, rms_eps)?.multiply(inv_scale)?;
+
+        let a = self.f_b.forward(&self.f_a.forward(x)?)?.reshape(&[b, t, h, d])?;
+        let beta = self.b_proj.forward(x)?.reshape(&[b, t, h])?.sigmoid()?;
+        let g = self.decay(&a)?;
+
+        let mut state = match ssm_state {
+            Some(s) => s,
+            None => zeros(&[b, h, d, d], Dtype::F32)?,
+        };
+        let mut ys = Vec::with_capacity(t as usize);
+        for step in 0..t {
+            let at = |arr: &Array| arr.slice_axis(1, step, step + 1).and_then(|s| s.squeeze(&[1]));
+            let (qt, kt, vt, gt, bt) = (at(&q)?, at(&k)?, at(&v)?, at(&g)?, at(&beta)?);
+            let (y, s) = gated_delta_step(&qt, &kt, &vt, &gt, &bt, &state)?;
+            ys.push(y);
+            state = s;
+        }
+        let refs: Vec<&Array> = ys.iter().collect();
+        let out = stack(&refs, 1)?;
+
+        if let Some(c) = cache {
+            c.conv = Some(new_conv);
+            c.ssm = Some(state);
+            c.advance(t as usize);
+        }
+
+        let gate = match &self.gate {
+            Gate::Full(g) => g.forward(x)?,
+            Gate::LowRank(ga, gb) => gb.forward(&ga.forward(x)?)?,
+        };
+        let gate = gate.reshape(&[b, t, h, d])?.sigmoid()?;
+        let out = self.o_norm.forward(&out.reshape(&[b, t, h, d])?)?.multiply(&gate)?.reshape(&[b, t, p])?;
+        self.o_proj.forward(&out)
+    }
+
+    /// Per-channel decay α in (0, 1), f32 `[B, T, H, d]` (mlx-lm `compute_g` / `compute_lower_bound_g`).
+    fn decay(&self, a: &Array) -> Result<Array> {
+        let a_log = self.a_log.reshape(&[self.heads, 1])?.astype(Dtype::F32)?;
+        let dt_bias = self.dt_bias.reshape(&[self.heads, self.head_dim])?;
+        match self.lower_bound {
+            None => a_log.exp()?.negative()?.multiply(&a.add(&dt_bias)?.softplus()?)?.exp(),
+            Some(lb) => a_log.exp()?.multiply(&a.astype(Dtype::F32)?.add(&dt_bias)?)?.sigmoid()?.multiply(lb)?.exp(),
+        }
+    }
+}
+
+/// One step of the gated delta rule (mlx-lm `_gated_delta_step_ops`): q, k `[B, H, d_k]`, v `[B, H, d_v]`,
+/// g `[B, H, d_k]`, beta `[B, H]`, state `[B, H, d_v, d_k]` -> (y `[B, H, d_v]` in q's dtype, new state).
+pub fn gated_delta_step(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: &Array,
+) -> Result<(Array, Array)> {
+    let state = state.multiply(&g.expand_dims(&[-2])?)?;
+    let k_row = k.expand_dims(&[-2])?;
+    let kv_mem = state.multiply(&k_row)?.sum(&[-1], false)?;
+    let delta = v.subtract(&kv_mem)?.multiply(&beta.expand_dims(&[-1])?)?;
+    let state = state.add(&k_row.multiply(&delta.expand_dims(&[-1])?)?)?;
+    let y = state.multiply(&q.expand_dims(&[-2])?)?.sum(&[-1], false)?;
+    Ok((y.astype(q.dtype())?, state))
+}

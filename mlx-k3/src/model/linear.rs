@@ -1,0 +1,165 @@
+//! Linear layers over dense or quantized weights: `Linear` (x @ Wᵀ), `MultiLinear` (one matrix per head,
+//! MLA's `embed_q` / `unembed_out`), `SwitchLinear` (an expert stack through gather_mm / gather_qmm) and
+//! `Embedding` (lookup, or a tied output head).
+
+use super::weights::{MaybeQuantized, WeightStore};
+use crate::quant::{self, Gather};
+use crate::{ops, Array, Dtype, Result};
+
+/// `y = x @ Wᵀ` with W `[out, in]`, dense or quantized along `in`.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    w: MaybeQuantized,
+}
+
+impl Linear {
+    /// Loads `{path}.weight` (+ `.scales`/`.biases`) for `in_dims -> out_dims`.
+    pub fn load(ws: &mut WeightStore, path: &str, in_dims: usize, out_dims: usize) -> Result<Linear> {
+        Ok(Linear { w: ws.take_weight(path, &[out_dims as i32, in_dims as i32])? })
+    }
+
+    /// Applies the layer.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        match &self.w {
+            MaybeQuantized::Dense(w) => x.matmul(&w.t()?),
+            MaybeQuantized::Quantized(q, spec) => quant::quantized_matmul(x, q, *spec, true),
+        }
+    }
+
+    /// The weight (for inspection).
+    pub fn weight(&self) -> &MaybeQuantized {
+        &self.w
+    }
+}
+
+/// Per-head matrices `W [H, out, in]`: `x @ Wᵀ` (transpose) or `x @ W`.
+#[derive(Clone, Debug)]
+pub struct MultiLinear {
+    w: MaybeQuantized,
+}
+
+impl MultiLinear {
+    /// Loads `{path}.weight` of shape `[heads, out, in]`.
+    pub fn load(ws: &mut WeightStore, path: &str, in_dims: usize, out_dims: usize, heads: usize) -> Result<Self> {
+        Ok(MultiLinear { w: ws.take_weight(path, &[heads as i32, out_dims as i32, in_dims as i32])? })
+    }
+
+    /// `x @ Wᵀ` when `transpose`, else `x @ W` (broadcast over heads).
+    pub fn forward(&self, x: &Array, transpose: bool) -> Result<Array> {
+        match &self.w {
+            MaybeQuantized::Dense(w) => {
+                if transpose {
+                    x.matmul(&w.swapaxes(-1, -2)?)
+                } else {
+                    x.matmul(w)
+                }
+            }
+            MaybeQuantized::Quantized(q, spec) => quant::quantized_matmul(x, q, *spec, transpose),
+        }
+    }
+}
+
+/// A stack of expert matrices `W [E, out, in]` applied per routed index.
+#[derive(Clone, Debug)]
+pub struct SwitchLinear {
+    w: MaybeQuantized,
+}
+
+impl SwitchLinear {
+    /// Loads `{path}.weight` of shape `[experts, out, in]`.
+    pub fn load(ws: &mut WeightStore, path: &str, in_dims: usize, out_dims: usize, experts: usize) -> Result<Self> {
+        Ok(SwitchLinear { w: ws.take_weight(path, &[experts as i32, out_dims as i32, in_dims as i32])? })
+    }
+
+    /// `x @ W[indices]ᵀ` (gather over the expert axis); `sorted` promises non-decreasing indices.
+    pub fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
+        match &self.w {
+            MaybeQuantized::Dense(w) => {
+                // MLX's CPU GatherMM handles f32 only ("[GatherMM::eval] Currently only supports float32"):
+                // run half-precision stacks through f32 there and cast back.
+                let dt = x.dtype();
+                if dt != Dtype::F32 && crate::current_stream()?.device() == crate::Device::Cpu {
+                    let y = ops::gather_mm(
+                        &x.astype(Dtype::F32)?,
+                        &w.astype(Dtype::F32)?.swapaxes(-1, -2)?,
+                        None,
+                        Some(indices),
+                        sorted,
+                    )?;
+                    return y.astype(dt);
+                }
+                ops::gather_mm(x, &w.swapaxes(-1, -2)?, None, Some(indices), sorted)
+            }
+            MaybeQuantized::Quantized(q, spec) => quant::gather_qmm(
+                x,
+                q,
+                *spec,
+                true,
+                Gather { rhs_indices: Some(indices), sorted_indices: sorted, ..Default::default() },
+            ),
+        }
+    }
+}
+
+/// Token embedding `[vocab, hidden]`, dense or quantized; also usable as a tied output head.
+#[derive(Clone, Debug)]
+pub struct Embedding {
+    w: MaybeQuantized,
+    dtype: Dtype,
+}
+
+impl Embedding {
+    /// Loads `{path}.weight`.
+    pub fn load(ws: &mut WeightStore, path: &str, vocab: usize, hidden: usize) -> Result<Embedding> {
+        let dtype = ws.dtype();
+        Ok(Embedding { w: ws.take_weight(path, &[vocab as i32, hidden as i32])?, dtype })
+    }
+
+    /// Rows for token ids `ids` (any shape) -> `[..., hidden]`.
+    pub fn forward(&self, ids: &Array) -> Result<Array> {
+        match &self.w {
+            MaybeQuantized::Dense(w) => w.take(ids, 0),
+            MaybeQuantized::Quantized(q, spec) => {
+                let rows = quant::Quantized {
+                    weight: q.weight.take(ids, 0)?,
+                    scales: q.scales.take(ids, 0)?,
+                    biases: q.biases.as_ref().map(|b| b.take(ids, 0)).transpose()?,
+                };
+                // mlx-lm dequantizes into the scales' dtype (bf16 for the fp modes); use the activation dtype.
+                quant::dequantize(&rows, *spec, None, Some(self.dtype))
+            }
+        }
+    }
+
+    /// The tied output head: `x @ Wᵀ`.
+    pub fn as_linear(&self, x: &Array) -> Result<Array> {
+        match &self.w {
+            MaybeQuantized::Dense(w) => x.matmul(&w.t()?),
+            MaybeQuantized::Quantized(q, spec) => quant::quantized_matmul(x, q, *spec, true),
+        }
+    }
+}
+
+/// RMSNorm over the last axis with a learned scale.
+#[derive(Clone, Debug)]
+pub struct RmsNorm {
+    weight: Array,
+    eps: f32,
+}
+
+impl RmsNorm {
+    /// Loads `{path}.weight` of size `dims`.
+    pub fn load(ws: &mut WeightStore, path: &str, dims: usize, eps: f32) -> Result<RmsNorm> {
+        Ok(RmsNorm { weight: ws.take(&format!("{path}.weight"), &[dims as i32])?, eps })
+    }
+
+    /// Applies the norm.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        crate::fast::rms_norm(x, Some(&self.weight), self.eps)
+    }
+
+    /// The scale vector.
+    pub fn weight(&self) -> &Array {
+        &self.weight
+    }
+}

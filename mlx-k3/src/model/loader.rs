@@ -1,0 +1,373 @@
+//! Reading a checkpoint's weights: safetensors shards (with or without `model.safetensors.index.json`),
+//! validated before MLX sees them, opened lazily (bytes are read when evaluated), and translated from the
+//! original release names to mlx-lm's names in one place ([`sanitize`], mirroring mlx-lm's
+//! `Model.sanitize` / `LanguageModel.sanitize` for `kimi_k3`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::config::TextConfig;
+use crate::io::Safetensors;
+use crate::quant::{self, QuantMode, QuantSpec};
+use crate::{ops, Array, Dtype, Error, Result};
+
+/// The tensors of a checkpoint under mlx-lm's sanitized names (without the `language_model.` prefix), each
+/// remembering the file it came from.
+pub struct RawWeights {
+    /// Tensors by sanitized name.
+    pub tensors: BTreeMap<String, Array>,
+    /// The file each original tensor came from (for error messages).
+    pub files: BTreeMap<String, PathBuf>,
+}
+
+/// The `model*.safetensors` files of `dir` (as mlx-lm globs them), checked against the index when present.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let entries = fs::read_dir(dir).map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            name.starts_with("model") && name.ends_with(".safetensors")
+        })
+        .collect();
+    files.sort();
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = fs::read_to_string(&index).map_err(|source| Error::Io { path: index.clone(), source })?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| Error::Format { path: index.clone(), message: format!("not valid JSON: {e}") })?;
+        let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| Error::Format {
+            path: index.clone(),
+            message: "weight_map: missing or not an object".into(),
+        })?;
+        let named: BTreeSet<&str> = map.values().filter_map(Value::as_str).collect();
+        for f in named {
+            if !dir.join(f).exists() {
+                return Err(Error::Format {
+                    path: index.clone(),
+                    message: format!("lists shard '{f}', which is missing"),
+                });
+            }
+        }
+    }
+    if files.is_empty() {
+        return Err(Error::Format { path: dir.to_path_buf(), message: "no model*.safetensors files".into() });
+    }
+    Ok(files)
+}
+
+/// Checks a safetensors file's header against its size before MLX maps it: a truncated or corrupt file
+/// becomes an error naming the file (and the tensor), never a read past the end.
+pub fn validate_safetensors(path: &Path) -> Result<()> {
+    let fmt = |message: String| Error::Format { path: path.to_path_buf(), message };
+    let mut f = fs::File::open(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    let size = f.metadata().map_err(|source| Error::Io { path: path.to_path_buf(), source })?.len();
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).map_err(|_| fmt(format!("truncated: {size} bytes, no header")))?;
+    let n = u64::from_le_bytes(len);
+    if n > size.saturating_sub(8) || n > 100 << 20 {
+        return Err(fmt(format!("corrupt or truncated: header of {n} bytes in a file of {size}")));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).map_err(|_| fmt("truncated inside the header".into()))?;
+    let v: Value = serde_json::from_slice(&header).map_err(|e| fmt(format!("corrupt header: {e}")))?;
+    let obj = v.as_object().ok_or_else(|| fmt("corrupt header: not a JSON object".into()))?;
+    let data = size - 8 - n;
+    for (name, t) in obj {
+        if name == "__metadata__" {
+            continue;
+        }
+        let dtype = t.get("dtype").and_then(Value::as_str).unwrap_or("");
+        let item: u64 = match dtype {
+            "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" => 1,
+            "U16" | "I16" | "F16" | "BF16" => 2,
+            "U32" | "I32" | "F32" => 4,
+            "U64" | "I64" | "F64" | "C64" => 8,
+            other => return Err(fmt(format!("tensor '{name}': unsupported dtype '{other}'"))),
+        };
+        let shape: Vec<u64> = t
+            .get("shape")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_u64).collect())
+            .ok_or_else(|| fmt(format!("tensor '{name}': no shape")))?;
+        let offs: Vec<u64> = t
+            .get("data_offsets")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_u64).collect())
+            .filter(|o: &Vec<u64>| o.len() == 2)
+            .ok_or_else(|| fmt(format!("tensor '{name}': no data_offsets")))?;
+        let want = shape.iter().product::<u64>() * item;
+        if offs[1] < offs[0] || offs[1] - offs[0] != want {
+            return Err(fmt(format!("tensor '{name}': data_offsets {offs:?} do not hold {shape:?} x {dtype}")));
+        }
+        if offs[1] > data {
+            return Err(fmt(format!(
+                "truncated: tensor '{name}' ends at byte {} of the data, but the file holds {data} bytes of data",
+                offs[1]
+            )));
+        }
+    }
+    Ok(())
+}
+
+const SKIPPED_PREFIXES: [&str; 4] = ["vision_tower", "vision_model", "multi_modal_projector", "mm_projector"];
+
+/// Opens every shard of `dir` lazily and returns the tensors under sanitized names.
+pub fn read_weights(dir: &Path, cfg: &TextConfig) -> Result<RawWeights> {
+    let mut tensors = BTreeMap::new();
+    let mut files: BTreeMap<String, PathBuf> = BTreeMap::new();
+    for path in weight_files(dir)? {
+        validate_safetensors(&path)?;
+        let st = Safetensors::load(&path)?;
+        for key in st.keys() {
+            let name = key.strip_prefix("language_model.").unwrap_or(&key).to_string();
+            if SKIPPED_PREFIXES.iter().any(|p| key.starts_with(p)) {
+                continue;
+            }
+            if let Some(prev) = files.get(&name) {
+                return Err(Error::Format {
+                    path: path.clone(),
+                    message: format!("tensor '{key}' also appears in {}", prev.display()),
+                });
+            }
+            tensors.insert(name.clone(), st.get(&key)?);
+            files.insert(name, path.clone());
+        }
+    }
+    let mut raw = RawWeights { tensors, files };
+    sanitize(&mut raw, cfg)?;
+    Ok(raw)
+}
+
+impl RawWeights {
+    fn take(&mut self, name: &str) -> Option<Array> {
+        self.tensors.remove(name)
+    }
+
+    fn put(&mut self, name: String, a: Array, from: &str) {
+        let file = self.files.get(from).cloned().unwrap_or_default();
+        self.files.insert(name.clone(), file);
+        self.tensors.insert(name, a);
+    }
+
+    fn rename(&mut self, from: &str, to: String) {
+        if let Some(a) = self.take(from) {
+            self.put(to, a, from);
+        }
+    }
+
+    fn stack_experts(&mut self, prefix: &str, n: usize, leaf: &str) -> Result<Option<Array>> {
+        if !self.tensors.contains_key(&format!("{prefix}.experts.0.{leaf}")) {
+            return Ok(None);
+        }
+        let mut parts = Vec::with_capacity(n);
+        for i in 0..n {
+            let key = format!("{prefix}.experts.{i}.{leaf}");
+            parts.push(self.take(&key).ok_or_else(|| Error::invalid("load", format!("missing tensor '{key}'")))?);
+        }
+        let refs: Vec<&Array> = parts.iter().collect();
+        Ok(Some(ops::stack(&refs, 0)?))
+    }
+}
+
+/// Translates release names into mlx-lm's (a no-op on checkpoints `mlx_lm.convert` wrote).
+pub fn sanitize(w: &mut RawWeights, cfg: &TextConfig) -> Result<()> {
+    let n_layers = cfg.num_hidden_layers;
+    let keys: Vec<String> = w.tensors.keys().cloned().collect();
+    for k in &keys {
+        let drop_layer = k
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok())
+            .is_some_and(|i| i >= n_layers);
+        if k.starts_with("model.mtp") || k.starts_with("mtp") || drop_layer {
+            w.tensors.remove(k);
+        }
+    }
+    if cfg.tie_word_embeddings {
+        w.tensors.remove("lm_head.weight");
+    }
+    let keys: Vec<String> = w.tensors.keys().cloned().collect();
+    for k in keys {
+        for src in ["self_attention_res", "mlp_res", "output_attn_res"] {
+            for (leaf, dst) in [("proj_weight", "proj.weight"), ("norm_weight", "norm.weight")] {
+                if let Some(stem) = k.strip_suffix(&format!("{src}.{leaf}")) {
+                    w.rename(&k, format!("{stem}{src}_{dst}"));
+                }
+            }
+        }
+    }
+
+    let experts = cfg.num_experts.unwrap_or(0);
+    for i in 0..n_layers {
+        let lp = format!("model.layers.{i}");
+        if cfg.is_moe(i) {
+            let src = format!("{lp}.block_sparse_moe");
+            let dst = format!("{lp}.mlp");
+            for (s, d) in [("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")] {
+                if let Some(packed) = w.stack_experts(&src, experts, &format!("{s}.weight_packed"))? {
+                    // compressed-tensors MXFP4: uint8 codes viewed as MLX's uint32 words, E8M0 scales.
+                    let scales = w.stack_experts(&src, experts, &format!("{s}.weight_scale"))?.ok_or_else(|| {
+                        Error::invalid("load", format!("missing tensor '{src}.experts.0.{s}.weight_scale'"))
+                    })?;
+                    let from = format!("{src}.experts.0.{s}.weight_packed");
+                    w.files.insert(from.clone(), w.files.get(&from).cloned().unwrap_or_default());
+                    w.put(format!("{dst}.switch_mlp.{d}.weight"), packed.view(Dtype::U32)?, &from);
+                    w.put(format!("{dst}.switch_mlp.{d}.scales"), scales, &from);
+                } else {
+                    for suffix in ["weight", "scales", "biases"] {
+                        if let Some(a) = w.stack_experts(&src, experts, &format!("{s}.{suffix}"))? {
+                            let from = format!("{src}.experts.0.{s}.{suffix}");
+                            w.put(format!("{dst}.switch_mlp.{d}.{suffix}"), a, &from);
+                        }
+                    }
+                }
+            }
+            for name in [
+                "shared_experts.gate_proj",
+                "shared_experts.up_proj",
+                "shared_experts.down_proj",
+                "routed_expert_down_proj",
+                "routed_expert_up_proj",
+                "routed_expert_norm",
+                "gate",
+                "switch_mlp.gate_proj",
+                "switch_mlp.up_proj",
+                "switch_mlp.down_proj",
+            ] {
+                for suffix in ["weight", "scales", "biases"] {
+                    w.rename(&format!("{src}.{name}.{suffix}"), format!("{dst}.{name}.{suffix}"));
+                }
+            }
+            for b in [format!("{src}.gate.e_score_correction_bias"), format!("{src}.e_score_correction_bias")] {
+                w.rename(&b, format!("{dst}.e_score_correction_bias"));
+            }
+        }
+
+        let ap = format!("{lp}.self_attn");
+        if cfg.is_kda(i) {
+            for (s, d) in [("q_conv1d", "q_conv"), ("k_conv1d", "k_conv"), ("v_conv1d", "v_conv")] {
+                let key = format!("{ap}.{s}.weight");
+                if let Some(a) = w.take(&key) {
+                    let a = if a.ndim() == 3 { a.moveaxis(2, 1)? } else { a };
+                    w.put(format!("{ap}.{d}.conv.weight"), a, &key);
+                }
+            }
+            for name in ["dt_bias", "A_log"] {
+                let key = format!("{ap}.{name}");
+                if let Some(a) = w.tensors.get(&key) {
+                    if a.ndim() > 1 {
+                        let r = a.reshape(&[-1])?;
+                        w.tensors.insert(key.clone(), r);
+                    }
+                }
+            }
+            let heads = cfg.linear_attn_config.as_ref().map(|c| c.num_heads).unwrap_or(0) as i32;
+            let a_log = format!("{ap}.A_log");
+            if let Some(a) = w.tensors.get(&a_log) {
+                if a.dim(0)? > heads {
+                    let t = a.slice_axis(0, 0, heads)?;
+                    w.tensors.insert(a_log, t);
+                }
+            }
+            if !w.tensors.contains_key(&format!("{ap}.qkv_proj.weight")) {
+                for suffix in ["weight", "scales", "biases"] {
+                    let parts: Vec<String> =
+                        ["q", "k", "v"].iter().map(|p| format!("{ap}.{p}_proj.{suffix}")).collect();
+                    if parts.iter().all(|p| w.tensors.contains_key(p)) {
+                        let arrays: Vec<Array> = parts.iter().filter_map(|p| w.take(p)).collect();
+                        let refs: Vec<&Array> = arrays.iter().collect();
+                        w.put(format!("{ap}.qkv_proj.{suffix}"), ops::concatenate(&refs, 0)?, &parts[0]);
+                    }
+                }
+            }
+            let conv: Vec<String> = ["q", "k", "v"].iter().map(|p| format!("{ap}.{p}_conv.conv.weight")).collect();
+            if !w.tensors.contains_key(&format!("{ap}.qkv_conv.conv.weight"))
+                && conv.iter().all(|p| w.tensors.contains_key(p))
+            {
+                let arrays: Vec<Array> = conv.iter().filter_map(|p| w.take(p)).collect();
+                let refs: Vec<&Array> = arrays.iter().collect();
+                w.put(format!("{ap}.qkv_conv.conv.weight"), ops::concatenate(&refs, 0)?, &conv[0]);
+            }
+        }
+
+        let kv_b = format!("{ap}.kv_b_proj.weight");
+        if let Some(v) = w.take(&kv_b) {
+            let m = cfg.mla()?;
+            let scales = w.take(&format!("{ap}.kv_b_proj.scales"));
+            let quantized = scales.is_some();
+            let mut spec = None;
+            let v = match scales {
+                Some(scales) => {
+                    let biases = w.take(&format!("{ap}.kv_b_proj.biases"));
+                    let dims = m.kv_lora_rank as i32;
+                    let bits = v.dim(-1)? * 32 / dims;
+                    let group_size = dims / scales.dim(-1)?;
+                    let s = QuantSpec::affine(group_size, bits);
+                    spec = Some(s);
+                    let q = quant::Quantized { weight: v, scales, biases };
+                    quant::dequantize(&q, s, None, None)?
+                }
+                None => v,
+            };
+            let (h, dn) = (m.heads as i32, m.qk_nope as i32);
+            let v = v.reshape(&[h, dn + m.v_head as i32, -1])?;
+            let wk = v.slice_axis(1, 0, dn)?.swapaxes(-1, -2)?.contiguous()?;
+            let wv = v.slice_axis(1, dn, dn + m.v_head as i32)?.contiguous()?;
+            for (name, t) in [("embed_q", wk), ("unembed_out", wv)] {
+                if let (true, Some(s)) = (quantized, spec) {
+                    let q = quant::quantize(&t, s, None)?;
+                    w.put(format!("{ap}.{name}.weight"), q.weight, &kv_b);
+                    w.put(format!("{ap}.{name}.scales"), q.scales, &kv_b);
+                    if let Some(b) = q.biases {
+                        w.put(format!("{ap}.{name}.biases"), b, &kv_b);
+                    }
+                } else {
+                    w.put(format!("{ap}.{name}.weight"), t, &kv_b);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// mlx-lm's `infer_quant_config`: group size, bits and mode recovered from a packed weight's shapes
+/// (`in_dims` is the unquantized input dimension) and its scales' dtype.
+pub fn infer_spec(
+    path: &str,
+    in_dims: i32,
+    packed_last: i32,
+    scales_last: i32,
+    scales_dtype: Dtype,
+) -> Result<QuantSpec> {
+    if in_dims <= 0 || scales_last <= 0 || in_dims % scales_last != 0 || (packed_last * 32) % in_dims != 0 {
+        return Err(Error::invalid(
+            "load",
+            format!(
+                "{path}: packed shapes (.., {packed_last}) / scales (.., {scales_last}) do not fit {in_dims} inputs"
+            ),
+        ));
+    }
+    let group_size = in_dims / scales_last;
+    let bits = packed_last * 32 / in_dims;
+    if scales_dtype != Dtype::U8 {
+        return Ok(QuantSpec::affine(group_size, bits));
+    }
+    let mode = match (bits, group_size) {
+        (4, 16) => QuantMode::Nvfp4,
+        (4, 32) => QuantMode::Mxfp4,
+        (8, 32) => QuantMode::Mxfp8,
+        _ => {
+            return Err(Error::invalid(
+                "load",
+                format!("{path}: cannot infer the quantization mode of {bits} bits with group size {group_size}"),
+            ))
+        }
+    };
+    Ok(QuantSpec { group_size, bits, mode })
+}

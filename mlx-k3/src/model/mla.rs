@@ -1,0 +1,136 @@
+//! Multi-head Latent Attention, NoPE variant (SPEC_NOTES §4.1; mlx-lm `KimiK3MLAAttention`).
+//!
+//! Keys and values live in a normalized latent `c` of rank r shared by all heads; the "rope" slot carries
+//! no rotation, only an extra dot product `τ·q^R·k^R` added to the scores as an additive mask. Prefill
+//! expands the latent into per-head keys/values (`embed_q` with transpose=false, `unembed_out`); one-token
+//! decode absorbs `embed_q` into the query and attends over the latents directly, then applies
+//! `unembed_out` to the result.
+
+use super::cache::KvCache;
+use super::config::TextConfig;
+use super::linear::{Linear, MultiLinear, RmsNorm};
+use super::weights::WeightStore;
+use crate::fast::{self, AttentionMask};
+use crate::{ops, Array, Dtype, Result};
+
+#[derive(Debug)]
+enum QProj {
+    Direct(Linear),
+    LowRank { a: Linear, norm: RmsNorm, b: Linear },
+}
+
+/// One MLA layer.
+#[derive(Debug)]
+pub struct Mla {
+    heads: i32,
+    qk_nope: i32,
+    qk_rope: i32,
+    kv_lora: i32,
+    scale: f32,
+    q: QProj,
+    kv_a: Linear,
+    kv_a_norm: RmsNorm,
+    embed_q: MultiLinear,
+    unembed_out: MultiLinear,
+    o_proj: Linear,
+    g_proj: Option<Linear>,
+}
+
+fn finfo_min(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::F16 => -65504.0,
+        Dtype::BF16 => -3.389_531_389_251_535_5e38,
+        Dtype::F64 => f64::MIN,
+        _ => f32::MIN as f64,
+    }
+}
+
+impl Mla {
+    /// Loads the layer at `prefix` (`model.layers.N.self_attn`).
+    pub fn load(ws: &mut WeightStore, prefix: &str, cfg: &TextConfig) -> Result<Mla> {
+        let m = cfg.mla()?;
+        let hidden = cfg.hidden_size;
+        let qhd = m.qk_nope + m.qk_rope;
+        let p_ = |n: &str| format!("{prefix}.{n}");
+        let q = match m.q_lora_rank {
+            Some(r) => QProj::LowRank {
+                a: Linear::load(ws, &p_("q_a_proj"), hidden, r)?,
+                // mlx-lm hard-codes eps 1e-6 for the latent norms.
+                norm: RmsNorm::load(ws, &p_("q_a_layernorm"), r, 1e-6)?,
+                b: Linear::load(ws, &p_("q_b_proj"), r, m.heads * qhd)?,
+            },
+            None => QProj::Direct(Linear::load(ws, &p_("q_proj"), hidden, m.heads * qhd)?),
+        };
+        Ok(Mla {
+            heads: m.heads as i32,
+            qk_nope: m.qk_nope as i32,
+            qk_rope: m.qk_rope as i32,
+            kv_lora: m.kv_lora_rank as i32,
+            scale: (qhd as f32).powf(-0.5),
+            q,
+            kv_a: Linear::load(ws, &p_("kv_a_proj_with_mqa"), hidden, m.kv_lora_rank + m.qk_rope)?,
+            kv_a_norm: RmsNorm::load(ws, &p_("kv_a_layernorm"), m.kv_lora_rank, 1e-6)?,
+            embed_q: MultiLinear::load(ws, &p_("embed_q"), m.qk_nope, m.kv_lora_rank, m.heads)?,
+            unembed_out: MultiLinear::load(ws, &p_("unembed_out"), m.kv_lora_rank, m.v_head, m.heads)?,
+            o_proj: Linear::load(ws, &p_("o_proj"), m.heads * m.v_head, hidden)?,
+            g_proj: if cfg.mla_use_output_gate {
+                Some(Linear::load(ws, &p_("g_proj"), hidden, m.heads * m.v_head)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// `x [B, L, D]` -> `[B, L, D]`; `mask` is the boolean causal mask `[L, S]` (None for one token).
+    pub fn forward(&self, x: &Array, mask: Option<&Array>, cache: Option<&mut KvCache>) -> Result<Array> {
+        let s = x.shape();
+        let (b, l) = (s[0], s[1]);
+        let h = self.heads;
+        let qhd = self.qk_nope + self.qk_rope;
+        let q = match &self.q {
+            QProj::Direct(p) => p.forward(x)?,
+            QProj::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(x)?)?)?,
+        };
+        let q = q.reshape(&[b, l, h, qhd])?.transpose(&[0, 2, 1, 3])?;
+        let q_nope = q.slice_axis(-1, 0, self.qk_nope)?;
+        let q_pe = q.slice_axis(-1, self.qk_nope, qhd)?;
+
+        let ckv = self.kv_a.forward(x)?;
+        let latent = ckv.slice_axis(-1, 0, self.kv_lora)?;
+        let k_pe = ckv.slice_axis(-1, self.kv_lora, self.kv_lora + self.qk_rope)?;
+        let k_pe = k_pe.reshape(&[b, l, 1, self.qk_rope])?.transpose(&[0, 2, 1, 3])?;
+        let latent = self.kv_a_norm.forward(&latent)?.expand_dims(&[1])?;
+        let (latent, k_pe) = match cache {
+            Some(c) => c.update_and_fetch(&latent, &k_pe)?,
+            None => (latent, k_pe),
+        };
+
+        let mut pe_scores = q_pe.multiply(self.scale)?.matmul(&k_pe.swapaxes(-1, -2)?)?;
+        if let Some(m) = mask {
+            let dt = pe_scores.dtype();
+            pe_scores = ops::where_(m, &pe_scores, &Array::scalar_as(finfo_min(dt), dt)?)?;
+        }
+
+        let out = if l == 1 {
+            let q_abs = self.embed_q.forward(&q_nope, true)?;
+            let o = fast::scaled_dot_product_attention(
+                &q_abs,
+                &latent,
+                &latent,
+                self.scale,
+                AttentionMask::Array(&pe_scores),
+                None,
+            )?;
+            self.unembed_out.forward(&o, true)?
+        } else {
+            let k = self.embed_q.forward(&latent, false)?;
+            let v = self.unembed_out.forward(&latent, true)?;
+            fast::scaled_dot_product_attention(&q_nope, &k, &v, self.scale, AttentionMask::Array(&pe_scores), None)?
+        };
+        let mut out = out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
+        if let Some(g) = &self.g_proj {
+            out = out.multiply(&g.forward(x)?.sigmoid()?)?;
+        }
+        self.o_proj.forward(&out)
+    }
+}

@@ -1,0 +1,19 @@
+//! The Kimi K3 model: config, checkpoint loading (mlx-lm and release names, mlx-lm's quantization
+//! records), the layers (each in its own file) and caches. The graph matches mlx-lm's `kimi_k3.py`; the
+//! fixtures in `tests/fixtures/k3` (made by `scripts/make_k3_fixtures.py` with mlx-lm) check that.
+
+pub mod attn_res;
+pub mod cache;
+pub mod config;
+pub mod kda;
+pub mod linear;
+pub mod loader;
+pub mod mla;
+#[allow(clippy::module_inception)]
+mod model;
+pub mod moe;
+pub mod weights;
+
+pub use cache::{LayerCache, ModelCache};
+pub use config::{ModelConfig, TextConfig};
+pub use model::{KimiK3, LoadOptions};

@@ -1,0 +1,247 @@
+//! The Kimi K3 text model (mlx-lm `KimiK3DecoderLayer`, `KimiK3TextModel`, `LanguageModel`): embedding,
+//! KDA or MLA attention per layer, dense or sparse FFN, optional attention residuals, final norm, head.
+
+use std::path::Path;
+
+use super::attn_res::{load_w_eff, ResidualBlocks};
+use super::cache::{KdaCache, KvCache, LayerCache, ModelCache};
+use super::config::{ModelConfig, TextConfig};
+use super::kda::Kda;
+use super::linear::{Embedding, Linear, RmsNorm};
+use super::loader::read_weights;
+use super::mla::Mla;
+use super::moe::{Ffn, Mlp, SparseMoe};
+use super::weights::WeightStore;
+use crate::{ops, Array, Device, Dtype, Error, Result};
+
+#[derive(Debug)]
+enum Attention {
+    Kda(Kda),
+    Mla(Mla),
+}
+
+#[derive(Debug)]
+struct AttnRes {
+    block_start: bool,
+    attn_w: Array,
+    mlp_w: Array,
+}
+
+#[derive(Debug)]
+struct DecoderLayer {
+    attn: Attention,
+    ffn: Ffn,
+    input_norm: RmsNorm,
+    post_norm: RmsNorm,
+    res: Option<AttnRes>,
+}
+
+impl DecoderLayer {
+    fn load(ws: &mut WeightStore, i: usize, cfg: &TextConfig) -> Result<DecoderLayer> {
+        let lp = format!("model.layers.{i}");
+        let d = cfg.hidden_size;
+        let eps = cfg.rms_norm_eps;
+        let attn = if cfg.is_kda(i) {
+            Attention::Kda(Kda::load(ws, &format!("{lp}.self_attn"), cfg)?)
+        } else {
+            Attention::Mla(Mla::load(ws, &format!("{lp}.self_attn"), cfg)?)
+        };
+        let ffn = if cfg.is_moe(i) {
+            Ffn::Moe(SparseMoe::load(ws, &format!("{lp}.mlp"), cfg)?)
+        } else {
+            Ffn::Dense(Mlp::load(ws, &format!("{lp}.mlp"), cfg, cfg.intermediate_size)?)
+        };
+        let res = match cfg.attn_res_block_size {
+            Some(bs) => Some(AttnRes {
+                block_start: i % bs == 0,
+                attn_w: load_w_eff(ws, &format!("{lp}.self_attention_res"), d, eps)?,
+                mlp_w: load_w_eff(ws, &format!("{lp}.mlp_res"), d, eps)?,
+            }),
+            None => None,
+        };
+        Ok(DecoderLayer {
+            attn,
+            ffn,
+            input_norm: RmsNorm::load(ws, &format!("{lp}.input_layernorm"), d, eps)?,
+            post_norm: RmsNorm::load(ws, &format!("{lp}.post_attention_layernorm"), d, eps)?,
+            res,
+        })
+    }
+
+    fn attend(&self, x: &Array, mask: Option<&Array>, cache: Option<&mut LayerCache>) -> Result<Array> {
+        match (&self.attn, cache) {
+            (Attention::Kda(a), Some(LayerCache::Kda(c))) => a.forward(x, Some(c)),
+            (Attention::Kda(a), None) => a.forward(x, None),
+            (Attention::Mla(a), Some(LayerCache::Mla(c))) => a.forward(x, mask, Some(c)),
+            (Attention::Mla(a), None) => a.forward(x, mask, None),
+            _ => Err(Error::invalid("forward", "the cache does not match the layer types (made for another model?)")),
+        }
+    }
+
+    fn forward(
+        &self,
+        x: &Array,
+        mask: Option<&Array>,
+        cache: Option<&mut LayerCache>,
+        blocks: &mut Option<ResidualBlocks>,
+    ) -> Result<Array> {
+        let (res, blocks) = match (&self.res, blocks.as_mut()) {
+            (Some(r), Some(b)) => (r, b),
+            _ => {
+                let h = x.add(&self.attend(&self.input_norm.forward(x)?, mask, cache)?)?;
+                return h.add(&self.ffn.forward(&self.post_norm.forward(&h)?)?);
+            }
+        };
+        let h = blocks.mix(x, &res.attn_w)?;
+        let mut partial = Some(x.clone());
+        if res.block_start {
+            blocks.append(x)?;
+            partial = None;
+        }
+        let y = self.attend(&self.input_norm.forward(&h)?, mask, cache)?;
+        let partial = match partial {
+            Some(p) => p.add(&y)?,
+            None => y,
+        };
+        let h = blocks.mix(&partial, &res.mlp_w)?;
+        partial.add(&self.ffn.forward(&self.post_norm.forward(&h)?)?)
+    }
+}
+
+/// A loaded Kimi K3 text model.
+#[derive(Debug)]
+pub struct KimiK3 {
+    config: TextConfig,
+    dtype: Dtype,
+    embed: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    output_res: Option<Array>,
+    lm_head: Option<Linear>,
+}
+
+/// Options of [`KimiK3::load`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoadOptions {
+    /// Activation dtype; default f32 on the CPU (MLX's CPU bf16 path is ~10x slower), bf16 on a GPU.
+    pub dtype: Option<Dtype>,
+}
+
+impl KimiK3 {
+    /// The default activation dtype on `device`.
+    pub fn default_dtype(device: Device) -> Dtype {
+        match device {
+            Device::Cpu => Dtype::F32,
+            Device::Gpu => Dtype::BF16,
+        }
+    }
+
+    /// Loads the checkpoint in `dir` (config.json + model*.safetensors, mlx-lm or release names). Weights
+    /// are read lazily; each layer is evaluated as it is built, so sanitize steps (stacking experts,
+    /// splitting kv_b_proj) never hold a second copy of the whole model.
+    pub fn load(dir: &Path, opts: LoadOptions) -> Result<KimiK3> {
+        let cfg = ModelConfig::load(dir)?;
+        KimiK3::load_with_config(dir, &cfg, opts, &mut |_, _| {})
+    }
+
+    /// [`KimiK3::load`] with a parsed config and a progress callback `(layers done, layers total)`.
+    pub fn load_with_config(
+        dir: &Path,
+        cfg: &ModelConfig,
+        opts: LoadOptions,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<KimiK3> {
+        let t = &cfg.text;
+        let dtype = match opts.dtype {
+            Some(d) => d,
+            None => KimiK3::default_dtype(Device::default_device()?),
+        };
+        if !dtype.is_float() {
+            return Err(Error::invalid("load", format!("activation dtype must be a float type, not {dtype}")));
+        }
+        let raw = read_weights(dir, t)?;
+        let mut ws = WeightStore::new(raw, cfg.quantization.clone(), dtype, dir);
+        let (d, v) = (t.hidden_size, t.vocab_size);
+        let embed = Embedding::load(&mut ws, "model.embed_tokens", v, d)?;
+        let n = t.num_hidden_layers;
+        let mut layers = Vec::with_capacity(n);
+        for i in 0..n {
+            let layer = DecoderLayer::load(&mut ws, i, t)?;
+            layers.push(layer);
+            progress(i + 1, n);
+        }
+        let norm = RmsNorm::load(&mut ws, "model.norm", d, t.rms_norm_eps)?;
+        let output_res = match t.attn_res_block_size {
+            Some(_) => Some(load_w_eff(&mut ws, "model.output_attn_res", d, t.rms_norm_eps)?),
+            None => None,
+        };
+        let lm_head = if t.tie_word_embeddings { None } else { Some(Linear::load(&mut ws, "lm_head", d, v)?) };
+        ws.finish()?;
+        Ok(KimiK3 { config: t.clone(), dtype, embed, layers, norm, output_res, lm_head })
+    }
+
+    /// The text config.
+    pub fn config(&self) -> &TextConfig {
+        &self.config
+    }
+
+    /// The activation dtype.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Fresh caches for one sequence.
+    pub fn make_cache(&self) -> ModelCache {
+        ModelCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| match l.attn {
+                    Attention::Kda(_) => LayerCache::Kda(KdaCache::default()),
+                    Attention::Mla(_) => LayerCache::Mla(KvCache::default()),
+                })
+                .collect(),
+        }
+    }
+
+    /// Logits `[B, T, vocab]` for token ids `[B, T]` (int32/uint32), continuing from `cache` when given
+    /// (the cache is updated), else a fresh causal forward.
+    pub fn forward(&self, ids: &Array, mut cache: Option<&mut ModelCache>) -> Result<Array> {
+        if ids.ndim() != 2 {
+            return Err(Error::invalid("forward", format!("token ids must be [batch, tokens], got {:?}", ids.shape())));
+        }
+        if let Some(c) = cache.as_deref() {
+            if c.layers.len() != self.layers.len() {
+                return Err(Error::invalid("forward", "the cache was made for a model with another layer count"));
+            }
+        }
+        let mut h = self.embed.forward(ids)?;
+        let t = h.dim(1)?;
+        // The causal mask for MLA layers (mlx-lm: from the first MLA layer's cache offset, None for one token).
+        let offset = cache
+            .as_deref()
+            .and_then(|c| c.layers.iter().find(|l| matches!(l, LayerCache::Mla(_))).map(LayerCache::offset))
+            .unwrap_or(0) as i32;
+        let mask = if t > 1 { Some(causal_mask(t, offset)?) } else { None };
+        let mut blocks = self.output_res.as_ref().map(|_| ResidualBlocks::new(self.config.rms_norm_eps));
+        for (i, layer) in self.layers.iter().enumerate() {
+            let c = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            h = layer.forward(&h, mask.as_ref(), c, &mut blocks)?;
+        }
+        if let (Some(w), Some(b)) = (&self.output_res, &blocks) {
+            h = b.mix(&h, w)?;
+        }
+        let h = self.norm.forward(&h)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed.as_linear(&h),
+        }
+    }
+}
+
+/// `mask[i][j] = (offset + i) >= j` for `t` queries over `offset + t` keys.
+fn causal_mask(t: i32, offset: i32) -> Result<Array> {
+    let rows = ops::arange(offset as f64, (offset + t) as f64, 1.0, Dtype::I32)?.expand_dims(&[1])?;
+    let cols = ops::arange(0.0, (offset + t) as f64, 1.0, Dtype::I32)?.expand_dims(&[0])?;
+    rows.greater_equal(&cols)
+}

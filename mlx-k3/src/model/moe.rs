@@ -1,0 +1,226 @@
+//! Feed-forward blocks: the dense SiTU MLP and the latent sparse MoE (SPEC_NOTES §4.3-4.5; mlx-lm
+//! `KimiK3MLP`, `KimiK3SparseMoE`, `_group_expert_select`, `SwitchGLU`).
+
+use super::config::TextConfig;
+use super::linear::{Linear, RmsNorm, SwitchLinear};
+use super::weights::WeightStore;
+use crate::kernels::situ;
+use crate::{Array, Dtype, Result};
+
+/// `down(SiTU(up(x), gate(x)))`.
+#[derive(Debug)]
+pub struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    beta: f32,
+    linear_beta: Option<f32>,
+}
+
+impl Mlp {
+    /// Loads `{prefix}.{gate,up,down}_proj` with the given intermediate size.
+    pub fn load(ws: &mut WeightStore, prefix: &str, cfg: &TextConfig, intermediate: usize) -> Result<Mlp> {
+        let d = cfg.hidden_size;
+        Ok(Mlp {
+            gate: Linear::load(ws, &format!("{prefix}.gate_proj"), d, intermediate)?,
+            up: Linear::load(ws, &format!("{prefix}.up_proj"), d, intermediate)?,
+            down: Linear::load(ws, &format!("{prefix}.down_proj"), intermediate, d)?,
+            beta: cfg.situ_beta(),
+            linear_beta: cfg.activation_situ_linear_beta,
+        })
+    }
+
+    /// Applies the MLP.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let h = situ(&self.up.forward(x)?, &self.gate.forward(x)?, self.beta, self.linear_beta)?;
+        self.down.forward(&h)
+    }
+}
+
+/// Router settings.
+#[derive(Clone, Copy, Debug)]
+pub struct RouterParams {
+    /// Experts per token.
+    pub top_k: i32,
+    /// Expert groups (1 = ungrouped).
+    pub n_group: i32,
+    /// Groups kept per token.
+    pub topk_group: i32,
+    /// Multiplier on the routing weights.
+    pub routed_scaling_factor: f32,
+    /// Renormalize the selected weights to sum to 1.
+    pub renormalize: bool,
+}
+
+/// mlx-lm's `_group_expert_select`: sigmoid scores, the correction bias for selection only, grouped top-k
+/// where dropped groups' scores become 0 (not -inf), then top-k. Returns (indices `[..., k]` uint32,
+/// weights `[..., k]` in the logits' dtype).
+pub fn route(logits: &Array, bias: Option<&Array>, p: RouterParams) -> Result<(Array, Array)> {
+    let in_type = logits.dtype();
+    let orig = logits.astype(Dtype::F32)?.sigmoid()?;
+    let mut scores = match bias {
+        Some(b) => orig.add(&b.astype(Dtype::F32)?)?,
+        None => orig.clone(),
+    };
+    if p.n_group > 1 {
+        let mut shape = scores.shape();
+        let e = shape.pop().unwrap_or(0);
+        let mut grouped = shape.clone();
+        grouped.extend([p.n_group, e / p.n_group]);
+        let g = scores.reshape(&grouped)?;
+        let group_scores = g.topk(2, -1)?.sum(&[-1], true)?;
+        let k = p.n_group - p.topk_group;
+        let drop = group_scores.argpartition(k - 1, -2)?.slice_axis(-2, 0, k)?;
+        let zero = Array::scalar_as(0.0, g.dtype())?;
+        let g = g.put_along_axis(&drop, &zero, -2)?;
+        scores = g.flatten(-2, -1)?;
+    }
+    let inds = scores.negative()?.argpartition(p.top_k - 1, -1)?.slice_axis(-1, 0, p.top_k)?;
+    let mut w = orig.take_along_axis(&inds, -1)?;
+    if p.top_k > 1 && p.renormalize {
+        w = w.divide(&w.sum(&[-1], true)?.add(1e-20f32)?)?;
+    }
+    Ok((inds, w.multiply(p.routed_scaling_factor)?.astype(in_type)?))
+}
+
+/// Experts as one SwiGLU-shaped stack with SiTU (mlx-lm `SwitchGLU`).
+#[derive(Debug)]
+pub struct SwitchGlu {
+    gate: SwitchLinear,
+    up: SwitchLinear,
+    down: SwitchLinear,
+    beta: f32,
+    linear_beta: Option<f32>,
+}
+
+impl SwitchGlu {
+    /// `x [..., D]`, `indices [..., k]` -> `[..., k, D]`. With at least 64 (token, expert) pairs the pairs
+    /// are sorted by expert first, so each expert's weights are read once per run of rows (results are the
+    /// same either way; mlx-lm uses the same threshold).
+    pub fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
+        let x = x.expand_dims(&[-2, -3])?;
+        let ishape = indices.shape();
+        let m = *ishape.last().unwrap_or(&1);
+        let do_sort = indices.size() >= 64;
+        let (xs, idx, inv) = if do_sort {
+            let flat = indices.flatten(0, -1)?;
+            let order = flat.argsort(0)?;
+            let inv = order.argsort(0)?;
+            let rows = order.floor_divide(m as u32)?;
+            let xs = x.flatten(0, -3)?.take(&rows, 0)?;
+            (xs, flat.take(&order, 0)?, Some(inv))
+        } else {
+            (x, indices.clone(), None)
+        };
+        let up = self.up.forward(&xs, &idx, do_sort)?;
+        let gate = self.gate.forward(&xs, &idx, do_sort)?;
+        let y = self.down.forward(&situ(&up, &gate, self.beta, self.linear_beta)?, &idx, do_sort)?;
+        let y = match inv {
+            Some(inv) => {
+                let y = y.take(&inv, 0)?;
+                let mut shape = ishape.clone();
+                shape.extend(y.shape()[1..].iter());
+                y.reshape(&shape)?
+            }
+            None => y,
+        };
+        y.squeeze(&[-2])
+    }
+}
+
+/// The sparse MoE block.
+#[derive(Debug)]
+pub struct SparseMoe {
+    gate: Linear,
+    bias: Array,
+    router: RouterParams,
+    experts: SwitchGlu,
+    latent_down: Option<Linear>,
+    latent_up: Option<Linear>,
+    latent_norm: Option<RmsNorm>,
+    shared: Option<Mlp>,
+}
+
+impl SparseMoe {
+    /// Loads `{prefix}` (`model.layers.N.mlp`).
+    pub fn load(ws: &mut WeightStore, prefix: &str, cfg: &TextConfig) -> Result<SparseMoe> {
+        let d = cfg.hidden_size;
+        let e = cfg.num_experts.unwrap_or(0);
+        let inter = cfg.moe_intermediate_size.unwrap_or(0);
+        let latent = cfg.routed_expert_hidden_size;
+        let ed = latent.unwrap_or(d);
+        let p_ = |n: &str| format!("{prefix}.{n}");
+        let sw = |ws: &mut WeightStore, n: &str, i: usize, o: usize| SwitchLinear::load(ws, &p_(n), i, o, e);
+        Ok(SparseMoe {
+            gate: Linear::load(ws, &p_("gate"), d, e)?,
+            bias: ws.take(&p_("e_score_correction_bias"), &[e as i32])?,
+            router: RouterParams {
+                top_k: cfg.num_experts_per_token as i32,
+                n_group: cfg.num_expert_group as i32,
+                topk_group: cfg.topk_group as i32,
+                routed_scaling_factor: cfg.routed_scaling_factor,
+                renormalize: cfg.moe_renormalize,
+            },
+            experts: SwitchGlu {
+                gate: sw(ws, "switch_mlp.gate_proj", ed, inter)?,
+                up: sw(ws, "switch_mlp.up_proj", ed, inter)?,
+                down: sw(ws, "switch_mlp.down_proj", inter, ed)?,
+                beta: cfg.situ_beta(),
+                linear_beta: cfg.activation_situ_linear_beta,
+            },
+            latent_down: latent.map(|l| Linear::load(ws, &p_("routed_expert_down_proj"), d, l)).transpose()?,
+            latent_up: latent.map(|l| Linear::load(ws, &p_("routed_expert_up_proj"), l, d)).transpose()?,
+            latent_norm: match latent {
+                Some(l) if cfg.latent_moe_use_norm => {
+                    Some(RmsNorm::load(ws, &p_("routed_expert_norm"), l, cfg.rms_norm_eps)?)
+                }
+                _ => None,
+            },
+            shared: if cfg.num_shared_experts > 0 {
+                Some(Mlp::load(ws, &p_("shared_experts"), cfg, inter * cfg.num_shared_experts)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// `x [B, T, D]` -> `[B, T, D]`.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let (inds, weights) = route(&self.gate.forward(x)?, Some(&self.bias), self.router)?;
+        let z = match &self.latent_down {
+            Some(p) => p.forward(x)?,
+            None => x.clone(),
+        };
+        let y = self.experts.forward(&z, &inds)?;
+        let mut y = y.multiply(&weights.expand_dims(&[-1])?)?.sum(&[-2], false)?;
+        if let Some(n) = &self.latent_norm {
+            y = n.forward(&y)?;
+        }
+        if let Some(p) = &self.latent_up {
+            y = p.forward(&y)?;
+        }
+        if let Some(s) = &self.shared {
+            y = y.add(&s.forward(x)?)?;
+        }
+        Ok(y)
+    }
+}
+
+/// A layer's FFN.
+#[derive(Debug)]
+pub enum Ffn {
+    /// Dense SiTU MLP.
+    Dense(Mlp),
+    /// Sparse MoE.
+    Moe(SparseMoe),
+}
+
+impl Ffn {
+    /// Applies the FFN.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        match self {
+            Ffn::Dense(m) => m.forward(x),
+            Ffn::Moe(m) => m.forward(x),
+        }
+    }
+}

@@ -1,0 +1,1062 @@
+"""Build tiny Kimi K3 reference fixtures with mlx-lm's own `kimi_k3` model.
+
+The Rust model graph in `mlx-k3` is checked against the implementation the ecosystem trusts:
+mlx-lm's `mlx_lm/models/kimi_k3.py`. This script builds a handful of tiny K3 configurations (vocab 256,
+hidden 64, 3-4 layers, 8-16 experts) that together switch every K3 feature on and off, gives them seeded,
+well-scaled random weights, saves them exactly as mlx-lm saves a checkpoint, reloads them through mlx-lm's
+own loader and records what mlx-lm computes for a random prompt.
+
+Output, under `mlx-k3/tests/fixtures/k3/` (see the README.md written there for every fixture):
+
+    <name>/config.json               as `mlx_lm.utils.save_config` writes it (nested `text_config` or flat)
+    <name>/model.safetensors         float32 weights (or mlx-lm-quantized ones), mlx-lm's sanitized names,
+                                     written by `mlx_lm.utils.save_model`
+    <name>/model.safetensors.index.json   written by `save_model` alongside
+    <name>/expected.safetensors      prompt, prefill_logits, decode_tokens, decode_logits, full_logits
+    <name>_release/                  the same model under the original release (Hugging Face) tensor names
+                                     (mlx-lm's `sanitize` inverted), same config.json and expected.safetensors
+    manifest.json                    every fixture with its feature flags, for Rust tests to iterate
+    README.md                        what each fixture covers and what expected.safetensors holds
+
+expected.safetensors (T = 12 prompt tokens, N = 16 decode steps, V = 256):
+    prompt          int32   [T]      random token ids
+    prefill_logits  float32 [T, V]   one forward of the prompt with a fresh cache (`model.make_cache()`)
+    decode_tokens   int32   [N]      the tokens FED to the N one-token decode steps: decode_tokens[0] =
+                                     argmax(prefill_logits[T-1]), decode_tokens[i] = argmax(decode_logits[i-1])
+    decode_logits   float32 [N, V]   decode_logits[i] = logits after feeding decode_tokens[i] (cache holds
+                                     the prompt and decode_tokens[:i])
+    full_logits     float32 [T+N, V] one cache-less forward of concat(prompt, decode_tokens)
+
+Every fixture is checked here before it is written: greedy tokens vary, the top-1/top-2 logit gap of each
+greedy step and the router's top-k (and group) selection gaps are far above fp32 noise (so a correct
+reimplementation picks the same tokens and experts), cached decode agrees with the cache-less forward, and
+the release-named copy loads through mlx-lm's sanitize to bit-identical weights and logits.
+
+Run (CPU is fine, a few seconds; the output is byte-identical from run to run):
+
+    .venv/bin/python scripts/make_k3_fixtures.py
+
+Pinned: mlx==0.32.4, mlx-lm==0.32.2 (install with `.venv/bin/pip install mlx-lm==0.32.2`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.metadata
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+PINS = {"mlx": "0.32.4", "mlx-lm": "0.32.2"}
+
+
+def _check_pins() -> None:
+    bad = []
+    for dist, want in PINS.items():
+        try:
+            have = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            have = None
+        if have != want:
+            bad.append(f"{dist}=={want} (found {have or 'nothing'})")
+    if bad:
+        sys.exit(
+            "make_k3_fixtures.py needs exactly " + ", ".join(bad) + ".\n"
+            "Install the pins into the project venv: .venv/bin/pip install "
+            + " ".join(f"{d}=={v}" for d, v in PINS.items())
+        )
+
+
+_check_pins()
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten, tree_map_with_path  # noqa: E402
+from mlx_lm.models import kimi_k3  # noqa: E402
+from mlx_lm.utils import load_model, quantize_model, save_config, save_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "mlx-k3" / "tests" / "fixtures" / "k3"
+
+VOCAB = 256
+HIDDEN = 64
+PROMPT_LEN = 12
+DECODE_STEPS = 16
+# A correct reimplementation differs from mlx-lm by fp32 rounding (~1e-6); these gaps keep greedy tokens and
+# routed experts identical regardless.
+MIN_GREEDY_GAP = 2e-3
+MIN_ROUTER_GAP = 2e-4
+MIN_DISTINCT_DECODE_TOKENS = 6
+MAX_PROMPT_TRIES = 64
+
+# ---------------------------------------------------------------------------------------------------------
+# Configurations. `text` holds the text-model fields (mlx-lm `TextArgs`); `form` says how config.json holds
+# them: "nested" = release-style wrapper {model_type: kimi_k3, text_config: {...}}, written with every field
+# spelled out; "flat" = the text fields at top level (mlx-lm's ModelArgs.from_dict accepts this too),
+# written minimally so that mlx-lm's defaults apply to everything omitted.
+# ---------------------------------------------------------------------------------------------------------
+
+FIXTURES = [
+    {
+        "name": "a_latent_norm_attnres",
+        "form": "nested",
+        "seed": 1001,
+        "release": False,
+        "summary": "3 layers (KDA, KDA, MLA); dense layer 0 then latent MoE with routed_expert_norm; attention "
+        "residuals (block 2); q_lora; MLA output gate; low-rank KDA gate with gate_lower_bound; 8 experts "
+        "top-3 in 4 groups (topk_group 2) + 1 shared; SiTU beta 2 / linear_beta 1.5; routed_scaling_factor "
+        "2.5; tied embeddings. Every quantizable input dim is a multiple of 32: the base of both quantized "
+        "fixtures",
+        "text": {
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "intermediate_size": 32,
+            "linear_attn_config": {
+                "num_heads": 1,
+                "head_dim": 32,
+                "short_conv_kernel_size": 4,
+                "kda_layers": [1, 2],
+                "full_attn_layers": [3],
+                "gate_lower_bound": -5.0,
+                "use_full_rank_gate": False,
+            },
+            "activation_situ_beta": 2.0,
+            "activation_situ_linear_beta": 1.5,
+            "attn_res_block_size": 2,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "mla_use_output_gate": True,
+            "num_experts": 8,
+            "num_experts_per_token": 3,
+            "num_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "num_expert_group": 4,
+            "topk_group": 2,
+            "routed_expert_hidden_size": 32,
+            "latent_moe_use_norm": True,
+            "tie_word_embeddings": True,
+        },
+    },
+    {
+        "name": "b_latent_fullrank_every2",
+        "form": "flat",
+        "seed": 2002,
+        "release": False,
+        "summary": "3 layers (KDA, MLA, KDA); MoE on layers 0 and 2 (moe_layer_freq 2, first_k_dense_replace 0); "
+        "latent MoE without norm; no attention residuals; plain q_proj (no q_lora); no MLA output gate; "
+        "full-rank KDA gate, no gate_lower_bound; 8 experts top-2, ungrouped, no shared experts; default "
+        "SiTU (beta 1, no linear_beta); untied head; minimal flat config (mlx-lm defaults for the rest)",
+        "text": {
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "intermediate_size": 32,
+            "linear_attn_config": {
+                "num_heads": 2,
+                "head_dim": 16,
+                "short_conv_kernel_size": 4,
+                "kda_layers": [1, 3],
+                "use_full_rank_gate": True,
+            },
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_token": 2,
+            "moe_intermediate_size": 16,
+            "moe_layer_freq": 2,
+            "routed_expert_hidden_size": 16,
+        },
+    },
+    {
+        "name": "c_hidden_experts_grouped",
+        "form": "flat",
+        "seed": 3003,
+        "release": False,
+        "summary": "3 layers (KDA, MLA, KDA); layers 0-1 dense (first_k_dense_replace 2), MoE on layer 2; "
+        "routed experts on the hidden size (no latent); no attention residuals; plain q_proj; MLA output "
+        "gate; full-rank KDA gate with gate_lower_bound; 8 experts top-2 in 2 groups (topk_group 1) + 2 "
+        "shared; SiTU linear_beta 2.0; tied embeddings",
+        "text": {
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "intermediate_size": 32,
+            "linear_attn_config": {
+                "num_heads": 2,
+                "head_dim": 16,
+                "short_conv_kernel_size": 3,
+                "kda_layers": [1, 3],
+                "gate_lower_bound": -3.0,
+                "use_full_rank_gate": True,
+            },
+            "activation_situ_linear_beta": 2.0,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "mla_use_output_gate": True,
+            "num_experts": 8,
+            "num_experts_per_token": 2,
+            "num_shared_experts": 2,
+            "moe_intermediate_size": 8,
+            "routed_scaling_factor": 1.5,
+            "first_k_dense_replace": 2,
+            "num_expert_group": 2,
+            "topk_group": 1,
+            "tie_word_embeddings": True,
+        },
+    },
+    {
+        "name": "d_latent_norm_attnres_untied",
+        "form": "nested",
+        "seed": 4004,
+        "release": True,
+        "summary": "4 layers (MLA, KDA, KDA, MLA); MoE on layers 2-3 (first_k_dense_replace 2); latent MoE with "
+        "routed_expert_norm; attention residuals (block 3); q_lora; no MLA output gate; low-rank KDA gate, "
+        "no gate_lower_bound; 16 experts top-4 in 4 groups (topk_group 3) + 1 shared; moe_renormalize "
+        "false; SiTU beta 4 / linear_beta 3; untied head",
+        "text": {
+            "num_hidden_layers": 4,
+            "num_attention_heads": 2,
+            "intermediate_size": 32,
+            "linear_attn_config": {
+                "num_heads": 2,
+                "head_dim": 16,
+                "short_conv_kernel_size": 4,
+                "kda_layers": [2, 3],
+                "full_attn_layers": [1, 4],
+                "use_full_rank_gate": False,
+            },
+            "activation_situ_beta": 4.0,
+            "activation_situ_linear_beta": 3.0,
+            "attn_res_block_size": 3,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "num_experts": 16,
+            "num_experts_per_token": 4,
+            "num_shared_experts": 1,
+            "moe_intermediate_size": 16,
+            "moe_renormalize": False,
+            "first_k_dense_replace": 2,
+            "num_expert_group": 4,
+            "topk_group": 3,
+            "routed_expert_hidden_size": 16,
+            "latent_moe_use_norm": True,
+            "tie_word_embeddings": False,
+        },
+    },
+]
+
+# Quantized variants, made by mlx-lm itself the way `mlx_lm.convert` does it: load the float fixture with
+# `load_model`, `quantize_model(model, config, group_size, bits, mode, quant_predicate=...)`, then
+# `save_model` + `save_config`.
+QUANTIZED = [
+    {
+        "name": "a_latent_norm_attnres_q4",
+        "base": "a_latent_norm_attnres",
+        "recipe": "q4",
+        "summary": "fixture a quantized as `mlx_lm.convert -q --q-bits 4 --q-group-size 32` does it: affine 4-bit "
+        "group 32, with kimi_k3's own quant_predicate (router `mlp.gate` 8-bit group 64, attention-residual "
+        "projections left float); the quantized tied embedding is also the head",
+        "group_size": 32,
+        "bits": 4,
+    },
+    {
+        "name": "a_latent_norm_attnres_mixed_2_8",
+        "base": "a_latent_norm_attnres",
+        "recipe": "mixed",
+        "summary": "fixture a with a mixed recipe: routed experts (switch_mlp) affine 2-bit group 32, router "
+        "`mlp.gate` 8-bit group 64, embed_tokens (tied head) 4-bit group 32, attention-residual projections "
+        "float, everything else 6-bit group 32 (the top-level default)",
+        "group_size": 32,
+        "bits": 6,
+    },
+]
+
+
+def mixed_predicate(path: str, module) -> bool | dict:
+    """2-bit routed experts, 8-bit router, 4-bit embeddings/head, float res projections, default elsewhere."""
+    if path.endswith("res_proj"):
+        return False
+    if path.endswith("mlp.gate"):
+        return {"group_size": 64, "bits": 8, "mode": "affine"}
+    if ".switch_mlp." in path:
+        return {"group_size": 32, "bits": 2, "mode": "affine"}
+    if path.endswith(("embed_tokens", "lm_head")):
+        return {"group_size": 32, "bits": 4, "mode": "affine"}
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------------------------
+
+
+def full_text_config(text: dict) -> dict:
+    """Every TextArgs field spelled out, release-style (the text model calls itself kimi_linear)."""
+    t = {
+        "model_type": "kimi_linear",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "num_key_value_heads": text["num_attention_heads"],
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "hidden_act": "situ",
+        "activation_situ_beta": 1.0,
+        "activation_situ_linear_beta": None,
+        "attn_res_block_size": None,
+        "q_lora_rank": None,
+        "mla_use_nope": True,
+        "mla_use_output_gate": False,
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": True,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 0,
+        "moe_layer_freq": 1,
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "num_shared_experts": 0,
+        "routed_expert_hidden_size": None,
+        "latent_moe_use_norm": False,
+        "tie_word_embeddings": False,
+    }
+    t.update(copy.deepcopy(text))
+    return dict(sorted(t.items()))
+
+
+def make_config(fx: dict) -> dict:
+    text = copy.deepcopy(fx["text"])
+    if fx["form"] == "nested":
+        tc = full_text_config(text)
+        return {
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            "model_type": "kimi_k3",
+            "text_config": tc,
+            "tie_word_embeddings": tc["tie_word_embeddings"],
+        }
+    cfg = {"model_type": "kimi_k3", "vocab_size": VOCAB, "hidden_size": HIDDEN}
+    cfg.update(text)
+    return cfg
+
+
+def text_of(config: dict) -> dict:
+    """The text fields exactly as mlx-lm resolves them (defaults filled in)."""
+    args = kimi_k3.ModelArgs.from_dict(copy.deepcopy(config)).text_config
+    return {k: getattr(args, k) for k in args.__dataclass_fields__}
+
+
+def layer_plan(t: dict) -> dict:
+    kda = [i for i in range(t["num_hidden_layers"]) if i + 1 in t["linear_attn_config"]["kda_layers"]]
+    moe = [
+        i
+        for i in range(t["num_hidden_layers"])
+        if (t["num_experts"] or 0) > 0 and i >= t["first_k_dense_replace"] and i % t["moe_layer_freq"] == 0
+    ]
+    n = t["num_hidden_layers"]
+    return {
+        "kda": kda,
+        "mla": [i for i in range(n) if i not in kda],
+        "moe": moe,
+        "dense_mlp": [i for i in range(n) if i not in moe],
+    }
+
+
+def check_layer_plan(model, t: dict) -> None:
+    """The layer plan recorded in the manifest is the one mlx-lm built."""
+    plan = layer_plan(t)
+    built_kda = [i for i, layer in enumerate(model.layers) if layer.is_linear]
+    built_moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, kimi_k3.KimiK3SparseMoE)]
+    assert (built_kda, built_moe) == (plan["kda"], plan["moe"]), (built_kda, built_moe, plan)
+    assert plan["kda"] and plan["mla"] and plan["moe"], plan
+
+
+def feature_flags(t: dict) -> dict:
+    lac = t["linear_attn_config"]
+    plan = layer_plan(t)
+    return {
+        "latent_moe": t["routed_expert_hidden_size"] is not None,
+        "latent_moe_use_norm": bool(t["routed_expert_hidden_size"] is not None and t["latent_moe_use_norm"]),
+        "attn_res": t["attn_res_block_size"] is not None,
+        "attn_res_block_size": t["attn_res_block_size"],
+        "q_lora": t["q_lora_rank"] is not None,
+        "mla_output_gate": bool(t["mla_use_output_gate"]),
+        "kda_full_rank_gate": bool(lac.get("use_full_rank_gate", False)),
+        "kda_gate_lower_bound": lac.get("gate_lower_bound"),
+        "grouped_topk": t["num_expert_group"] > 1,
+        "num_expert_group": t["num_expert_group"],
+        "topk_group": t["topk_group"],
+        "num_experts": t["num_experts"],
+        "num_experts_per_token": t["num_experts_per_token"],
+        "shared_experts": t["num_shared_experts"],
+        "tie_word_embeddings": bool(t["tie_word_embeddings"]),
+        "first_k_dense_replace": t["first_k_dense_replace"],
+        "moe_layer_freq": t["moe_layer_freq"],
+        "moe_renormalize": bool(t["moe_renormalize"]),
+        "routed_scaling_factor": t["routed_scaling_factor"],
+        "activation_situ_beta": t["activation_situ_beta"] or 1.0,  # mlx-lm: `beta or 1.0`
+        "activation_situ_linear_beta": t["activation_situ_linear_beta"],
+        "short_conv_kernel_size": lac["short_conv_kernel_size"],
+        "kda_layers_0based": plan["kda"],
+        "mla_layers_0based": plan["mla"],
+        "moe_layers_0based": plan["moe"],
+        "dense_mlp_layers_0based": plan["dense_mlp"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Weights: seeded, scaled so activations stay O(1) and logits have a spread of a few units.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def init_weights(model, t: dict) -> None:
+    lac = t["linear_attn_config"]
+    heads = lac["num_heads"]
+    new = []
+    for path, w in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        shape = w.shape
+        leaf = path.rsplit(".", 2)
+        owner = leaf[-2] if path.endswith(".weight") else leaf[-1]
+        if path.endswith("A_log"):
+            v = mx.log(mx.random.uniform(1.0, 8.0, (heads,)))
+        elif path.endswith("dt_bias"):
+            v = mx.random.uniform(-3.0, 0.0, shape)
+        elif path.endswith("e_score_correction_bias"):
+            v = 0.3 * mx.random.normal(shape)
+        elif "norm" in owner:  # every RMSNorm weight: near one, but not one
+            v = 1.0 + 0.1 * mx.random.normal(shape)
+        elif path.endswith("conv.weight"):  # depthwise (C, K, 1)
+            v = mx.random.normal(shape) * (1.0 / np.sqrt(shape[1]))
+        elif path.endswith(("embed_tokens.weight", "lm_head.weight")):
+            v = 0.3 * mx.random.normal(shape)
+        elif path.endswith("res_proj.weight"):  # (1, D): softmax logits over blocks of std ~1.5
+            v = mx.random.normal(shape) * (1.5 / np.sqrt(shape[-1]))
+        elif path.endswith(("embed_q.weight", "unembed_out.weight")):  # (H, r, d_n) / (H, d_v, r)
+            v = mx.random.normal(shape) * (1.0 / np.sqrt(t["kv_lora_rank"]))
+        elif path.endswith("mlp.gate.weight"):  # router: sigmoid inputs with std ~1.5
+            v = mx.random.normal(shape) * (1.5 / np.sqrt(shape[-1]))
+        else:  # Linear (out, in) and expert stacks (E, out, in)
+            assert path.endswith(".weight") and len(shape) in (2, 3), path
+            v = mx.random.normal(shape) * (1.0 / np.sqrt(shape[-1]))
+        new.append((path, v.astype(mx.float32)))
+    model.load_weights(new, strict=True)
+    mx.eval(model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running the reference
+# ---------------------------------------------------------------------------------------------------------
+
+
+class RouterProbe:
+    """Wraps kimi_k3._group_expert_select to record each routing decision's selection gaps."""
+
+    def __init__(self):
+        self.records = []
+        self._orig = kimi_k3._group_expert_select
+
+    def __enter__(self):
+        def probe(gates, bias, top_k, n_group, topk_group, scale, renorm):
+            inds, w = self._orig(gates, bias, top_k, n_group, topk_group, scale, renorm)
+            mx.eval(inds, w)
+            self.records.append(
+                (np.array(gates.astype(mx.float32)), np.array(bias), top_k, n_group, topk_group, np.array(inds))
+            )
+            return inds, w
+
+        kimi_k3._group_expert_select = probe
+        return self
+
+    def __exit__(self, *exc):
+        kimi_k3._group_expert_select = self._orig
+
+    def min_gap(self) -> tuple[float, int]:
+        """Smallest gap at any selection boundary, and how many routed picks came from a zeroed group."""
+        gap, zeroed_picks = np.inf, 0
+        for gates, bias, k, g, tg, inds in self.records:
+            s = 1.0 / (1.0 + np.exp(-gates.reshape(-1, gates.shape[-1]).astype(np.float64)))
+            s = s + bias.astype(np.float64)
+            inds = inds.reshape(-1, k)
+            for row, picked in zip(s, inds):
+                row = row.copy()
+                if g > 1:
+                    grp = row.reshape(g, -1)
+                    gscore = np.sort(grp, axis=-1)[:, -2:].sum(-1)
+                    order = np.argsort(-gscore, kind="stable")
+                    gs = gscore[order]
+                    gap = min(gap, gs[tg - 1] - gs[tg])
+                    dropped = order[tg:]
+                    grp[dropped] = 0.0  # mlx-lm zeroes dropped groups (not -inf)
+                    row = grp.reshape(-1)
+                    per = grp.shape[1]
+                    zeroed_picks += sum(int(e) // per in set(dropped.tolist()) for e in picked)
+                srt = np.sort(row)[::-1]
+                gap = min(gap, srt[k - 1] - srt[k])
+                if srt[k - 1] - srt[k] > 0:  # unambiguous: mlx-lm must have picked exactly these
+                    assert set(np.argsort(-row, kind="stable")[:k].tolist()) == set(picked.tolist())
+        return float(gap), zeroed_picks
+
+
+def top_gap(logits: np.ndarray) -> float:
+    s = np.sort(logits.astype(np.float64))
+    return float(s[-1] - s[-2])
+
+
+def run_reference(model, prompt: np.ndarray) -> dict:
+    cache = model.make_cache()
+    prefill = model(mx.array(prompt[None]), cache=cache)[0]
+    mx.eval(prefill)
+    prefill = np.array(prefill)
+    tok = int(np.argmax(prefill[-1]))
+    gaps = [top_gap(prefill[-1])]
+    fed, dec = [], []
+    for _ in range(DECODE_STEPS):
+        fed.append(tok)
+        out = model(mx.array([[tok]], dtype=mx.int32), cache=cache)[0, -1]
+        mx.eval(out)
+        out = np.array(out)
+        dec.append(out)
+        gaps.append(top_gap(out))
+        tok = int(np.argmax(out))
+    seq = np.concatenate([prompt, np.array(fed, dtype=np.int32)])
+    full = model(mx.array(seq[None]))[0]
+    mx.eval(full)
+    return {
+        "prompt": prompt.astype(np.int32),
+        "prefill_logits": prefill.astype(np.float32),
+        "decode_tokens": np.array(fed, dtype=np.int32),
+        "decode_logits": np.stack(dec).astype(np.float32),
+        "full_logits": np.array(full).astype(np.float32),
+        "_greedy_gap": min(gaps),
+        "_next_token": tok,
+    }
+
+
+def bf16_prefill(model, prompt: np.ndarray) -> np.ndarray:
+    """Prompt logits with the model cast to bf16 as mlx-lm casts it (its cast_predicate keeps A_log, dt_bias
+    and the router bias in f32), stored as f32. Only for quantized fixtures: MLX's CPU gather_mm (dense
+    expert stacks) supports f32 only, so mlx-lm cannot run the float fixtures in bf16 on a CPU."""
+    pred = model.cast_predicate
+    model.update(
+        tree_map_with_path(
+            lambda p, x: x.astype(mx.bfloat16) if mx.issubdtype(x.dtype, mx.floating) and pred(p) else x,
+            model.parameters(),
+        )
+    )
+    out = model(mx.array(prompt[None]))[0]
+    mx.eval(out)
+    return np.array(out.astype(mx.float32))
+
+
+def check_consistency(exp: dict) -> float:
+    """Cached prefill/decode must agree with the cache-less forward; returns the max abs difference."""
+    T = PROMPT_LEN
+    full = exp["full_logits"]
+    d1 = np.abs(full[:T] - exp["prefill_logits"]).max()
+    d2 = np.abs(full[T:] - exp["decode_logits"]).max()
+    scale = np.abs(full).max()
+    assert max(d1, d2) <= 1e-4 * max(1.0, scale), (d1, d2, scale)
+    return float(max(d1, d2))
+
+
+def choose_prompt_and_run(model, seed: int) -> tuple[dict, dict]:
+    """First prompt (seeds seed, seed+1, ...) whose greedy and routing decisions are robust."""
+    for attempt in range(MAX_PROMPT_TRIES):
+        rng = np.random.default_rng(seed + attempt)
+        prompt = rng.integers(0, VOCAB, size=PROMPT_LEN).astype(np.int32)
+        exp = run_reference(model, prompt)
+        with RouterProbe() as probe:
+            again = run_reference(model, prompt)
+        for k in ("prefill_logits", "decode_logits", "full_logits"):
+            assert np.array_equal(exp[k], again[k]), f"probing changed {k}"
+        router_gap, zeroed = probe.min_gap() if probe.records else (float("inf"), 0)
+        distinct = len(set(exp["decode_tokens"].tolist()))
+        if (
+            exp["_greedy_gap"] >= MIN_GREEDY_GAP
+            and router_gap >= MIN_ROUTER_GAP
+            and distinct >= MIN_DISTINCT_DECODE_TOKENS
+        ):
+            stats = {
+                "prompt_seed": seed + attempt,
+                "min_greedy_top2_gap": round(exp["_greedy_gap"], 6),
+                "min_router_selection_gap": round(router_gap, 6),
+                "router_picks_from_zeroed_groups": zeroed,
+                "distinct_decode_tokens": distinct,
+                "next_token_after_decode": exp["_next_token"],
+                "max_abs_diff_cached_vs_full": float(f"{check_consistency(exp):.3g}"),
+                "logits_std": round(float(exp["full_logits"].std()), 4),
+            }
+            return exp, stats
+    raise RuntimeError(f"no robust prompt found in {MAX_PROMPT_TRIES} tries (seed {seed})")
+
+
+def save_expected(path: Path, exp: dict, stats: dict) -> None:
+    arrays = {k: mx.array(v) for k, v in exp.items() if not k.startswith("_")}
+    meta = {
+        "generator": "scripts/make_k3_fixtures.py",
+        "mlx": PINS["mlx"],
+        "mlx_lm": PINS["mlx-lm"],
+        "prompt_seed": str(stats["prompt_seed"]),
+        "decode_tokens": "tokens fed to decode steps 0..N-1; [0]=argmax(prefill_logits[-1]), "
+        "[i]=argmax(decode_logits[i-1])",
+        "full_logits": "cache-less forward of concat(prompt, decode_tokens)",
+    }
+    mx.save_safetensors(str(path), dict(sorted(arrays.items())), metadata=meta)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Release (Hugging Face) names: mlx-lm's sanitize, inverted
+# ---------------------------------------------------------------------------------------------------------
+
+RES_SITES = ("self_attention_res", "mlp_res", "output_attn_res")
+EXPERT_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def to_release(sanitized: dict, t: dict) -> dict:
+    """Inverse of mlx-lm's `Model.sanitize`: the names and layouts of the Kimi K3 release.
+
+    Text tensors under `language_model.`; per-expert `block_sparse_moe.experts.E.w{1,2,3}`; the router and
+    its `gate.e_score_correction_bias` under `block_sparse_moe`; separate KDA `{q,k,v}_proj` and depthwise
+    `{q,k,v}_conv1d` in torch Conv1d layout (C, 1, K); `A_log` 1-D zero-padded past num_heads to head_dim
+    entries (sanitize keeps the first num_heads); MLA `kv_b_proj` (H*(d_nope+d_v), kv_lora_rank) instead of
+    `embed_q`/`unembed_out`; attention-residual `*_res.proj_weight` / `*_res.norm_weight`. Plus tensors the
+    loader must drop: a vision tower, a projector, and a layer past num_hidden_layers.
+    """
+    lac = t["linear_attn_config"]
+    H_kda, d = lac["num_heads"], lac["head_dim"]
+    moe_layers = set(layer_plan(t)["moe"])
+    H, d_n = t["num_attention_heads"], t["qk_nope_head_dim"]
+    out = {}
+    for key, v in sanitized.items():
+        assert key.startswith("language_model."), key
+        k = key[len("language_model.") :]
+        for site in RES_SITES:
+            if k.endswith(f"{site}_proj.weight"):
+                k = k[: -len(f"{site}_proj.weight")] + f"{site}.proj_weight"
+            elif k.endswith(f"{site}_norm.weight"):
+                k = k[: -len(f"{site}_norm.weight")] + f"{site}.norm_weight"
+        parts = k.split(".")
+        if parts[:2] == ["model", "layers"]:
+            li, rest = int(parts[2]), ".".join(parts[3:])
+            lp = f"model.layers.{li}"
+            if rest == "self_attn.qkv_proj.weight":
+                for name, part in zip("qkv", mx.split(v, 3, axis=0)):
+                    out[f"{lp}.self_attn.{name}_proj.weight"] = part
+                continue
+            if rest == "self_attn.qkv_conv.conv.weight":  # MLX (C, K, 1) -> torch Conv1d (C, 1, K)
+                for name, part in zip("qkv", mx.split(v, 3, axis=0)):
+                    out[f"{lp}.self_attn.{name}_conv1d.weight"] = mx.contiguous(part.moveaxis(1, 2))
+                continue
+            if rest == "self_attn.A_log":
+                assert d > H_kda
+                out[f"{lp}.self_attn.A_log"] = mx.concatenate([v, mx.zeros((d - H_kda,), v.dtype)])
+                continue
+            if rest == "self_attn.embed_q.weight":
+                wk = v.swapaxes(-1, -2)  # (H, d_n, r)
+                wv = sanitized[f"language_model.{lp}.self_attn.unembed_out.weight"]  # (H, d_v, r)
+                kv_b = mx.concatenate([wk, wv], axis=1)
+                out[f"{lp}.self_attn.kv_b_proj.weight"] = mx.contiguous(kv_b.reshape(-1, kv_b.shape[-1]))
+                assert kv_b.shape[:2] == (H, d_n + t["v_head_dim"])
+                continue
+            if rest == "self_attn.unembed_out.weight":
+                continue
+            if li in moe_layers and rest.startswith("mlp."):
+                sub = rest[len("mlp.") :]
+                if sub.startswith("switch_mlp."):
+                    proj = sub.split(".")[1]
+                    for e in range(v.shape[0]):
+                        out[f"{lp}.block_sparse_moe.experts.{e}.{EXPERT_NAMES[proj]}.weight"] = v[e]
+                elif sub == "e_score_correction_bias":
+                    out[f"{lp}.block_sparse_moe.gate.e_score_correction_bias"] = v
+                else:
+                    out[f"{lp}.block_sparse_moe.{sub}"] = v
+                continue
+        out[k] = v
+    out[f"model.layers.{t['num_hidden_layers']}.input_layernorm.weight"] = mx.ones((HIDDEN,))
+    out = {"language_model." + k: v for k, v in out.items()}
+    out["vision_tower.patch_embed.proj.weight"] = mx.zeros((8, 3, 2, 2))
+    out["mm_projector.proj.0.weight"] = mx.zeros((HIDDEN, 8))
+    return dict(sorted((k, mx.contiguous(v)) for k, v in out.items()))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------
+
+
+def release_kept(release: dict, t: dict) -> list:
+    """Release names mlx-lm's sanitize keeps (the rest are the extras `to_release` adds to be dropped)."""
+    n = t["num_hidden_layers"]
+    return [
+        k
+        for k in release
+        if k.startswith("language_model.") and not k.startswith(f"language_model.model.layers.{n}.")
+    ]
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def params_of(model) -> dict:
+    return dict(tree_flatten(model.parameters()))
+
+
+def write_model_dir(path: Path, model, config: dict) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+    save_model(path, model)
+    save_config(copy.deepcopy(config), config_path=path / "config.json")
+
+
+def quant_summary(config: dict) -> dict | None:
+    q = config.get("quantization")
+    if q is None:
+        return None
+    overrides = {k: v for k, v in q.items() if isinstance(v, dict)}
+    kinds = sorted({json.dumps(v, sort_keys=True) for v in overrides.values()})
+    return {
+        "default": {k: v for k, v in q.items() if not isinstance(v, dict)},
+        "override_paths": len(overrides),
+        "override_kinds": [json.loads(s) for s in kinds],
+    }
+
+
+def build_all(out: Path) -> list:
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for fx in FIXTURES:
+        config = make_config(fx)
+        t = text_of(config)
+        mx.random.seed(fx["seed"])
+        model = kimi_k3.Model(kimi_k3.ModelArgs.from_dict(copy.deepcopy(config)))
+        check_layer_plan(model, t)
+        init_weights(model, t)
+        fdir = out / fx["name"]
+        write_model_dir(fdir, model, config)
+        del model
+
+        ref, _ = load_model(fdir)
+        exp, stats = choose_prompt_and_run(ref, fx["seed"])
+        save_expected(fdir / "expected.safetensors", exp, stats)
+        entries.append(entry(fx["name"], fx["summary"], fx["form"], "mlx", t, config, stats, None))
+        print(f"{fx['name']}: {stats}")
+
+        if fx["release"]:
+            rdir = out / f"{fx['name']}_release"
+            if rdir.exists():
+                shutil.rmtree(rdir)
+            rdir.mkdir()
+            shutil.copyfile(fdir / "config.json", rdir / "config.json")
+            release = to_release(mx.load(str(fdir / "model.safetensors")), t)
+            mx.save_safetensors(str(rdir / "model.safetensors"), release, metadata={"format": "pt"})
+            # The release copy must sanitize back to exactly the same weights and outputs.
+            rel_model, _ = load_model(rdir)
+            a, b = params_of(ref), params_of(rel_model)
+            assert a.keys() == b.keys(), set(a) ^ set(b)
+            for k in a:
+                assert a[k].dtype == b[k].dtype and np.array_equal(np.array(a[k]), np.array(b[k])), k
+            rexp = run_reference(rel_model, exp["prompt"])
+            for k in ("prefill_logits", "decode_tokens", "decode_logits", "full_logits"):
+                assert np.array_equal(exp[k], rexp[k]), f"release copy differs in {k}"
+            shutil.copyfile(fdir / "expected.safetensors", rdir / "expected.safetensors")
+            e = entry(rdir.name, "release-named copy of " + fx["name"], fx["form"], "release", t, config, stats,
+                      fx["name"])
+            e["release_tensors"] = len(release)
+            e["release_dropped_tensors"] = sorted(set(release) - set(release_kept(release, t)))
+            entries.append(e)
+            print(f"{rdir.name}: sanitize(release) == {fx['name']} (weights and logits bit-identical)")
+
+    for q in QUANTIZED:
+        bdir = out / q["base"]
+        model, config = load_model(bdir)
+        predicate = mixed_predicate if q["recipe"] == "mixed" else None
+        model, qconfig = quantize_model(
+            model, config, q["group_size"], q["bits"], mode="affine", quant_predicate=predicate
+        )
+        qdir = out / q["name"]
+        write_model_dir(qdir, model, qconfig)
+        del model
+        ref, loaded_cfg = load_model(qdir)
+        base_seed = next(f["seed"] for f in FIXTURES if f["name"] == q["base"])
+        exp, stats = choose_prompt_and_run(ref, base_seed)
+        # A fresh load: mlx-lm caches the attention-residual weights at the first forward, so a model that
+        # already ran in f32 would keep f32-derived mixing weights after the cast.
+        exp["prefill_logits_bf16"] = bf16_prefill(load_model(qdir)[0], exp["prompt"])
+        save_expected(qdir / "expected.safetensors", exp, stats)
+        t = text_of(loaded_cfg)
+        base_form = next(f["form"] for f in FIXTURES if f["name"] == q["base"])
+        entries.append(entry(q["name"], q["summary"], base_form, "mlx", t, loaded_cfg, stats, q["base"]))
+        print(f"{q['name']}: {stats}")
+    return entries
+
+
+def entry(name, summary, form, names, t, config, stats, derived_from) -> dict:
+    qs = quant_summary(config)
+    return {
+        "name": name,
+        "dir": name,
+        "summary": summary,
+        "config_form": form,
+        "names": names,
+        "derived_from": derived_from,
+        "quantized": qs is not None,
+        "quantization": qs,
+        "float_dtype": "float32",
+        "features": feature_flags(t),
+        "prompt_len": PROMPT_LEN,
+        "decode_steps": DECODE_STEPS,
+        "vocab_size": VOCAB,
+        "checks": stats,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# README.md (generated, so it always matches the fixtures)
+# ---------------------------------------------------------------------------------------------------------
+
+COVERAGE_ROWS = [
+    ("KDA and MLA layers in one model", lambda f: bool(f["kda_layers_0based"] and f["mla_layers_0based"])),
+    ("latent MoE with `latent_moe_use_norm`", lambda f: f["latent_moe_use_norm"]),
+    ("latent MoE without norm", lambda f: f["latent_moe"] and not f["latent_moe_use_norm"]),
+    ("routed experts on the hidden size (no latent)", lambda f: not f["latent_moe"]),
+    ("attention residuals (`attn_res_block_size`)", lambda f: f["attn_res"]),
+    ("no attention residuals", lambda f: not f["attn_res"]),
+    ("`q_lora_rank` set", lambda f: f["q_lora"]),
+    ("`q_lora_rank` unset (plain `q_proj`)", lambda f: not f["q_lora"]),
+    ("MLA output gate (`mla_use_output_gate`)", lambda f: f["mla_output_gate"]),
+    ("no MLA output gate", lambda f: not f["mla_output_gate"]),
+    ("KDA full-rank gate (`use_full_rank_gate`)", lambda f: f["kda_full_rank_gate"]),
+    ("KDA low-rank gate (`g_a_proj`/`g_b_proj`)", lambda f: not f["kda_full_rank_gate"]),
+    ("KDA `gate_lower_bound`", lambda f: f["kda_gate_lower_bound"] is not None),
+    ("grouped top-k (`num_expert_group` > 1)", lambda f: f["grouped_topk"]),
+    ("shared experts", lambda f: f["shared_experts"] > 0),
+    ("tied embeddings", lambda f: f["tie_word_embeddings"]),
+    ("`first_k_dense_replace` > 0", lambda f: f["first_k_dense_replace"] > 0),
+    ("`moe_layer_freq` > 1", lambda f: f["moe_layer_freq"] > 1),
+    ("`activation_situ_linear_beta`", lambda f: f["activation_situ_linear_beta"] is not None),
+    ("`moe_renormalize` false", lambda f: not f["moe_renormalize"]),
+]
+
+
+def readme(entries: list, root: Path) -> str:
+    q4 = json.loads((root / QUANTIZED[0]["name"] / "config.json").read_text())["quantization"]
+    mixed = json.loads((root / QUANTIZED[1]["name"] / "config.json").read_text())["quantization"]
+    mixed_head = dict(list(mixed.items())[:6])
+    L = []
+    w = L.append
+    w("# Kimi K3 reference fixtures (mlx-lm `kimi_k3`)\n")
+    w(
+        f"Generated by `scripts/make_k3_fixtures.py` with mlx {PINS['mlx']} (CPU) and mlx-lm {PINS['mlx-lm']}, "
+        "whose `mlx_lm/models/kimi_k3.py` is the reference implementation. Do not edit by hand; regenerate "
+        "with\n\n    .venv/bin/python scripts/make_k3_fixtures.py\n\nThe run is deterministic: files are "
+        "byte-identical from run to run (`manifest.json` records each file's sha256). This README and "
+        "`manifest.json` are written by the same script.\n"
+    )
+    w("## Files in each fixture folder\n")
+    w("| file | what |\n|---|---|")
+    w("| `config.json` | written by `mlx_lm.utils.save_config` (keys sorted at top level; nested dicts as built) |")
+    w(
+        "| `model.safetensors` | weights written by `mlx_lm.utils.save_model` (`mx.save_safetensors`, metadata "
+        "`{\"format\": \"mlx\"}`), mlx-lm's sanitized names; float32, or mlx-lm-quantized (uint32 packed "
+        "`weight` + float32 `scales`/`biases`) |"
+    )
+    w("| `model.safetensors.index.json` | written by `save_model` alongside (weight map, total size) |")
+    w("| `expected.safetensors` | the reference outputs, below |")
+    w(
+        "\n`*_release` folders hold the same model under the original release (Hugging Face) tensor names, "
+        "written with `mx.save_safetensors` (metadata `{\"format\": \"pt\"}`, no index file); their "
+        "`config.json` and `expected.safetensors` are byte copies of the base fixture's.\n"
+    )
+    w("## expected.safetensors\n")
+    w(f"T = {PROMPT_LEN} prompt tokens, N = {DECODE_STEPS} decode steps, V = {VOCAB}. Batch size 1 everywhere.\n")
+    w("| key | dtype | shape | contents |\n|---|---|---|---|")
+    w(f"| `prompt` | int32 | [{PROMPT_LEN}] | random token ids (numpy `default_rng(checks.prompt_seed)`) |")
+    w(
+        f"| `prefill_logits` | float32 | [{PROMPT_LEN}, {VOCAB}] | logits of one forward of `prompt` with a "
+        "fresh cache (`model.make_cache()`), every position |"
+    )
+    w(
+        f"| `decode_tokens` | int32 | [{DECODE_STEPS}] | the tokens **fed** to the N one-token decode steps: "
+        "`decode_tokens[0] = argmax(prefill_logits[T-1])`, `decode_tokens[i] = argmax(decode_logits[i-1])` |"
+    )
+    w(
+        f"| `decode_logits` | float32 | [{DECODE_STEPS}, {VOCAB}] | `decode_logits[i]` = logits returned when "
+        "`decode_tokens[i]` is fed, the cache holding the prompt and `decode_tokens[:i]` |"
+    )
+    w(
+        f"| `full_logits` | float32 | [{PROMPT_LEN + DECODE_STEPS}, {VOCAB}] | one cache-less forward of "
+        "`concat(prompt, decode_tokens)` |"
+    )
+    w(
+        f"| `prefill_logits_bf16` | float32 | [{PROMPT_LEN}, {VOCAB}] | quantized fixtures only: `prefill_logits` "
+        "with the model cast to bf16 (mlx-lm's cast_predicate), values stored as f32. Float fixtures have none: "
+        "MLX's CPU gather_mm runs f32 only, so mlx-lm cannot run their dense expert stacks in bf16 on a CPU |"
+    )
+    w(
+        "\nThe token produced by the last step, `argmax(decode_logits[N-1])`, is not in the file; it is "
+        "`checks.next_token_after_decode` in `manifest.json`. `full_logits[:T]` matches `prefill_logits` and "
+        "`full_logits[T+i]` matches `decode_logits[i]` to mlx-lm's own cached-vs-cache-less difference "
+        "(`checks.max_abs_diff_cached_vs_full`, at most 1e-4 of the largest logit). Note that the full forward "
+        "has T+N tokens, so its MoE layers take SwitchGLU's sorted-experts path (tokens x top_k >= 64) while "
+        "the 12-token prefill does not.\n"
+    )
+    w("## config.json forms\n")
+    w(
+        "- **nested** (the shape `mlx_lm.convert` keeps from the release's config): `{\"model_type\": \"kimi_k3\", "
+        "\"architectures\": [\"KimiK3ForConditionalGeneration\"], \"text_config\": {...every text field, "
+        "\"model_type\": \"kimi_linear\"}, \"tie_word_embeddings\": ...}`. mlx-lm reads only "
+        "`text_config` (the wrapper's `tie_word_embeddings` is written equal to it but ignored).\n"
+        "- **flat**: the text fields at top level with `\"model_type\": \"kimi_k3\"` "
+        "(`ModelArgs.from_dict` wraps a dict without `text_config` as the text config). These are written "
+        "minimally: every omitted field takes mlx-lm's `TextArgs` default (e.g. `rms_norm_eps` 1e-5, "
+        "`activation_situ_beta` 1.0, `moe_renormalize` true, `tie_word_embeddings` false, `num_expert_group` 1).\n"
+        "- KDA layers are chosen by `linear_attn_config.kda_layers` (1-based); every other layer is MLA. "
+        "`full_attn_layers` appears in the nested configs, as in the release, but mlx-lm does not read it.\n"
+    )
+    w("## Quantization in config.json\n")
+    w(
+        "Exactly as `mlx_lm.convert` records it (`quantize_model` + `save_config`): a top-level "
+        "`quantization` dict holding the default `group_size`, `bits`, `mode`, plus one entry per module path "
+        "whose predicate returned a dict of its own parameters; `quantization_config` is a copy. A module the "
+        "predicate quantizes with the defaults has no entry; a module left float has no entry and no "
+        "`.scales` tensor. The loader rebuilds per module: its path's entry if any, else the defaults if "
+        "`<path>.scales` exists, else float. Note kimi_k3's own predicate gives the router "
+        "`{\"group_size\": 64, \"bits\": 8}` **without `mode`** (affine is meant).\n"
+    )
+    w("`a_latent_norm_attnres_q4` (`quantize_model(model, config, 32, 4)`, model's own predicate):\n")
+    w("```json\n\"quantization\": " + json.dumps(q4, indent=4) + "\n```\n")
+    w("`a_latent_norm_attnres_mixed_2_8` (custom predicate; first entries of " + str(len(mixed)) + "):\n")
+    w("```json\n\"quantization\": " + json.dumps(mixed_head, indent=4)[:-2] + ",\n    ...\n}\n```\n")
+    w("## Fixtures\n")
+    for e in entries:
+        f = e["features"]
+        w(f"### `{e['name']}`\n")
+        w(e["summary"] + ".\n")
+        w(f"- config form: {e['config_form']}; names: {e['names']}"
+          + (f"; derived from `{e['derived_from']}`" if e["derived_from"] else ""))
+        w(f"- layers (0-based): KDA {f['kda_layers_0based']}, MLA {f['mla_layers_0based']}, MoE "
+          f"{f['moe_layers_0based']}, dense MLP {f['dense_mlp_layers_0based']}")
+        if e["quantization"]:
+            qs = e["quantization"]
+            kinds = "; ".join(json.dumps(k, sort_keys=True) for k in qs["override_kinds"])
+            w(f"- quantization: default {json.dumps(qs['default'])}, {qs['override_paths']} per-path "
+              f"overrides of kinds {kinds}")
+        else:
+            w("- quantization: none (float32)")
+        if e["names"] == "release":
+            w(f"- {e['release_tensors']} release tensors; sanitize drops "
+              + ", ".join(f"`{k}`" for k in e["release_dropped_tensors"]))
+        c = e["checks"]
+        w(f"- checks: prompt seed {c['prompt_seed']}, greedy top-2 gap >= {c['min_greedy_top2_gap']}, router "
+          f"selection gap >= {c['min_router_selection_gap']}, {c['distinct_decode_tokens']} distinct decode "
+          f"tokens\n")
+    w("## Coverage\n")
+    names = [e["name"] for e in entries if e["names"] == "mlx"]
+    short = {n: n.split("_")[0] + ("-q4" if n.endswith("_q4") else "-mix" if "mixed" in n else "") for n in names}
+    w("| feature | " + " | ".join(f"`{short[n]}`" for n in names) + " |")
+    w("|---|" + "---|" * len(names))
+    by = {e["name"]: e["features"] for e in entries}
+    for label, fn in COVERAGE_ROWS:
+        w(f"| {label} | " + " | ".join("x" if fn(by[n]) else "" for n in names) + " |")
+    w(
+        "\n(`d`'s release copy has `d`'s features.) Every float fixture uses float32 weights; "
+        "`a-q4` and `a-mix` are mlx-lm-quantized copies of `a`.\n"
+    )
+    w("## What the generator checks\n")
+    w(
+        f"- Weights are seeded and scaled (linear weights ~N(0, 1/fan_in), norms 1 + 0.1 N(0,1), router bias "
+        f"0.3 N(0,1), `A_log` = log U(1, 8), `dt_bias` ~ U(-3, 0), logits std ~2.5), so nothing explodes or "
+        f"vanishes and greedy decoding moves (>= {MIN_DISTINCT_DECODE_TOKENS} distinct tokens in 16 steps).\n"
+        f"- The prompt is the first seed whose every greedy step has a top-1/top-2 logit gap >= "
+        f"{MIN_GREEDY_GAP} and whose every routing decision (top-k boundary, and group boundary when "
+        f"grouped) has a score gap >= {MIN_ROUTER_GAP} (scores = sigmoid(gate) + e_score_correction_bias), so "
+        "a correct reimplementation with fp32 rounding differences picks the same tokens and experts.\n"
+        "- mlx-lm's cached prefill/decode agree with its cache-less forward.\n"
+        "- The release copy, loaded through `mlx_lm.utils.load_model` (which runs `Model.sanitize`), gives "
+        "bit-identical weights and logits.\n"
+    )
+    w("## mlx-lm behaviour to match\n")
+    w(
+        "- Grouped top-k: the `n_group - topk_group` lowest groups (group score = sum of its top-2 biased "
+        "scores) get score **0**, not -inf, so an expert of a dropped group can still win against negative "
+        "biased scores; when that happens the pick among the tied zeros is implementation-defined, so these "
+        "fixtures avoid it (`checks.router_picks_from_zeroed_groups` = 0 everywhere). Selection uses the "
+        "biased scores, weights are the unbiased sigmoids (renormalized when `moe_renormalize` and k > 1), "
+        "times `routed_scaling_factor`.\n"
+        "- `quantize_model` quietly leaves float any layer whose input dim is not a multiple of the "
+        "**top-level** group size, and records nothing for it (all quantizable dims here are multiples of 32, "
+        "so it does not happen in these fixtures). A custom predicate replaces kimi_k3's own, which is why "
+        "the mixed recipe excludes `*_res_proj` itself.\n"
+        "- `embed_q` (H, kv_lora_rank, qk_nope) is quantized along qk_nope and used with `transpose=True` in "
+        "decode and `transpose=False` in prefill; `unembed_out` is (H, v_head, kv_lora_rank).\n"
+        "- The quantized tied embedding is also the head (`QuantizedEmbedding.as_linear`).\n"
+        "- The fixtures were made on CPU: MLX's CPU quantizer rounds half-to-even where Metal rounds half "
+        "away from zero, and KDA's compiled single-token decode and Metal kernels only run on Metal, so "
+        "regenerating on a Mac can change bytes (not meaning).\n"
+    )
+    return "\n".join(L)
+
+
+def main() -> None:
+    # Build into a scratch folder first, then replace the fixture folders, manifest and README.
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        entries = build_all(tmp)
+        manifest = {
+            "generator": "scripts/make_k3_fixtures.py",
+            "mlx": PINS["mlx"],
+            "mlx_lm": PINS["mlx-lm"],
+            "expected_keys": {
+                "prompt": ["int32", [PROMPT_LEN]],
+                "prefill_logits": ["float32", [PROMPT_LEN, VOCAB]],
+                "decode_tokens": ["int32", [DECODE_STEPS]],
+                "decode_logits": ["float32", [DECODE_STEPS, VOCAB]],
+                "full_logits": ["float32", [PROMPT_LEN + DECODE_STEPS, VOCAB]],
+                "prefill_logits_bf16": ["float32", [PROMPT_LEN, VOCAB]],
+            },
+            "names_forms": {
+                "mlx": "mlx-lm's sanitized names (language_model.model.layers.N.mlp.switch_mlp.gate_proj, "
+                "self_attn.qkv_proj, self_attn.embed_q, ...), exactly what mlx_lm.utils.save_model writes",
+                "release": "the original release names (block_sparse_moe.experts.E.w1, q/k/v_proj, "
+                "q/k/v_conv1d, kv_b_proj, *_res.proj_weight, padded A_log, extra tensors to drop); "
+                "mlx-lm's Model.sanitize maps them to the 'mlx' form",
+            },
+            "fixtures": entries,
+        }
+        for e in entries:
+            d = tmp / e["dir"]
+            e["files"] = {p.name: sha256(p) for p in sorted(d.iterdir())}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / "README.md").write_text(readme(entries, tmp))
+
+        OUT.mkdir(parents=True, exist_ok=True)
+        current = {e["dir"] for e in entries}
+        for old in sorted(OUT.iterdir()):  # fixture folders from an earlier, different fixture list
+            if old.is_dir() and old.name not in current and (old / "expected.safetensors").exists():
+                shutil.rmtree(old)
+        for e in entries:
+            dst = OUT / e["dir"]
+            if dst.exists():
+                shutil.rmtree(dst)
+            shutil.copytree(tmp / e["dir"], dst)
+        shutil.copyfile(tmp / "manifest.json", OUT / "manifest.json")
+        shutil.copyfile(tmp / "README.md", OUT / "README.md")
+    total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
+    print(f"wrote {len(entries)} fixtures to {OUT.relative_to(ROOT)} ({total / 1024:.0f} KiB in all)")
+
+
+if __name__ == "__main__":
+    main()
