@@ -6,6 +6,8 @@ use clap::{Parser, Subcommand};
 
 mod dist_check;
 mod info;
+pub mod inspect;
+mod logits;
 
 /// Run Kimi K3-class MoE models on MLX.
 #[derive(Parser, Debug)]
@@ -22,6 +24,11 @@ enum Command {
     /// Check MLX distributed set-up: every rank all_sums and all_gathers a known array and verifies the
     /// result. Start it with MLX's launcher, e.g. `mlx.launch -n 2 --backend ring $(which mlx-k3) dist-check`.
     DistCheck(dist_check::Args),
+    /// Summarize a checkpoint: architecture, and per tensor class the parameters, bytes, bits per parameter
+    /// and formats (reads only headers, no tensor data).
+    Inspect(inspect::Args),
+    /// One forward pass over the given token ids; writes the f32 logits [T, vocab] under the key `logits`.
+    Logits(logits::Args),
 }
 
 /// Parses the command line and runs the subcommand.
@@ -30,6 +37,8 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         Command::Info => info::run(),
         Command::DistCheck(args) => dist_check::run(args),
+        Command::Inspect(args) => inspect::run(args),
+        Command::Logits(args) => logits::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -11,7 +11,7 @@ use super::linear::{Embedding, Linear, RmsNorm};
 use super::loader::read_weights;
 use super::mla::Mla;
 use super::moe::{Ffn, Mlp, SparseMoe};
-use super::weights::WeightStore;
+use super::weights::{TensorRecord, WeightStore};
 use crate::{ops, Array, Device, Dtype, Error, Result};
 
 #[derive(Debug)]
@@ -118,6 +118,7 @@ pub struct KimiK3 {
     norm: RmsNorm,
     output_res: Option<Array>,
     lm_head: Option<Linear>,
+    records: Vec<TensorRecord>,
 }
 
 /// Options of [`KimiK3::load`].
@@ -125,6 +126,9 @@ pub struct KimiK3 {
 pub struct LoadOptions {
     /// Activation dtype; default f32 on the CPU (MLX's CPU bf16 path is ~10x slower), bf16 on a GPU.
     pub dtype: Option<Dtype>,
+    /// Leave the weights unevaluated (read from disk at first use); by default each layer is evaluated as
+    /// it is built.
+    pub lazy: bool,
 }
 
 impl KimiK3 {
@@ -136,9 +140,10 @@ impl KimiK3 {
         }
     }
 
-    /// Loads the checkpoint in `dir` (config.json + model*.safetensors, mlx-lm or release names). Weights
-    /// are read lazily; each layer is evaluated as it is built, so sanitize steps (stacking experts,
-    /// splitting kv_b_proj) never hold a second copy of the whole model.
+    /// Loads the checkpoint in `dir` (config.json + model*.safetensors, mlx-lm or release names). Files are
+    /// opened lazily and each layer is evaluated as it is built (unless `lazy`), so sanitize steps (stacking
+    /// experts, splitting kv_b_proj) hold at most one layer's sources beside the model, never a second copy
+    /// of it.
     pub fn load(dir: &Path, opts: LoadOptions) -> Result<KimiK3> {
         let cfg = ModelConfig::load(dir)?;
         KimiK3::load_with_config(dir, &cfg, opts, &mut |_, _| {})
@@ -162,11 +167,14 @@ impl KimiK3 {
         let raw = read_weights(dir, t)?;
         let mut ws = WeightStore::new(raw, cfg.quantization.clone(), dtype, dir);
         let (d, v) = (t.hidden_size, t.vocab_size);
+        let checkpoint = |ws: &mut WeightStore| if opts.lazy { Ok(ws.keep_lazy()) } else { ws.materialize() };
         let embed = Embedding::load(&mut ws, "model.embed_tokens", v, d)?;
+        checkpoint(&mut ws)?;
         let n = t.num_hidden_layers;
         let mut layers = Vec::with_capacity(n);
         for i in 0..n {
             let layer = DecoderLayer::load(&mut ws, i, t)?;
+            checkpoint(&mut ws)?;
             layers.push(layer);
             progress(i + 1, n);
         }
@@ -176,8 +184,9 @@ impl KimiK3 {
             None => None,
         };
         let lm_head = if t.tie_word_embeddings { None } else { Some(Linear::load(&mut ws, "lm_head", d, v)?) };
-        ws.finish()?;
-        Ok(KimiK3 { config: t.clone(), dtype, embed, layers, norm, output_res, lm_head })
+        checkpoint(&mut ws)?;
+        let records = ws.finish()?;
+        Ok(KimiK3 { config: t.clone(), dtype, embed, layers, norm, output_res, lm_head, records })
     }
 
     /// The text config.
@@ -188,6 +197,11 @@ impl KimiK3 {
     /// The activation dtype.
     pub fn dtype(&self) -> Dtype {
         self.dtype
+    }
+
+    /// Every weight of the model: path, parameters, bytes and quantization.
+    pub fn tensor_records(&self) -> &[TensorRecord] {
+        &self.records
     }
 
     /// Fresh caches for one sequence.

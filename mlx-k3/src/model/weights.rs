@@ -16,6 +16,22 @@ fn keeps_f32(name: &str) -> bool {
     name.contains("e_score_correction_bias") || name.ends_with("A_log") || name.ends_with("dt_bias")
 }
 
+/// What one loaded weight is: its module path, parameters (unquantized element count), bytes as stored
+/// in memory, and quantization.
+#[derive(Clone, Debug)]
+pub struct TensorRecord {
+    /// Module path (`model.layers.3.mlp.switch_mlp.up_proj`) or tensor name for plain tensors.
+    pub path: String,
+    /// Parameters it represents.
+    pub params: u64,
+    /// Bytes it occupies (codes, scales and biases for quantized weights).
+    pub bytes: u64,
+    /// The quantization, or None for floating-point tensors.
+    pub spec: Option<QuantSpec>,
+    /// Element dtype (uint32 for packed codes).
+    pub dtype: Dtype,
+}
+
 /// Hands out a checkpoint's tensors to the layers that need them.
 pub struct WeightStore {
     tensors: BTreeMap<String, Array>,
@@ -23,6 +39,8 @@ pub struct WeightStore {
     quant: QuantizationConfig,
     dtype: Dtype,
     dir: PathBuf,
+    records: Vec<TensorRecord>,
+    pending: Vec<Array>,
 }
 
 /// A weight that is either dense or quantized.
@@ -37,7 +55,15 @@ pub enum MaybeQuantized {
 impl WeightStore {
     /// A store over sanitized tensors; floating weights are cast to `dtype` as they are taken.
     pub fn new(raw: RawWeights, quant: QuantizationConfig, dtype: Dtype, dir: &Path) -> WeightStore {
-        WeightStore { tensors: raw.tensors, files: raw.files, quant, dtype, dir: dir.to_path_buf() }
+        WeightStore {
+            tensors: raw.tensors,
+            files: raw.files,
+            quant,
+            dtype,
+            dir: dir.to_path_buf(),
+            records: Vec::new(),
+            pending: Vec::new(),
+        }
     }
 
     /// The activation dtype.
@@ -83,7 +109,23 @@ impl WeightStore {
     /// Takes a floating-point tensor of `shape`, cast to the activation dtype (or kept f32 for the few
     /// tensors mlx-lm keeps in f32).
     pub fn take(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
+        let (a, stored) = self.take_float(name, shape)?;
+        let params = a.size() as u64;
+        self.records.push(TensorRecord {
+            path: name.to_string(),
+            params,
+            bytes: stored.1,
+            spec: None,
+            dtype: stored.0,
+        });
+        self.pending.push(a.clone());
+        Ok(a)
+    }
+
+    /// A float tensor cast to the activation dtype, with its dtype and bytes as stored in the checkpoint.
+    fn take_float(&mut self, name: &str, shape: &[i32]) -> Result<(Array, (Dtype, u64))> {
         let a = self.take_raw(name, shape)?;
+        let stored = (a.dtype(), a.nbytes() as u64);
         if !a.dtype().is_float() {
             return Err(Error::Format {
                 path: self.dir.clone(),
@@ -92,9 +134,9 @@ impl WeightStore {
         }
         let want = if keeps_f32(name) { Dtype::F32 } else { self.dtype };
         if a.dtype() == want {
-            Ok(a)
+            Ok((a, stored))
         } else {
-            a.astype(want)
+            Ok((a.astype(want)?, stored))
         }
     }
 
@@ -111,7 +153,16 @@ impl WeightStore {
                     message: format!("config.json quantizes '{path}' but the checkpoint has no '{sname}'"),
                 });
             }
-            return Ok(MaybeQuantized::Dense(self.take(&wname, shape)?));
+            let (w, stored) = self.take_float(&wname, shape)?;
+            self.records.push(TensorRecord {
+                path: path.to_string(),
+                params: w.size() as u64,
+                bytes: stored.1,
+                spec: None,
+                dtype: stored.0,
+            });
+            self.pending.push(w.clone());
+            return Ok(MaybeQuantized::Dense(w));
         }
         if override_ == Some(PathQuant::Unquantized) {
             return Err(Error::Format {
@@ -148,12 +199,16 @@ impl WeightStore {
             });
         }
         let bname = format!("{path}.biases");
+        let stored_extra;
         let (scales, biases) = if spec.mode.has_biases() {
-            let scales = self.take(&sname, &sshape)?;
-            let biases = self.take(&bname, &sshape)?;
+            let (scales, s_stored) = self.take_float(&sname, &sshape)?;
+            let (biases, b_stored) = self.take_float(&bname, &sshape)?;
+            stored_extra = s_stored.1 + b_stored.1;
             (scales, Some(biases))
         } else {
-            (self.take_raw(&sname, &sshape)?, None)
+            let scales = self.take_raw(&sname, &sshape)?;
+            stored_extra = scales.nbytes() as u64;
+            (scales, None)
         };
         if self.has(&format!("{path}.global_scale")) {
             return Err(Error::Format {
@@ -161,13 +216,42 @@ impl WeightStore {
                 message: format!("'{path}.global_scale': nvfp4 global scales are not supported yet"),
             });
         }
+        self.records.push(TensorRecord {
+            path: path.to_string(),
+            params: shape.iter().map(|&d| d as u64).product(),
+            bytes: weight.nbytes() as u64 + stored_extra,
+            spec: Some(spec),
+            dtype: Dtype::U32,
+        });
+        self.pending.extend([weight.clone(), scales.clone()]);
+        self.pending.extend(biases.iter().cloned());
         Ok(MaybeQuantized::Quantized(Quantized { weight, scales, biases }, spec))
     }
 
-    /// Fails naming the tensors no layer took (mlx-lm's strict loading does the same).
-    pub fn finish(self) -> Result<()> {
+    /// Evaluates the tensors handed out since the last call (reads them from disk and runs any sanitize
+    /// transform), so their sources can be freed before the next layer is read.
+    pub fn materialize(&mut self) -> Result<()> {
+        let refs: Vec<&Array> = self.pending.iter().collect();
+        crate::eval(&refs)?;
+        self.pending.clear();
+        Ok(())
+    }
+
+    /// Forgets the tensors handed out so far without evaluating them (lazy loading).
+    pub fn keep_lazy(&mut self) {
+        self.pending.clear();
+    }
+
+    /// The record of every weight handed out.
+    pub fn records(&self) -> &[TensorRecord] {
+        &self.records
+    }
+
+    /// Fails naming the tensors no layer took (mlx-lm's strict loading does the same); else returns the
+    /// records of every weight.
+    pub fn finish(self) -> Result<Vec<TensorRecord>> {
         if self.tensors.is_empty() {
-            return Ok(());
+            return Ok(self.records);
         }
         let names: Vec<&String> = self.tensors.keys().take(8).collect();
         Err(Error::Format {

@@ -1,0 +1,155 @@
+//! `mlx-k3 inspect DIR`: what a checkpoint is, without reading its tensor data.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use clap::Args as ClapArgs;
+
+use crate::model::weights::TensorRecord;
+use crate::model::{KimiK3, LoadOptions, ModelConfig, TextConfig};
+use crate::Result;
+
+/// Options of `inspect`.
+#[derive(ClapArgs, Debug)]
+pub(super) struct Args {
+    /// The checkpoint folder (config.json + model*.safetensors).
+    dir: PathBuf,
+}
+
+/// The class of a weight for the size table.
+pub fn tensor_class(path: &str, cfg: &TextConfig) -> &'static str {
+    let layer = path.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse().ok());
+    if path.contains("switch_mlp") {
+        "routed experts"
+    } else if path.contains("shared_experts") {
+        "shared experts"
+    } else if path.contains("routed_expert_") {
+        "latent projections"
+    } else if path.ends_with("mlp.gate") || path.contains("e_score_correction_bias") {
+        "router"
+    } else if path.contains("_res_") {
+        "attention residuals"
+    } else if path.contains("embed_tokens") {
+        "embeddings"
+    } else if path.starts_with("lm_head") {
+        "lm_head"
+    } else if path.contains("layernorm") || path.ends_with("norm.weight") || path.contains("o_norm") {
+        "norms"
+    } else if path.contains("self_attn") {
+        match layer {
+            Some(i) if cfg.is_kda(i) => "KDA attention",
+            _ => "MLA attention",
+        }
+    } else if path.contains(".mlp.") {
+        "dense MLP"
+    } else {
+        "other"
+    }
+}
+
+fn fmt_bytes(b: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", units[u])
+    }
+}
+
+fn fmt_spec(r: &TensorRecord) -> String {
+    match r.spec {
+        Some(s) if s.mode == crate::quant::QuantMode::Affine => format!("affine{}/g{}", s.bits, s.group_size),
+        Some(s) => s.mode.name().to_string(),
+        None => r.dtype.name().to_string(),
+    }
+}
+
+pub(super) fn run(args: Args) -> Result<()> {
+    let cfg = ModelConfig::load(&args.dir)?;
+    let t = &cfg.text;
+    // Lazy: shapes, dtypes and quantization only; no tensor data is read.
+    let model = KimiK3::load_with_config(&args.dir, &cfg, LoadOptions { dtype: None, lazy: true }, &mut |_, _| {})?;
+    let kda = (0..t.num_hidden_layers).filter(|&i| t.is_kda(i)).count();
+    let moe = (0..t.num_hidden_layers).filter(|&i| t.is_moe(i)).count();
+    println!("{}: {}", args.dir.display(), cfg.model_type);
+    println!(
+        "  {} layers ({kda} KDA, {} MLA; {moe} MoE, {} dense), hidden {}, vocab {}, {} embeddings",
+        t.num_hidden_layers,
+        t.num_hidden_layers - kda,
+        t.num_hidden_layers - moe,
+        t.hidden_size,
+        t.vocab_size,
+        if t.tie_word_embeddings { "tied" } else { "untied" }
+    );
+    if let Some(la) = &t.linear_attn_config {
+        println!(
+            "  KDA: {} heads x {}, conv {}, {} gate{}",
+            la.num_heads,
+            la.head_dim,
+            la.short_conv_kernel_size,
+            if la.use_full_rank_gate { "full-rank" } else { "low-rank" },
+            la.gate_lower_bound.map(|b| format!(", gate lower bound {b}")).unwrap_or_default()
+        );
+    }
+    if kda < t.num_hidden_layers {
+        let m = t.mla()?;
+        println!(
+            "  MLA (NoPE): {} heads, q_lora {}, kv_lora {}, qk {}+{}, v {}, output gate {}",
+            m.heads,
+            m.q_lora_rank.map(|r| r.to_string()).unwrap_or_else(|| "none".into()),
+            m.kv_lora_rank,
+            m.qk_nope,
+            m.qk_rope,
+            m.v_head,
+            if t.mla_use_output_gate { "on" } else { "off" }
+        );
+    }
+    if let Some(e) = t.num_experts.filter(|&e| e > 0) {
+        println!(
+            "  MoE: {e} experts, top-{} ({} groups, keep {}), intermediate {}, {}, {} shared",
+            t.num_experts_per_token,
+            t.num_expert_group,
+            t.topk_group,
+            t.moe_intermediate_size.unwrap_or(0),
+            t.routed_expert_hidden_size.map(|l| format!("latent {l}")).unwrap_or_else(|| "no latent".into()),
+            t.num_shared_experts
+        );
+    }
+    println!(
+        "  SiTU beta {}{}, attention residuals {}",
+        t.situ_beta(),
+        t.activation_situ_linear_beta.map(|b| format!(", linear beta {b}")).unwrap_or_default(),
+        t.attn_res_block_size.map(|b| format!("every {b} layers")).unwrap_or_else(|| "off".into())
+    );
+
+    let mut classes: BTreeMap<&str, (usize, u64, u64, BTreeMap<String, u64>)> = BTreeMap::new();
+    for r in model.tensor_records() {
+        let e = classes.entry(tensor_class(&r.path, t)).or_default();
+        e.0 += 1;
+        e.1 += r.params;
+        e.2 += r.bytes;
+        *e.3.entry(fmt_spec(r)).or_default() += r.params;
+    }
+    println!("\n{:<22} {:>7} {:>14} {:>12} {:>10}  formats", "class", "tensors", "params", "bytes", "bits/param");
+    let (mut tp, mut tb, mut tn) = (0u64, 0u64, 0usize);
+    for (class, (n, params, bytes, formats)) in &classes {
+        let f: Vec<String> = formats.keys().cloned().collect();
+        println!(
+            "{class:<22} {n:>7} {params:>14} {:>12} {:>10.3}  {}",
+            fmt_bytes(*bytes),
+            *bytes as f64 * 8.0 / (*params).max(1) as f64,
+            f.join(", ")
+        );
+        tp += params;
+        tb += bytes;
+        tn += n;
+    }
+    println!("{:<22} {tn:>7} {tp:>14} {:>12} {:>10.3}", "total", fmt_bytes(tb), tb as f64 * 8.0 / tp.max(1) as f64);
+    Ok(())
+}
