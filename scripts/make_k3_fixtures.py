@@ -15,6 +15,9 @@ Output, under `mlx-k3/tests/fixtures/k3/` (see the README.md written there for e
     <name>/expected.safetensors      prompt, prefill_logits, decode_tokens, decode_logits, full_logits
     <name>_release/                  the same model under the original release (Hugging Face) tensor names
                                      (mlx-lm's `sanitize` inverted), same config.json and expected.safetensors
+    <name>_mxfp4_release/            a quantized checkpoint in the release's formats (compressed-tensors MXFP4
+                                     routed experts, affine-quantized kv_b_proj), its own config.json and
+                                     expected.safetensors (mlx-lm's load_model of that folder)
     manifest.json                    every fixture with its feature flags, for Rust tests to iterate
     README.md                        what each fixture covers and what expected.safetensors holds
 
@@ -30,7 +33,9 @@ expected.safetensors (T = 12 prompt tokens, N = 16 decode steps, V = 256):
 Every fixture is checked here before it is written: greedy tokens vary, the top-1/top-2 logit gap of each
 greedy step and the router's top-k (and group) selection gaps are far above fp32 noise (so a correct
 reimplementation picks the same tokens and experts), cached decode agrees with the cache-less forward, and
-the release-named copy loads through mlx-lm's sanitize to bit-identical weights and logits.
+the release-named copy loads through mlx-lm's sanitize to bit-identical weights and logits (the quantized
+release checkpoint: to the weights it was built from, except the `embed_q`/`unembed_out` that sanitize
+re-quantizes from `kv_b_proj`).
 
 Run (CPU is fine, a few seconds; the output is byte-identical from run to run):
 
@@ -284,6 +289,84 @@ QUANTIZED = [
         "bits": 6,
     },
 ]
+
+
+# A quantized checkpoint in the release's own formats, the two that mlx-lm's `LanguageModel.sanitize` converts
+# on load: (a) routed experts in compressed-tensors MXFP4 (per expert `w{1,2,3}.weight_packed` uint8 E2M1
+# code pairs + `weight_scale` uint8 E8M0 per 32 inputs), (b) an affine-quantized `kv_b_proj`
+# (`weight`/`scales`/`biases`), which sanitize dequantizes, splits into `embed_q`/`unembed_out` and
+# re-quantizes with the same bits and group size. The other layers are affine-quantized the way
+# `mlx_lm.convert -q` does it with kimi_k3's own predicate (float ones would not fit the size budget). Only
+# the release folder `<name>_release` is written; its expected outputs are what mlx-lm's `load_model` makes
+# of it. (What `mlx_lm.convert` would write from it is checked to round-trip, but not kept: no room.)
+RELEASE_QUANTIZED = [
+    {
+        "name": "a_latent_norm_attnres_mxfp4",
+        "base": "a_latent_norm_attnres",
+        "summary": "fixture a as a quantized release checkpoint: routed experts MXFP4 in the compressed-tensors "
+        "release layout (per-expert `weight_packed`/`weight_scale`), `kv_b_proj` affine 4-bit group 32 "
+        "(sanitize re-quantizes its `embed_q`/`unembed_out` halves), router `gate` affine 8-bit group 64, "
+        "attention-residual projections float, every other linear and the tied embedding affine 4-bit group 32; "
+        "config.json carries only the release's compressed-tensors `quantization_config` (in `text_config`)",
+        "group_size": 32,
+        "bits": 4,
+    },
+]
+
+# What a compressed-tensors MXFP4 release records (llm-compressor's MXFP4 scheme). mlx-lm reads only
+# `quant_method` and `format` (-> default {group_size 32, bits 4, mode mxfp4}) and infers every quantized
+# module's own parameters from its tensors (`infer_quant_config`), which is how it also finds the affine ones.
+MXFP4_WEIGHTS = {
+    "actorder": None,
+    "block_structure": None,
+    "dynamic": False,
+    "group_size": 32,
+    "num_bits": 4,
+    "observer": "minmax",
+    "observer_kwargs": {},
+    "scale_dtype": "torch.uint8",
+    "strategy": "group",
+    "symmetric": True,
+    "type": "float",
+    "zp_dtype": None,
+}
+COMPRESSED_TENSORS_MXFP4 = {
+    "config_groups": {
+        "group_0": {
+            "format": "mxfp4-pack-quantized",
+            "input_activations": None,
+            "output_activations": None,
+            "targets": ["Linear"],
+            "weights": MXFP4_WEIGHTS,
+        }
+    },
+    "format": "mxfp4-pack-quantized",
+    "ignore": [
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+        "re:.*routed_expert_(up|down)_proj.*",
+        "re:.*block_sparse_moe\\.gate$",
+        "re:.*lm_head.*",
+        "re:.*vision_tower.*",
+        "re:.*mm_projector.*",
+    ],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}
+
+
+def mxfp4_release_predicate(path: str, module) -> bool | dict:
+    """MXFP4 routed experts; embed_q/unembed_out float (to_release quantizes the kv_b_proj made from them);
+    otherwise kimi_k3's own predicate (8-bit router, float res projections, affine default elsewhere)."""
+    if ".switch_mlp." in path:
+        return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    if path.endswith(("self_attn.embed_q", "self_attn.unembed_out", "res_proj")):
+        return False
+    if path.endswith("mlp.gate"):
+        return {"group_size": 64, "bits": 8, "mode": "affine"}
+    return True
 
 
 def mixed_predicate(path: str, module) -> bool | dict:
@@ -624,7 +707,7 @@ RES_SITES = ("self_attention_res", "mlp_res", "output_attn_res")
 EXPERT_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
 
-def to_release(sanitized: dict, t: dict) -> dict:
+def to_release(sanitized: dict, t: dict, kv_b_quant: dict | None = None) -> dict:
     """Inverse of mlx-lm's `Model.sanitize`: the names and layouts of the Kimi K3 release.
 
     Text tensors under `language_model.`; per-expert `block_sparse_moe.experts.E.w{1,2,3}`; the router and
@@ -633,6 +716,13 @@ def to_release(sanitized: dict, t: dict) -> dict:
     entries (sanitize keeps the first num_heads); MLA `kv_b_proj` (H*(d_nope+d_v), kv_lora_rank) instead of
     `embed_q`/`unembed_out`; attention-residual `*_res.proj_weight` / `*_res.norm_weight`. Plus tensors the
     loader must drop: a vision tower, a projector, and a layer past num_hidden_layers.
+
+    Quantized input (mlx-lm `.weight`/`.scales`/`.biases` triples) keeps its suffixes, except MXFP4 routed
+    experts (uint8 E8M0 scales), which take the compressed-tensors layout of the release: per expert
+    `w{1,2,3}.weight_packed` (the uint32 code words' bytes, uint8 [out, in/2]) and `w{1,2,3}.weight_scale`
+    (uint8 [out, in/32]); mlx-lm's sanitize stacks them and views the codes as uint32. `embed_q`/
+    `unembed_out` must be float; `kv_b_quant` ({"group_size", "bits"}) affine-quantizes the `kv_b_proj`
+    built from them (sanitize dequantizes it, splits it and re-quantizes both halves).
     """
     lac = t["linear_attn_config"]
     H_kda, d = lac["num_heads"], lac["head_dim"]
@@ -651,9 +741,10 @@ def to_release(sanitized: dict, t: dict) -> dict:
         if parts[:2] == ["model", "layers"]:
             li, rest = int(parts[2]), ".".join(parts[3:])
             lp = f"model.layers.{li}"
-            if rest == "self_attn.qkv_proj.weight":
+            if rest.startswith("self_attn.qkv_proj."):  # weight, or a quantized triple: rows split alike
+                suffix = rest.rsplit(".", 1)[1]
                 for name, part in zip("qkv", mx.split(v, 3, axis=0)):
-                    out[f"{lp}.self_attn.{name}_proj.weight"] = part
+                    out[f"{lp}.self_attn.{name}_proj.{suffix}"] = part
                 continue
             if rest == "self_attn.qkv_conv.conv.weight":  # MLX (C, K, 1) -> torch Conv1d (C, 1, K)
                 for name, part in zip("qkv", mx.split(v, 3, axis=0)):
@@ -663,21 +754,37 @@ def to_release(sanitized: dict, t: dict) -> dict:
                 assert d > H_kda
                 out[f"{lp}.self_attn.A_log"] = mx.concatenate([v, mx.zeros((d - H_kda,), v.dtype)])
                 continue
+            if rest.startswith(("self_attn.embed_q.", "self_attn.unembed_out.")):
+                assert rest.endswith(".weight"), f"{key}: to_release needs float embed_q/unembed_out"
             if rest == "self_attn.embed_q.weight":
                 wk = v.swapaxes(-1, -2)  # (H, d_n, r)
                 wv = sanitized[f"language_model.{lp}.self_attn.unembed_out.weight"]  # (H, d_v, r)
                 kv_b = mx.concatenate([wk, wv], axis=1)
-                out[f"{lp}.self_attn.kv_b_proj.weight"] = mx.contiguous(kv_b.reshape(-1, kv_b.shape[-1]))
-                assert kv_b.shape[:2] == (H, d_n + t["v_head_dim"])
+                kv_b = mx.contiguous(kv_b.reshape(-1, kv_b.shape[-1]))
+                assert kv_b.shape[0] == H * (d_n + t["v_head_dim"])
+                if kv_b_quant is None:
+                    out[f"{lp}.self_attn.kv_b_proj.weight"] = kv_b
+                else:  # affine along kv_lora_rank, as mlx_lm.convert would quantize a kv_b_proj Linear
+                    qw, qs, qb = mx.quantize(kv_b, group_size=kv_b_quant["group_size"], bits=kv_b_quant["bits"])
+                    out[f"{lp}.self_attn.kv_b_proj.weight"] = qw
+                    out[f"{lp}.self_attn.kv_b_proj.scales"] = qs
+                    out[f"{lp}.self_attn.kv_b_proj.biases"] = qb
                 continue
             if rest == "self_attn.unembed_out.weight":
                 continue
             if li in moe_layers and rest.startswith("mlp."):
                 sub = rest[len("mlp.") :]
                 if sub.startswith("switch_mlp."):
-                    proj = sub.split(".")[1]
+                    _, proj, leaf = sub.split(".")
+                    scales = sanitized.get(f"{key.rsplit('.', 1)[0]}.scales")
+                    mxfp4 = scales is not None and scales.dtype == mx.uint8
+                    if mxfp4:  # compressed-tensors MXFP4 (no biases in this mode)
+                        codes = sanitized[f"{key.rsplit('.', 1)[0]}.weight"]  # uint32 words, 8 codes each
+                        assert codes.shape[-1] * 8 == scales.shape[-1] * 32 and leaf in ("weight", "scales")
+                        leaf = {"weight": "weight_packed", "scales": "weight_scale"}[leaf]
                     for e in range(v.shape[0]):
-                        out[f"{lp}.block_sparse_moe.experts.{e}.{EXPERT_NAMES[proj]}.weight"] = v[e]
+                        ve = v[e].view(mx.uint8) if leaf == "weight_packed" else v[e]
+                        out[f"{lp}.block_sparse_moe.experts.{e}.{EXPERT_NAMES[proj]}.{leaf}"] = ve
                 elif sub == "e_score_correction_bias":
                     out[f"{lp}.block_sparse_moe.gate.e_score_correction_bias"] = v
                 else:
@@ -800,7 +907,104 @@ def build_all(out: Path) -> list:
         base_form = next(f["form"] for f in FIXTURES if f["name"] == q["base"])
         entries.append(entry(q["name"], q["summary"], base_form, "mlx", t, loaded_cfg, stats, q["base"]))
         print(f"{q['name']}: {stats}")
+
+    for q in RELEASE_QUANTIZED:
+        entries.extend(build_release_quantized(out, q))
     return entries
+
+
+def module_quant_kinds(model) -> list:
+    """How mlx-lm built each quantized module: distinct {group_size, bits, mode} with module counts."""
+    kinds = {}
+    for path, m in model.named_modules():
+        if hasattr(m, "group_size") and hasattr(m, "bits") and hasattr(m, "mode") and "scales" in m:
+            key = json.dumps({"group_size": m.group_size, "bits": m.bits, "mode": m.mode}, sort_keys=True)
+            kinds.setdefault(key, []).append(path)
+    return [dict(json.loads(k), modules=len(v)) for k, v in sorted(kinds.items())]
+
+
+def build_release_quantized(out: Path, q: dict) -> list:
+    bdir = out / q["base"]
+    fx = next(f for f in FIXTURES if f["name"] == q["base"])
+    model, config = load_model(bdir)
+    t = text_of(config)
+    model, _ = quantize_model(
+        model, config, q["group_size"], q["bits"], mode="affine", quant_predicate=mxfp4_release_predicate
+    )
+    built = params_of(model)
+    del model
+
+    # The release folder: release names and layouts, the release's config (the base config plus the
+    # compressed-tensors quantization_config inside text_config, where mlx-lm's load_model also looks).
+    rdir = out / f"{q['name']}_release"
+    if rdir.exists():
+        shutil.rmtree(rdir)
+    rdir.mkdir()
+    rconfig = make_config(fx)
+    assert "text_config" in rconfig
+    rconfig["text_config"]["quantization_config"] = copy.deepcopy(COMPRESSED_TENSORS_MXFP4)
+    save_config(copy.deepcopy(rconfig), config_path=rdir / "config.json")
+    kv_b_quant = {"group_size": q["group_size"], "bits": q["bits"]}
+    release = to_release(built, t, kv_b_quant=kv_b_quant)
+    mx.save_safetensors(str(rdir / "model.safetensors"), release, metadata={"format": "pt"})
+
+    # The reference: mlx-lm's own loader on the release folder.
+    ref, loaded_cfg = load_model(rdir)
+    assert loaded_cfg["quantization"] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}, loaded_cfg["quantization"]
+    got = params_of(ref)
+    assert got.keys() == built.keys() | {
+        f"{k[: -len('.weight')]}.{s}" for k in built if k.endswith(("embed_q.weight", "unembed_out.weight"))
+        for s in ("scales", "biases")
+    }, set(got) ^ set(built)
+    for k, v in built.items():  # everything but the re-quantized kv_b_proj halves is what was built
+        if "embed_q." in k or "unembed_out." in k:
+            continue
+        assert got[k].dtype == v.dtype and np.array_equal(np.array(got[k]), np.array(v)), k
+    modes = {k["mode"] for k in module_quant_kinds(ref)}
+    assert modes == {"affine", "mxfp4"}, modes
+    for li, layer in enumerate(ref.language_model.model.layers):
+        if li in layer_plan(t)["moe"]:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                assert getattr(layer.mlp.switch_mlp, proj).mode == "mxfp4", (li, proj)
+        if not layer.is_linear:
+            for name in ("embed_q", "unembed_out"):
+                mod = getattr(layer.self_attn, name)
+                assert (mod.mode, mod.bits, mod.group_size) == ("affine", q["bits"], q["group_size"]), (li, name)
+                w = mx.dequantize(mod.weight, mod.scales, mod.biases, group_size=mod.group_size, bits=mod.bits)
+                f = built[f"language_model.model.layers.{li}.self_attn.{name}.weight"]
+                assert float(mx.abs(w - f).max()) < 0.5 * float(mx.abs(f).max()), (li, name)  # same matrix
+
+    exp, stats = choose_prompt_and_run(ref, fx["seed"])
+    exp["prefill_logits_bf16"] = bf16_prefill(load_model(rdir)[0], exp["prompt"])
+    save_expected(rdir / "expected.safetensors", exp, stats)
+    print(f"{rdir.name}: {stats}")
+
+    # What `mlx_lm.convert` (no -q) would write from the release (load_model + save_model + save_config):
+    # checked to load back bit-identical, but not kept (another ~210 KB; the size budget has no room for it).
+    with tempfile.TemporaryDirectory() as tmp:
+        mdir = Path(tmp) / q["name"]
+        write_model_dir(mdir, ref, loaded_cfg)
+        mref, _ = load_model(mdir)
+        a, b = params_of(ref), params_of(mref)
+        assert a.keys() == b.keys(), set(a) ^ set(b)
+        for k in a:
+            assert a[k].dtype == b[k].dtype and np.array_equal(np.array(a[k]), np.array(b[k])), k
+        mexp = run_reference(mref, exp["prompt"])
+        for k in ("prefill_logits", "decode_tokens", "decode_logits", "full_logits"):
+            assert np.array_equal(exp[k], mexp[k]), f"the mlx-lm conversion of {rdir.name} differs in {k}"
+        saved_quantization = json.loads((mdir / "config.json").read_text())["quantization"]
+        assert saved_quantization == loaded_cfg["quantization"], saved_quantization
+    print(f"{rdir.name}: load_model + save_model + load_model round trip bit-identical")
+
+    e = entry(rdir.name, q["summary"], fx["form"], "release", t, loaded_cfg, stats, q["base"])
+    e["quantization"]["module_kinds"] = module_quant_kinds(ref)
+    e["quantization"]["recorded_as"] = (
+        "text_config.quantization_config (compressed-tensors, format mxfp4-pack-quantized), no `quantization` "
+        "key: `default` is what mlx-lm's load_model derives from it, `module_kinds` what it infers per module"
+    )
+    e["release_tensors"] = len(release)
+    e["release_dropped_tensors"] = sorted(set(release) - set(release_kept(release, t)))
+    return [e]
 
 
 def entry(name, summary, form, names, t, config, stats, derived_from) -> dict:
@@ -876,9 +1080,14 @@ def readme(entries: list, root: Path) -> str:
     w("| `model.safetensors.index.json` | written by `save_model` alongside (weight map, total size) |")
     w("| `expected.safetensors` | the reference outputs, below |")
     w(
-        "\n`*_release` folders hold the same model under the original release (Hugging Face) tensor names, "
-        "written with `mx.save_safetensors` (metadata `{\"format\": \"pt\"}`, no index file); their "
-        "`config.json` and `expected.safetensors` are byte copies of the base fixture's.\n"
+        "\n`*_release` folders hold a model under the original release (Hugging Face) tensor names, "
+        "written with `mx.save_safetensors` (metadata `{\"format\": \"pt\"}`, no index file). "
+        f"`{FIXTURES[3]['name']}_release` is fixture d renamed: its `config.json` and `expected.safetensors` "
+        "are byte copies of d's. "
+        + ", ".join(f"`{q['name']}_release`" for q in RELEASE_QUANTIZED)
+        + " is a quantized release checkpoint with no mlx-named twin: its `config.json` is the release's "
+        "(compressed-tensors `quantization_config`, no `quantization`) and its `expected.safetensors` is "
+        "what mlx-lm's `load_model` computes from that folder.\n"
     )
     w("## expected.safetensors\n")
     w(f"T = {PROMPT_LEN} prompt tokens, N = {DECODE_STEPS} decode steps, V = {VOCAB}. Batch size 1 everywhere.\n")
@@ -940,6 +1149,44 @@ def readme(entries: list, root: Path) -> str:
     w("```json\n\"quantization\": " + json.dumps(q4, indent=4) + "\n```\n")
     w("`a_latent_norm_attnres_mixed_2_8` (custom predicate; first entries of " + str(len(mixed)) + "):\n")
     w("```json\n\"quantization\": " + json.dumps(mixed_head, indent=4)[:-2] + ",\n    ...\n}\n```\n")
+    w("### The quantized release checkpoint\n")
+    rq = RELEASE_QUANTIZED[0]
+    rcfg = json.loads((root / f"{rq['name']}_release" / "config.json").read_text())
+    w(
+        f"`{rq['name']}_release` records its quantization the way a compressed-tensors MXFP4 release "
+        "checkpoint does: a compressed-tensors `quantization_config` (here inside `text_config`; mlx-lm's "
+        "`load_model` looks at the top level first, then `text_config`), and no `quantization` key:\n"
+    )
+    w("```json\n\"quantization_config\": " + json.dumps(rcfg["text_config"]["quantization_config"], indent=4)
+      + "\n```\n")
+    w(
+        "mlx-lm 0.32.2 reads only `quant_method` (`compressed-tensors`) and `format` (`mxfp4-pack-quantized` -> "
+        "`{\"group_size\": 32, \"bits\": 4, \"mode\": \"mxfp4\"}`, which it stores as both `quantization` and "
+        "`quantization_config` in the config it returns); `config_groups` and `ignore` are not read. It then "
+        "quantizes exactly the modules whose sanitized weights include `<path>.scales`, each with "
+        "`infer_quant_config`: group size = in_dims / scales' last dim, bits = 32 x packed last dim / in_dims, "
+        "mode affine when the scales are not uint8 (float32 here), else mxfp4 for (4 bits, group 32). No "
+        "per-path entries are needed, so the affine layers (4-bit group 32, the router 8-bit group 64) load "
+        "alongside the MXFP4 experts. Without any quantization config, `load_model` would not quantize and "
+        "would reject the `.scales` tensors. Release tensors:\n"
+    )
+    w(
+        "- routed experts, per expert E and `w1` (gate) / `w2` (down) / `w3` (up): "
+        "`...block_sparse_moe.experts.E.wN.weight_packed` uint8 [out, in/2] (two E2M1 codes a byte, low "
+        "nibble first: the bytes of MLX's uint32 code words) and `...weight_scale` uint8 [out, in/32] (E8M0). "
+        "Sanitize stacks them over E and views the codes as uint32 [E, out, in/8]; the scales stay uint8 "
+        "[E, out, in/32].\n"
+        "- `...self_attn.kv_b_proj.{weight,scales,biases}`: affine 4-bit group 32 of the [H*(qk_nope+v_head), "
+        "kv_lora_rank] matrix, grouped along kv_lora_rank. Sanitize infers bits = 32 x packed last dim / "
+        "kv_lora_rank and group = kv_lora_rank / scales' last dim, dequantizes, splits per head into `embed_q` "
+        "[H, kv_lora_rank, qk_nope] (transposed, so now grouped along qk_nope) and `unembed_out` [H, v_head, "
+        "kv_lora_rank], and quantizes both again with the same bits and group size. The second quantization is "
+        "not an identity for either half (`embed_q`'s groups run along another axis, and even `unembed_out`, "
+        "grouped as before, lands on a different affine grid: its values move by up to ~6% of the largest "
+        "here), so a loader must repeat it exactly.\n"
+        "- every other quantized module: affine `weight`/`scales`/`biases` under its release name (KDA "
+        "`q/k/v_proj` triples are concatenated like the float ones).\n"
+    )
     w("## Fixtures\n")
     for e in entries:
         f = e["features"]
@@ -952,8 +1199,14 @@ def readme(entries: list, root: Path) -> str:
         if e["quantization"]:
             qs = e["quantization"]
             kinds = "; ".join(json.dumps(k, sort_keys=True) for k in qs["override_kinds"])
-            w(f"- quantization: default {json.dumps(qs['default'])}, {qs['override_paths']} per-path "
-              f"overrides of kinds {kinds}")
+            if qs["override_paths"]:
+                w(f"- quantization: default {json.dumps(qs['default'])}, {qs['override_paths']} per-path "
+                  f"overrides of kinds {kinds}")
+            else:
+                w(f"- quantization: default {json.dumps(qs['default'])}, no per-path overrides")
+            if "module_kinds" in qs:
+                w(f"- quantization as mlx-lm infers it per module (no config entries): "
+                  + "; ".join(json.dumps(k) for k in qs["module_kinds"]))
         else:
             w("- quantization: none (float32)")
         if e["names"] == "release":
@@ -972,8 +1225,10 @@ def readme(entries: list, root: Path) -> str:
     for label, fn in COVERAGE_ROWS:
         w(f"| {label} | " + " | ".join("x" if fn(by[n]) else "" for n in names) + " |")
     w(
-        "\n(`d`'s release copy has `d`'s features.) Every float fixture uses float32 weights; "
-        "`a-q4` and `a-mix` are mlx-lm-quantized copies of `a`.\n"
+        "\n(`d`'s release copy has `d`'s features, the quantized release checkpoint "
+        + ", ".join(f"`{q['name']}_release`" for q in RELEASE_QUANTIZED)
+        + " has `a`'s.) Every float fixture uses float32 weights; `a-q4` and `a-mix` are mlx-lm-quantized "
+        "copies of `a`.\n"
     )
     w("## What the generator checks\n")
     w(
@@ -987,6 +1242,11 @@ def readme(entries: list, root: Path) -> str:
         "- mlx-lm's cached prefill/decode agree with its cache-less forward.\n"
         "- The release copy, loaded through `mlx_lm.utils.load_model` (which runs `Model.sanitize`), gives "
         "bit-identical weights and logits.\n"
+        "- The quantized release checkpoint loads through `load_model` to exactly the weights it was built from "
+        "(MXFP4 experts, affine layers), except `embed_q`/`unembed_out`, which are sanitize's re-quantization of "
+        "`kv_b_proj` (checked to be affine with the same bits and group size); every routed expert is mxfp4. "
+        "What `mlx_lm.convert` would save from it (mlx names, `quantization` {group_size 32, bits 4, mode "
+        "mxfp4} and no per-path entries) reloads to bit-identical weights and logits; that copy is not kept.\n"
     )
     w("## mlx-lm behaviour to match\n")
     w(
@@ -1032,7 +1292,9 @@ def main() -> None:
                 "self_attn.qkv_proj, self_attn.embed_q, ...), exactly what mlx_lm.utils.save_model writes",
                 "release": "the original release names (block_sparse_moe.experts.E.w1, q/k/v_proj, "
                 "q/k/v_conv1d, kv_b_proj, *_res.proj_weight, padded A_log, extra tensors to drop); "
-                "mlx-lm's Model.sanitize maps them to the 'mlx' form",
+                "mlx-lm's Model.sanitize maps them to the 'mlx' form. Quantized: routed experts as "
+                "compressed-tensors MXFP4 (experts.E.wN.weight_packed uint8 / weight_scale uint8), kv_b_proj "
+                "as an affine weight/scales/biases triple (sanitize re-quantizes embed_q/unembed_out)",
             },
             "fixtures": entries,
         }

@@ -389,6 +389,24 @@ impl ModelConfig {
                 quantization.per_path.insert(path, pq);
             }
         }
+        // Release checkpoints describe their packing in `quantization_config` (top level or in text_config);
+        // the tensors themselves tell group size, bits and mode, but a packing MLX has no kernels for must
+        // not load as something else (mlx-lm raises on these too).
+        let qc = obj
+            .get("quantization_config")
+            .or_else(|| obj.get("text_config").and_then(|t| t.get("quantization_config")));
+        if let Some(qc) = qc.filter(|_| quantization.default.is_none()) {
+            let method = qc.get("quant_method").and_then(Value::as_str).unwrap_or("");
+            let format = qc.get("format").and_then(Value::as_str).unwrap_or("");
+            if method == "compressed-tensors"
+                && !matches!(format, "mxfp4-pack-quantized" | "nvfp4-pack-quantized" | "pack-quantized")
+            {
+                return Err(fmt(format!(
+                    "quantization_config.format: compressed-tensors format '{format}' is not supported \
+                     (mxfp4-pack-quantized, nvfp4-pack-quantized, pack-quantized); dequantize to bf16 first"
+                )));
+            }
+        }
         Ok(ModelConfig { model_type, text, quantization, raw })
     }
 
