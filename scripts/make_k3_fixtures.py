@@ -80,6 +80,7 @@ _check_pins()
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_map_with_path  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import kimi_k3  # noqa: E402
 from mlx_lm.utils import load_model, quantize_model, save_config, save_model  # noqa: E402
 
@@ -597,6 +598,9 @@ def top_gap(logits: np.ndarray) -> float:
     return float(s[-1] - s[-2])
 
 
+GENERATE_TOKENS = 32
+
+
 def run_reference(model, prompt: np.ndarray) -> dict:
     cache = model.make_cache()
     prefill = model(mx.array(prompt[None]), cache=cache)[0]
@@ -616,13 +620,19 @@ def run_reference(model, prompt: np.ndarray) -> dict:
     seq = np.concatenate([prompt, np.array(fed, dtype=np.int32)])
     full = model(mx.array(seq[None]))[0]
     mx.eval(full)
+    # mlx-lm's own generation loop (greedy, fresh cache, default prefill chunking) for 32 tokens.
+    generated, gen_gaps = [], []
+    for tok_i, logprobs in generate_step(mx.array(prompt), model, max_tokens=GENERATE_TOKENS):
+        generated.append(int(tok_i))
+        gen_gaps.append(top_gap(np.array(logprobs)))
     return {
         "prompt": prompt.astype(np.int32),
         "prefill_logits": prefill.astype(np.float32),
         "decode_tokens": np.array(fed, dtype=np.int32),
         "decode_logits": np.stack(dec).astype(np.float32),
         "full_logits": np.array(full).astype(np.float32),
-        "_greedy_gap": min(gaps),
+        "generate_tokens": np.array(generated, dtype=np.int32),
+        "_greedy_gap": min(gaps + gen_gaps),
         "_next_token": tok,
     }
 
@@ -876,7 +886,7 @@ def build_all(out: Path) -> list:
             for k in a:
                 assert a[k].dtype == b[k].dtype and np.array_equal(np.array(a[k]), np.array(b[k])), k
             rexp = run_reference(rel_model, exp["prompt"])
-            for k in ("prefill_logits", "decode_tokens", "decode_logits", "full_logits"):
+            for k in ("prefill_logits", "decode_tokens", "decode_logits", "full_logits", "generate_tokens"):
                 assert np.array_equal(exp[k], rexp[k]), f"release copy differs in {k}"
             shutil.copyfile(fdir / "expected.safetensors", rdir / "expected.safetensors")
             e = entry(rdir.name, "release-named copy of " + fx["name"], fx["form"], "release", t, config, stats,
@@ -1110,6 +1120,10 @@ def readme(entries: list, root: Path) -> str:
         "`concat(prompt, decode_tokens)` |"
     )
     w(
+        f"| `generate_tokens` | int32 | [{GENERATE_TOKENS}] | the tokens `mlx_lm.generate.generate_step` yields for "
+        "`prompt` with its default (greedy) sampler and a fresh cache |"
+    )
+    w(
         f"| `prefill_logits_bf16` | float32 | [{PROMPT_LEN}, {VOCAB}] | quantized fixtures only: `prefill_logits` "
         "with the model cast to bf16 (mlx-lm's cast_predicate), values stored as f32. Float fixtures have none: "
         "MLX's CPU gather_mm runs f32 only, so mlx-lm cannot run their dense expert stacks in bf16 on a CPU |"
@@ -1286,6 +1300,7 @@ def main() -> None:
                 "decode_logits": ["float32", [DECODE_STEPS, VOCAB]],
                 "full_logits": ["float32", [PROMPT_LEN + DECODE_STEPS, VOCAB]],
                 "prefill_logits_bf16": ["float32", [PROMPT_LEN, VOCAB]],
+                "generate_tokens": ["int32", [GENERATE_TOKENS]],
             },
             "names_forms": {
                 "mlx": "mlx-lm's sanitized names (language_model.model.layers.N.mlp.switch_mlp.gate_proj, "

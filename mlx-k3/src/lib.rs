@@ -26,9 +26,11 @@ mod device;
 mod dtype;
 mod error;
 
+pub mod chat;
 pub mod cli;
 pub mod distributed;
 pub mod fast;
+pub mod generate;
 pub mod io;
 pub mod kernels;
 pub mod memory;
@@ -36,6 +38,7 @@ pub mod model;
 pub mod ops;
 pub mod quant;
 pub mod random;
+pub mod tokenizer;
 
 pub use array::{async_eval, eval, Array};
 pub use device::{current_stream, synchronize, with_device, with_stream, Device, Stream};

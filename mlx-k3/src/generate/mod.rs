@@ -1,0 +1,361 @@
+//! Generation: chunked prefill, a decode loop that enqueues step n+1 before it reads token n (so the
+//! model computes while the host detokenizes, as mlx-lm's `generate_step` does), streaming callbacks,
+//! statistics, stop conditions, and a prompt cache that prefills only what a new prompt adds.
+//!
+//! Everything here runs on the thread that owns the model (arrays are not `Send`); servers talk to that
+//! thread through channels.
+
+pub mod sample;
+
+use std::time::Instant;
+
+use crate::model::{KimiK3, ModelCache};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::{memory, Array, Dtype, Error, Result};
+pub use sample::{Sampler, SamplerConfig};
+
+/// Settings of one generation.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// Stop after this many new tokens.
+    pub max_tokens: usize,
+    /// Sampling.
+    pub sampler: SamplerConfig,
+    /// Prompt tokens per prefill forward (bounds memory on long prompts).
+    pub prefill_chunk: usize,
+    /// Stop when one of these ids is generated (it is not part of the output).
+    pub eos_ids: Vec<u32>,
+    /// Stop when the text contains one of these (the text is cut before it).
+    pub stop_strings: Vec<String>,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_tokens: 256,
+            sampler: SamplerConfig::default(),
+            prefill_chunk: 512,
+            eos_ids: Vec::new(),
+            stop_strings: Vec::new(),
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS id or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The caller's callback asked to stop.
+    Cancelled,
+}
+
+impl FinishReason {
+    /// OpenAI's name (`stop`, `length`; cancellation reports `stop`).
+    pub fn name(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            _ => "stop",
+        }
+    }
+}
+
+/// Timing and memory of one generation.
+#[derive(Clone, Debug, Default)]
+pub struct GenerationStats {
+    /// Tokens of the prompt.
+    pub prompt_tokens: usize,
+    /// Prompt tokens that were actually run through the model (the rest came from the prompt cache).
+    pub prefilled_tokens: usize,
+    /// New tokens produced.
+    pub generated_tokens: usize,
+    /// Seconds from the call to the first new token.
+    pub time_to_first_token: f64,
+    /// Prefilled tokens per second (up to the first token).
+    pub prompt_tps: f64,
+    /// New tokens per second after the first.
+    pub generation_tps: f64,
+    /// MLX's peak memory during the call, in bytes.
+    pub peak_memory: usize,
+}
+
+/// The KV/recurrent state of one conversation, with the tokens it holds, and snapshots taken at the end of
+/// each prefill so a later prompt that shares a prefix can resume there (KDA state cannot be rewound).
+pub struct PromptCache {
+    tokens: Vec<u32>,
+    cache: Option<ModelCache>,
+    snapshots: Vec<(usize, ModelCache)>,
+    max_snapshots: usize,
+}
+
+impl Default for PromptCache {
+    fn default() -> Self {
+        PromptCache { tokens: Vec::new(), cache: None, snapshots: Vec::new(), max_snapshots: 4 }
+    }
+}
+
+impl PromptCache {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Tokens whose state is held.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Bytes held (live state and snapshots; snapshots share most arrays with it).
+    pub fn nbytes(&self) -> usize {
+        self.cache.as_ref().map_or(0, ModelCache::nbytes)
+    }
+
+    /// Makes the state hold a prefix of `prompt` (never all of it: the last token must run to give logits)
+    /// and returns how many prompt tokens it covers.
+    fn prepare(&mut self, model: &KimiK3, prompt: &[u32]) -> Result<usize> {
+        let limit = prompt.len().saturating_sub(1);
+        let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(limit);
+        if self.cache.is_some() && common == self.tokens.len() {
+            return Ok(common);
+        }
+        if let Some(c) = self.cache.as_mut().filter(|c| c.is_trimmable()) {
+            c.trim(self.tokens.len() - common)?;
+            self.tokens.truncate(common);
+            return Ok(common);
+        }
+        // Resume from the longest snapshot that is a prefix of the prompt.
+        let best = self.snapshots.iter().filter(|(n, _)| *n <= common).max_by_key(|(n, _)| *n);
+        match best {
+            Some((n, snap)) => {
+                let n = *n;
+                self.cache = Some(snap.snapshot());
+                self.tokens.truncate(n);
+                Ok(n)
+            }
+            None => {
+                self.cache = Some(model.make_cache());
+                self.tokens.clear();
+                self.snapshots.clear();
+                Ok(0)
+            }
+        }
+    }
+
+    fn remember(&mut self) {
+        if let Some(c) = &self.cache {
+            let n = self.tokens.len();
+            self.snapshots.retain(|(m, _)| *m != n);
+            self.snapshots.push((n, c.snapshot()));
+            if self.snapshots.len() > self.max_snapshots {
+                self.snapshots.remove(0);
+            }
+        }
+    }
+
+    /// Forgets everything.
+    pub fn clear(&mut self) {
+        *self = PromptCache { max_snapshots: self.max_snapshots, ..Default::default() };
+    }
+}
+
+/// One forward step on `tokens` (an int array `[1, T]`): returns (next token `[1]`, log-probs `[1, V]`).
+fn step(
+    model: &KimiK3,
+    cache: &mut ModelCache,
+    tokens: &Array,
+    sampler: &mut Sampler,
+    history: &[u32],
+) -> Result<(Array, Array)> {
+    let logits = model.forward(tokens, Some(cache))?;
+    let t = logits.dim(1)?;
+    let logits = logits.slice_axis(1, t - 1, t)?.squeeze(&[1])?;
+    let logits = sampler.process(&logits, history)?;
+    let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
+    let token = sampler.sample(&logprobs)?;
+    Ok((token, logprobs))
+}
+
+/// What the token callback sees.
+#[derive(Debug)]
+pub struct TokenEvent<'a> {
+    /// The new token.
+    pub token: u32,
+    /// Its log-probabilities over the vocabulary (`[1, V]`, evaluated).
+    pub logprobs: &'a Array,
+}
+
+/// Generates from `prompt` token ids, continuing `pcache`; `on_token` sees each new token (EOS excluded)
+/// and returns false to stop. Returns the new tokens, why generation ended, and statistics.
+pub fn generate_tokens(
+    model: &KimiK3,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    mut on_token: impl FnMut(TokenEvent<'_>) -> bool,
+) -> Result<(Vec<u32>, FinishReason, GenerationStats)> {
+    if prompt.is_empty() {
+        return Err(Error::invalid("generate", "the prompt is empty"));
+    }
+    let vocab = model.config().vocab_size;
+    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::invalid("generate", format!("prompt token {bad} is outside the vocabulary (0..{vocab})")));
+    }
+    opts.sampler.validate(vocab)?;
+    let mut sampler = Sampler::new(opts.sampler.clone())?;
+    memory::reset_peak();
+    let start = Instant::now();
+    let cached = pcache.prepare(model, prompt)?;
+    let mut stats =
+        GenerationStats { prompt_tokens: prompt.len(), prefilled_tokens: prompt.len() - cached, ..Default::default() };
+
+    // Prefill all but the last prompt token in chunks, evaluating the state after each chunk.
+    let chunk = opts.prefill_chunk.max(1);
+    let body_end = prompt.len() - 1;
+    let mut pos = cached;
+    while pos < body_end {
+        let end = (pos + chunk).min(body_end);
+        let ids = ids_array(&prompt[pos..end])?;
+        let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
+        model.forward(&ids, Some(cache))?;
+        crate::eval(&cache.arrays())?;
+        pcache.tokens.extend_from_slice(&prompt[pos..end]);
+        pos = end;
+    }
+    pcache.remember();
+
+    let penalties = opts.sampler.repetition_penalty.is_some_and(|p| p != 1.0)
+        || opts.sampler.presence_penalty.is_some_and(|p| p != 0.0);
+    let mut history: Vec<u32> = prompt.to_vec();
+    let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
+    let (mut y, mut lp) = step(model, cache, &ids_array(&prompt[body_end..])?, &mut sampler, &history)?;
+    pcache.tokens.push(prompt[body_end]);
+    crate::async_eval(&[&y, &lp])?;
+
+    let mut out = Vec::new();
+    let mut reason = FinishReason::Length;
+    let mut t_first = None;
+    while out.len() < opts.max_tokens {
+        // Enqueue the next step before reading this token (not with penalties: they need its value).
+        let more = out.len() + 1 < opts.max_tokens;
+        let mut next = None;
+        if more && !penalties {
+            let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
+            let (ny, nlp) = step(model, cache, &y.reshape(&[1, 1])?, &mut sampler, &history)?;
+            crate::async_eval(&[&ny, &nlp])?;
+            next = Some((ny, nlp));
+        }
+        let token = y.item::<u32>()?;
+        if next.is_some() {
+            pcache.tokens.push(token);
+        }
+        if t_first.is_none() {
+            let t = start.elapsed().as_secs_f64();
+            t_first = Some(Instant::now());
+            stats.time_to_first_token = t;
+            stats.prompt_tps = stats.prefilled_tokens as f64 / t.max(1e-9);
+        }
+        history.push(token);
+        if opts.eos_ids.contains(&token) {
+            reason = FinishReason::Stop;
+            break;
+        }
+        out.push(token);
+        if !on_token(TokenEvent { token, logprobs: &lp }) {
+            reason = FinishReason::Cancelled;
+            break;
+        }
+        match next {
+            Some((ny, nlp)) => (y, lp) = (ny, nlp),
+            None if more => {
+                let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
+                (y, lp) = step(model, cache, &ids_array(&[token])?, &mut sampler, &history)?;
+                pcache.tokens.push(token);
+            }
+            None => break,
+        }
+    }
+    if let Some(c) = pcache.cache.as_ref() {
+        crate::eval(&c.arrays())?;
+    }
+    stats.generated_tokens = out.len();
+    if let Some(t0) = t_first {
+        let dt = t0.elapsed().as_secs_f64();
+        if out.len() > 1 {
+            stats.generation_tps = (out.len() - 1) as f64 / dt.max(1e-9);
+        }
+    }
+    stats.peak_memory = memory::peak();
+    Ok((out, reason, stats))
+}
+
+fn ids_array(ids: &[u32]) -> Result<Array> {
+    Array::from_slice(ids, &[1, ids.len() as i32])?.astype(Dtype::I32)
+}
+
+/// The result of [`generate_text`].
+#[derive(Clone, Debug)]
+pub struct TextGeneration {
+    /// The text (cut before a stop string).
+    pub text: String,
+    /// The new token ids.
+    pub tokens: Vec<u32>,
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+    /// Timing and memory.
+    pub stats: GenerationStats,
+}
+
+/// Generates text: tokens are detokenized as they arrive ([`StreamDecoder`]), stop strings end the text
+/// (text that could still become a stop string is held back until it is clear), and `on_text` receives
+/// each piece; it returns false to stop.
+pub fn generate_text(
+    model: &KimiK3,
+    tokenizer: &Tokenizer,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    mut on_text: impl FnMut(&str) -> bool,
+) -> Result<TextGeneration> {
+    let mut dec = StreamDecoder::new();
+    let mut text = String::new();
+    let mut emitted = 0usize;
+    let mut stopped = false;
+    let longest_stop = opts.stop_strings.iter().map(String::len).max().unwrap_or(0);
+    let mut error = None;
+    let (tokens, mut reason, stats) = generate_tokens(model, pcache, prompt, opts, |ev| {
+        let Some(bytes) = tokenizer.token_bytes(ev.token) else {
+            error = Some(Error::invalid("generate", format!("token {} has no text", ev.token)));
+            return false;
+        };
+        text.push_str(&dec.push(&bytes));
+        if let Some(cut) = opts.stop_strings.iter().filter_map(|s| text.find(s.as_str())).min() {
+            text.truncate(cut);
+            stopped = true;
+        }
+        // Hold back a tail that might still grow into a stop string.
+        let mut safe = if stopped { text.len() } else { text.len().saturating_sub(longest_stop.saturating_sub(1)) };
+        while !text.is_char_boundary(safe) {
+            safe -= 1;
+        }
+        let mut go_on = !stopped;
+        if safe > emitted {
+            go_on &= on_text(&text[emitted..safe]);
+            emitted = safe;
+        }
+        go_on
+    })?;
+    if let Some(e) = error {
+        return Err(e);
+    }
+    if stopped {
+        reason = FinishReason::Stop;
+    } else {
+        text.push_str(&dec.finish());
+        if text.len() > emitted {
+            on_text(&text[emitted..]);
+        }
+    }
+    Ok(TextGeneration { text, tokens, finish_reason: reason, stats })
+}

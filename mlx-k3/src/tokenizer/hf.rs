@@ -1,0 +1,67 @@
+//! Hugging Face `tokenizer.json` through the `tokenizers` crate (for model families other than Kimi).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::{Error, Result};
+
+/// A `tokenizer.json` tokenizer.
+pub struct HfTokenizer {
+    inner: tokenizers::Tokenizer,
+    path: std::path::PathBuf,
+}
+
+impl HfTokenizer {
+    /// Loads `tokenizer.json`.
+    pub fn load(path: &Path) -> Result<HfTokenizer> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| Error::Format { path: path.to_path_buf(), message: e.to_string() })?;
+        Ok(HfTokenizer { inner, path: path.to_path_buf() })
+    }
+
+    /// Encodes without adding BOS/EOS (chat templates add what they need).
+    pub fn encode(&self, text: &str, allow_special: bool) -> Result<Vec<u32>> {
+        let enc = if allow_special {
+            self.inner.encode(text, false)
+        } else {
+            // Split special-token strings as ordinary text.
+            self.inner.encode_fast(text, false)
+        };
+        enc.map(|e| e.get_ids().to_vec())
+            .map_err(|e| Error::Format { path: self.path.clone(), message: format!("encode: {e}") })
+    }
+
+    /// Bytes of token `id`, through the tokenizer's decoder (byte-level BPE maps back to raw bytes).
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let tok = self.inner.id_to_token(id)?;
+        if self.is_special(id) {
+            return Some(tok.into_bytes());
+        }
+        self.inner.decode(&[id], false).ok().map(String::into_bytes).or(Some(tok.into_bytes()))
+    }
+
+    /// The id of a token.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Added special tokens.
+    pub fn special_tokens(&self) -> BTreeMap<String, u32> {
+        self.inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, t)| (t.content, id))
+            .collect()
+    }
+
+    /// Whether `id` is an added special token.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.inner.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special)
+    }
+}
