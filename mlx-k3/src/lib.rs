@@ -29,6 +29,7 @@ mod error;
 pub mod chat;
 pub mod cli;
 pub mod distributed;
+pub mod engine;
 pub mod fast;
 pub mod generate;
 pub mod io;

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod dist_check;
+pub mod gen;
 mod info;
 pub mod inspect;
 mod logits;
@@ -24,6 +25,10 @@ enum Command {
     /// Check MLX distributed set-up: every rank all_sums and all_gathers a known array and verifies the
     /// result. Start it with MLX's launcher, e.g. `mlx.launch -n 2 --backend ring $(which mlx-k3) dist-check`.
     DistCheck(dist_check::Args),
+    /// Generate text from a prompt (streamed), then print statistics.
+    Generate(gen::GenerateArgs),
+    /// Interactive chat with history and prompt-cache reuse between turns.
+    Chat(gen::ChatArgs),
     /// Summarize a checkpoint: architecture, and per tensor class the parameters, bytes, bits per parameter
     /// and formats (reads only headers, no tensor data).
     Inspect(inspect::Args),
@@ -38,6 +43,8 @@ pub fn main() -> ExitCode {
         Command::Info => info::run(),
         Command::DistCheck(args) => dist_check::run(args),
         Command::Inspect(args) => inspect::run(args),
+        Command::Generate(args) => gen::generate(args),
+        Command::Chat(args) => gen::chat(args),
         Command::Logits(args) => logits::run(args),
     };
     match result {

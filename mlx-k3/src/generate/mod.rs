@@ -5,6 +5,7 @@
 //! Everything here runs on the thread that owns the model (arrays are not `Send`); servers talk to that
 //! thread through channels.
 
+mod pipeline;
 pub mod sample;
 
 use std::time::Instant;
@@ -12,6 +13,7 @@ use std::time::Instant;
 use crate::model::{KimiK3, ModelCache};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{memory, Array, Dtype, Error, Result};
+pub use pipeline::Pipeline;
 pub use sample::{Sampler, SamplerConfig};
 
 /// Settings of one generation.

@@ -1,0 +1,235 @@
+//! `mlx-k3 generate` and `mlx-k3 chat`.
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+
+use clap::Args as ClapArgs;
+
+use crate::chat::{ChatMessage, ThinkingEffort};
+use crate::generate::{GenerateOptions, GenerationStats, Pipeline, PromptCache, SamplerConfig};
+use crate::model::LoadOptions;
+use crate::{Dtype, Error, Result};
+
+/// Model and sampling flags shared by `generate` and `chat`.
+#[derive(ClapArgs, Debug, Clone)]
+pub struct ModelArgs {
+    /// Checkpoint folder (config.json, model*.safetensors, tokenizer).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Activation dtype: float32, bfloat16 or float16 (default: float32 on a CPU, bfloat16 on a GPU).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// New tokens at most.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long = "temp", default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass (0 or 1 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub top_p: f32,
+    /// Keep the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Drop tokens below min_p x the top probability (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Multiplicative penalty on recent tokens (1 = off).
+    #[arg(long)]
+    pub repetition_penalty: Option<f32>,
+    /// Additive penalty on recent tokens.
+    #[arg(long)]
+    pub presence_penalty: Option<f32>,
+    /// Recent tokens the penalties look at.
+    #[arg(long, default_value_t = 20)]
+    pub penalty_context: usize,
+    /// Random seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Stop at this text (repeatable).
+    #[arg(long = "stop")]
+    pub stop: Vec<String>,
+    /// Prompt tokens per prefill step.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+    /// Thinking effort for chat prompts: off, low, high or max.
+    #[arg(long, default_value = "high")]
+    pub thinking_effort: String,
+    /// A system message for chat prompts.
+    #[arg(long)]
+    pub system: Option<String>,
+}
+
+impl ModelArgs {
+    fn load(&self) -> Result<Pipeline> {
+        let dtype = match self.dtype.as_deref() {
+            None => None,
+            Some(n) => Some(
+                Dtype::from_name(n)
+                    .filter(|d| d.is_float())
+                    .ok_or_else(|| Error::invalid("cli", format!("--dtype: '{n}' is not a float dtype")))?,
+            ),
+        };
+        load_with_progress(&self.model, LoadOptions { dtype, lazy: false })
+    }
+
+    fn options(&self) -> GenerateOptions {
+        GenerateOptions {
+            max_tokens: self.max_tokens,
+            sampler: SamplerConfig {
+                temperature: self.temperature,
+                top_p: self.top_p,
+                top_k: self.top_k,
+                min_p: self.min_p,
+                repetition_penalty: self.repetition_penalty,
+                presence_penalty: self.presence_penalty,
+                penalty_context: self.penalty_context,
+                logit_bias: Vec::new(),
+                seed: self.seed,
+            },
+            prefill_chunk: self.prefill_chunk,
+            eos_ids: Vec::new(),
+            stop_strings: self.stop.clone(),
+        }
+    }
+
+    fn thinking(&self) -> Result<ThinkingEffort> {
+        ThinkingEffort::from_name(&self.thinking_effort).ok_or_else(|| {
+            Error::invalid("cli", format!("--thinking-effort: '{}' is not off, low, high or max", self.thinking_effort))
+        })
+    }
+}
+
+/// Loads a checkpoint with a progress bar over its layers (on a terminal).
+pub fn load_with_progress(dir: &Path, opts: LoadOptions) -> Result<Pipeline> {
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_message(dir.display().to_string());
+    let p = Pipeline::load(dir, opts, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    });
+    bar.finish_and_clear();
+    p
+}
+
+/// Prints generation statistics to stderr.
+pub fn print_stats(s: &GenerationStats) {
+    eprintln!(
+        "prompt: {} tokens ({} prefilled), {:.1} tok/s | generation: {} tokens, {:.1} tok/s | first token {:.3} s | peak memory {:.1} MiB",
+        s.prompt_tokens,
+        s.prefilled_tokens,
+        s.prompt_tps,
+        s.generated_tokens,
+        s.generation_tps,
+        s.time_to_first_token,
+        s.peak_memory as f64 / (1 << 20) as f64
+    );
+}
+
+/// Options of `generate`.
+#[derive(ClapArgs, Debug)]
+pub(super) struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt.
+    #[arg(long)]
+    prompt: String,
+    /// Render the prompt as a user message with the chat encoding (default when the checkpoint has a chat
+    /// template or Kimi K3's chat tokens).
+    #[arg(long, conflicts_with = "raw")]
+    chat: bool,
+    /// Use the prompt text as is.
+    #[arg(long)]
+    raw: bool,
+}
+
+pub(super) fn generate(args: GenerateArgs) -> Result<()> {
+    let p = args.model.load()?;
+    let thinking = args.model.thinking()?;
+    let use_chat = args.chat || (!args.raw && p.chat_by_default());
+    let ids = if use_chat {
+        let mut msgs = Vec::new();
+        if let Some(s) = &args.model.system {
+            msgs.push(ChatMessage::new("system", s));
+        }
+        msgs.push(ChatMessage::new("user", &args.prompt));
+        p.encode_chat(&msgs, None, thinking)?
+    } else {
+        p.encode_raw(&args.prompt)?
+    };
+    let mut out = std::io::stdout();
+    if !use_chat {
+        // A raw prompt is continued: show it, then the continuation.
+        print!("{}", args.prompt);
+    }
+    let r = p.generate(&mut PromptCache::new(), &ids, &args.model.options(), |piece| {
+        print!("{piece}");
+        out.flush().is_ok()
+    })?;
+    println!();
+    if use_chat {
+        let parsed = p.parse_reply(&r.text, thinking);
+        for c in &parsed.tool_calls {
+            println!("[tool call] {}({})", c.function.name, c.function.arguments);
+        }
+    }
+    print_stats(&r.stats);
+    Ok(())
+}
+
+/// Options of `chat`.
+#[derive(ClapArgs, Debug)]
+pub(super) struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+pub(super) fn chat(args: ChatArgs) -> Result<()> {
+    let p = args.model.load()?;
+    let thinking = args.model.thinking()?;
+    let opts = args.model.options();
+    let mut history: Vec<ChatMessage> = Vec::new();
+    if let Some(s) = &args.model.system {
+        history.push(ChatMessage::new("system", s));
+    }
+    let mut cache = PromptCache::new();
+    eprintln!("chatting with {} (/clear resets the conversation, /exit or end of input quits)", p.dir.display());
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    loop {
+        print!("> ");
+        out.flush().ok();
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line).map_err(|e| Error::invalid("chat", e.to_string()))? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        match line.trim() {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/clear" => {
+                history.retain(|m| m.role == "system");
+                cache.clear();
+                continue;
+            }
+            _ => {}
+        }
+        history.push(ChatMessage::new("user", line));
+        let ids = p.encode_chat(&history, None, thinking)?;
+        let r = p.generate(&mut cache, &ids, &opts, |piece| {
+            print!("{piece}");
+            out.flush().is_ok()
+        })?;
+        println!();
+        let parsed = p.parse_reply(&r.text, thinking);
+        let mut reply = ChatMessage::new("assistant", &parsed.content);
+        reply.tool_calls = parsed.tool_calls;
+        history.push(reply);
+        print_stats(&r.stats);
+    }
+    Ok(())
+}

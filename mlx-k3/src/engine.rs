@@ -1,0 +1,351 @@
+//! The engine thread: one thread loads and owns the model (MLX arrays are not `Send`) and serves
+//! generation requests from a bounded queue; callers on any thread submit requests and receive a stream of
+//! [`Event`]s on a channel. Dropping the receiver (a client that went away) or setting the request's cancel
+//! flag stops its generation at the next token. Conversations named by a session id keep their prompt cache
+//! between requests, evicting least-recently-used sessions beyond a byte budget.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use serde_json::Value;
+
+use crate::chat::{ChatMessage, ParsedOutput, ThinkingEffort};
+use crate::generate::{GenerateOptions, Pipeline, PromptCache, TextGeneration};
+use crate::model::LoadOptions;
+use crate::{Error, Result};
+
+/// What to generate from.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    /// Raw text, continued as is.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// A conversation rendered with the checkpoint's chat encoding.
+    Chat {
+        /// The messages.
+        messages: Vec<ChatMessage>,
+        /// OpenAI tool definitions.
+        tools: Option<Value>,
+        /// Thinking effort.
+        thinking: ThinkingEffort,
+    },
+}
+
+/// One generation request.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Generation settings (the checkpoint's EOS ids are added).
+    pub options: GenerateOptions,
+    /// Keep and reuse this conversation's cache under this id.
+    pub session: Option<String>,
+    /// Set to stop the generation early.
+    pub cancel: Arc<AtomicBool>,
+}
+
+impl Request {
+    /// A request without session or cancel flag.
+    pub fn new(prompt: Prompt, options: GenerateOptions) -> Self {
+        Request { prompt, options, session: None, cancel: Arc::new(AtomicBool::new(false)) }
+    }
+}
+
+/// Whose fault a failed request is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The request itself is invalid (bad ids, too long, bad sampler settings).
+    BadRequest,
+    /// Something failed inside the engine.
+    Internal,
+}
+
+/// What a request's receiver gets, in order: `Started`, any number of `Text`, then `Done` or `Failed`.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// The prompt was accepted.
+    Started {
+        /// Prompt tokens.
+        prompt_tokens: usize,
+    },
+    /// A piece of generated text.
+    Text(String),
+    /// Generation finished.
+    Done {
+        /// The whole result.
+        result: Box<TextGeneration>,
+        /// For chat prompts: reasoning, answer and tool calls.
+        parsed: Option<ParsedOutput>,
+    },
+    /// The request failed.
+    Failed {
+        /// Whose fault.
+        kind: FailureKind,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// Facts about the loaded model.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    /// A name for the API (the folder name).
+    pub id: String,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Longest sequence the model accepts.
+    pub max_context: usize,
+    /// Whether chat prompts use a template or Kimi K3's chat tokens by default.
+    pub chat_by_default: bool,
+}
+
+/// Engine settings.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Checkpoint folder.
+    pub model_dir: PathBuf,
+    /// Load options.
+    pub load: LoadOptions,
+    /// Requests that may wait (beyond the one running) before `submit` refuses.
+    pub max_queue: usize,
+    /// Bytes of session caches kept before least-recently-used sessions are dropped.
+    pub session_cache_bytes: usize,
+}
+
+/// Counters the engine keeps (for `/metrics`).
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    /// Requests completed.
+    pub requests: AtomicU64,
+    /// Requests that failed.
+    pub failures: AtomicU64,
+    /// Prompt tokens seen.
+    pub prompt_tokens: AtomicU64,
+    /// Prompt tokens served from a session cache.
+    pub cached_tokens: AtomicU64,
+    /// Tokens generated.
+    pub generated_tokens: AtomicU64,
+    /// Sessions whose cache was reused.
+    pub cache_hits: AtomicU64,
+    /// Requests waiting or running.
+    pub queued: AtomicUsize,
+    /// Last generation speed, tokens/s x 1000.
+    pub last_generation_tps_milli: AtomicU64,
+}
+
+struct Job {
+    request: Request,
+    events: SyncSender<Event>,
+}
+
+/// A handle to the engine thread; cheap to clone, usable from any thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: SyncSender<Job>,
+    info: ModelInfo,
+    stats: Arc<EngineStats>,
+    _thread: Arc<JoinOnDrop>,
+}
+
+struct JoinOnDrop(Option<JoinHandle<()>>);
+
+impl Drop for JoinOnDrop {
+    fn drop(&mut self) {
+        // The sender side is gone when the last handle drops; the thread then exits its loop.
+        if let Some(h) = self.0.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Starts the engine thread and waits until the model is loaded (or failed to load).
+    pub fn spawn(cfg: EngineConfig) -> Result<EngineHandle> {
+        let (tx, rx) = mpsc::sync_channel::<Job>(cfg.max_queue.max(1));
+        let (ready_tx, ready_rx) = mpsc::channel::<std::result::Result<ModelInfo, String>>();
+        let stats = Arc::new(EngineStats::default());
+        let thread_stats = stats.clone();
+        let thread = std::thread::Builder::new()
+            .name("mlx-k3-engine".into())
+            .spawn(move || {
+                let pipeline = match Pipeline::load(&cfg.model_dir, cfg.load, &mut |_, _| {}) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e.to_string()));
+                        return;
+                    }
+                };
+                let info = ModelInfo {
+                    id: cfg
+                        .model_dir
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_else(|| "model".into()),
+                    vocab_size: pipeline.model.config().vocab_size,
+                    max_context: pipeline.model.config().max_position_embeddings,
+                    chat_by_default: pipeline.chat_by_default(),
+                };
+                if ready_tx.send(Ok(info)).is_err() {
+                    return;
+                }
+                let mut sessions = Sessions { map: HashMap::new(), budget: cfg.session_cache_bytes, clock: 0 };
+                while let Ok(job) = rx.recv() {
+                    serve(&pipeline, &mut sessions, job, &thread_stats);
+                    thread_stats.queued.fetch_sub(1, Ordering::SeqCst);
+                }
+            })
+            .map_err(|e| Error::invalid("engine", format!("cannot start the engine thread: {e}")))?;
+        let info = match ready_rx.recv() {
+            Ok(Ok(info)) => info,
+            Ok(Err(msg)) => {
+                let _ = thread.join();
+                return Err(Error::invalid("engine", msg));
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(Error::invalid("engine", "the engine thread died while loading"));
+            }
+        };
+        Ok(EngineHandle { tx, info, stats, _thread: Arc::new(JoinOnDrop(Some(thread))) })
+    }
+
+    /// The loaded model.
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// The engine's counters.
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// Queues `request`; events arrive on the returned receiver. Fails at once when the queue is full.
+    pub fn submit(&self, request: Request) -> std::result::Result<Receiver<Event>, SubmitError> {
+        let (events, rx) = mpsc::sync_channel(1024);
+        self.stats.queued.fetch_add(1, Ordering::SeqCst);
+        match self.tx.try_send(Job { request, events }) {
+            Ok(()) => Ok(rx),
+            Err(e) => {
+                self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+                Err(match e {
+                    TrySendError::Full(_) => SubmitError::QueueFull,
+                    TrySendError::Disconnected(_) => SubmitError::Stopped,
+                })
+            }
+        }
+    }
+}
+
+/// Why a request was not queued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// Too many requests are waiting.
+    #[error("the request queue is full")]
+    QueueFull,
+    /// The engine thread has stopped.
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+struct Sessions {
+    map: HashMap<String, (PromptCache, u64)>,
+    budget: usize,
+    clock: u64,
+}
+
+impl Sessions {
+    fn take(&mut self, id: &str) -> Option<PromptCache> {
+        self.map.remove(id).map(|(c, _)| c)
+    }
+
+    fn put(&mut self, id: String, cache: PromptCache) {
+        self.clock += 1;
+        self.map.insert(id, (cache, self.clock));
+        // Evict least-recently-used sessions until the byte budget holds (the newest always stays).
+        loop {
+            let total: usize = self.map.values().map(|(c, _)| c.nbytes()).sum();
+            if total <= self.budget || self.map.len() <= 1 {
+                break;
+            }
+            let oldest = self.map.iter().min_by_key(|(_, (_, t))| *t).map(|(k, _)| k.clone());
+            match oldest {
+                Some(k) => {
+                    self.map.remove(&k);
+                }
+                None => break,
+            }
+        }
+    }
+}
+
+fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats) {
+    let Job { request, events } = job;
+    let fail = |kind, message: String| {
+        stats.failures.fetch_add(1, Ordering::Relaxed);
+        let _ = events.send(Event::Failed { kind, message });
+    };
+    if request.cancel.load(Ordering::SeqCst) {
+        return;
+    }
+    let (ids, thinking) = match &request.prompt {
+        Prompt::Text(t) => (p.encode_raw(t), None),
+        Prompt::Tokens(t) => (Ok(t.clone()), None),
+        Prompt::Chat { messages, tools, thinking } => {
+            (p.encode_chat(messages, tools.as_ref(), *thinking), Some(*thinking))
+        }
+    };
+    let ids = match ids {
+        Ok(ids) => ids,
+        Err(e) => return fail(FailureKind::BadRequest, e.to_string()),
+    };
+    let max_ctx = p.model.config().max_position_embeddings;
+    if ids.len() + request.options.max_tokens.min(1) > max_ctx {
+        return fail(
+            FailureKind::BadRequest,
+            format!("the prompt has {} tokens; the model's context is {max_ctx}", ids.len()),
+        );
+    }
+    if events.send(Event::Started { prompt_tokens: ids.len() }).is_err() {
+        return;
+    }
+    let mut cache = match &request.session {
+        Some(s) => sessions.take(s).unwrap_or_default(),
+        None => PromptCache::new(),
+    };
+    let cancel = request.cancel.clone();
+    let result = p.generate(&mut cache, &ids, &request.options, |piece| {
+        !cancel.load(Ordering::SeqCst) && events.send(Event::Text(piece.to_string())).is_ok()
+    });
+    match result {
+        Ok(r) => {
+            stats.requests.fetch_add(1, Ordering::Relaxed);
+            stats.prompt_tokens.fetch_add(r.stats.prompt_tokens as u64, Ordering::Relaxed);
+            let cached = r.stats.prompt_tokens - r.stats.prefilled_tokens;
+            stats.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
+            if cached > 0 {
+                stats.cache_hits.fetch_add(1, Ordering::Relaxed);
+            }
+            stats.generated_tokens.fetch_add(r.stats.generated_tokens as u64, Ordering::Relaxed);
+            stats.last_generation_tps_milli.store((r.stats.generation_tps * 1000.0) as u64, Ordering::Relaxed);
+            let parsed = thinking.map(|t| p.parse_reply(&r.text, t));
+            let _ = events.send(Event::Done { result: Box::new(r), parsed });
+        }
+        Err(e) => {
+            let kind = match e {
+                Error::InvalidArgument { .. } => FailureKind::BadRequest,
+                _ => FailureKind::Internal,
+            };
+            // A failed step may leave the cache half-updated: never keep it.
+            cache.clear();
+            fail(kind, e.to_string());
+        }
+    }
+    if let Some(s) = request.session {
+        sessions.put(s, cache);
+    }
+}

@@ -1,0 +1,106 @@
+//! A checkpoint ready to chat with: model, tokenizer, chat encoding and end-of-sequence ids.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::{generate_text, GenerateOptions, PromptCache, TextGeneration};
+use crate::chat::{ChatEncoder, ChatFormat, ChatMessage, ParsedOutput, ThinkingEffort};
+use crate::model::{KimiK3, LoadOptions, ModelConfig};
+use crate::tokenizer::{Tokenizer, TokenizerConfig};
+use crate::Result;
+
+/// Model, tokenizer and chat encoding of one checkpoint folder.
+pub struct Pipeline {
+    /// The model.
+    pub model: KimiK3,
+    /// Its tokenizer.
+    pub tokenizer: Tokenizer,
+    /// Tokenizer settings (EOS ids, template).
+    pub tokenizer_config: TokenizerConfig,
+    /// The chat encoding.
+    pub chat: ChatEncoder,
+    /// Where it was loaded from.
+    pub dir: PathBuf,
+}
+
+impl Pipeline {
+    /// Loads `dir`; `progress(done, total)` is called as layers load.
+    pub fn load(dir: &Path, opts: LoadOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<Pipeline> {
+        let cfg = ModelConfig::load(dir)?;
+        let (tokenizer, tokenizer_config) = Tokenizer::load(dir)?;
+        let model = KimiK3::load_with_config(dir, &cfg, opts, progress)?;
+        let chat = ChatEncoder::new(
+            &tokenizer,
+            tokenizer_config.chat_template.as_deref(),
+            tokenizer_config.bos_token.clone(),
+            tokenizer_config.eos_token.clone(),
+        )?;
+        let mut eos = tokenizer_config.eos_token_ids.clone();
+        // Chat turns end with the format's end-of-message token even when generation_config omits it.
+        for t in ["<|im_end|>", "<|end_of_msg|>"] {
+            if let Some(id) = tokenizer.token_to_id(t).filter(|id| tokenizer.is_special(*id)) {
+                if !eos.contains(&id) {
+                    eos.push(id);
+                }
+            }
+        }
+        let mut tokenizer_config = tokenizer_config;
+        tokenizer_config.eos_token_ids = eos;
+        Ok(Pipeline { model, tokenizer, tokenizer_config, chat, dir: dir.to_path_buf() })
+    }
+
+    /// Whether prompts should go through the chat encoding by default (a template, or Kimi K3's XTML tokens).
+    pub fn chat_by_default(&self) -> bool {
+        matches!(self.chat.format(), ChatFormat::Template(_) | ChatFormat::KimiXtml)
+    }
+
+    /// Token ids of a raw prompt (BOS added when the tokenizer config asks for it).
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        if self.tokenizer_config.add_bos_token {
+            if let Some(id) = self.tokenizer_config.bos_token.as_deref().and_then(|b| self.tokenizer.token_to_id(b)) {
+                ids.push(id);
+            }
+        }
+        ids.extend(self.tokenizer.encode(text, true)?);
+        Ok(ids)
+    }
+
+    /// Token ids of a conversation rendered with the chat encoding and a generation prompt.
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        thinking: ThinkingEffort,
+    ) -> Result<Vec<u32>> {
+        let text = self.chat.render(messages, tools, true, thinking)?;
+        self.tokenizer.encode(&text, true)
+    }
+
+    /// Options with this checkpoint's EOS ids added.
+    pub fn options(&self, mut opts: GenerateOptions) -> GenerateOptions {
+        for id in &self.tokenizer_config.eos_token_ids {
+            if !opts.eos_ids.contains(id) {
+                opts.eos_ids.push(*id);
+            }
+        }
+        opts
+    }
+
+    /// Generates text for `prompt` ids, streaming pieces to `on_text`.
+    pub fn generate(
+        &self,
+        cache: &mut PromptCache,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<TextGeneration> {
+        generate_text(&self.model, &self.tokenizer, cache, prompt, &self.options(opts.clone()), on_text)
+    }
+
+    /// Splits a chat reply into reasoning, answer and tool calls.
+    pub fn parse_reply(&self, text: &str, thinking: ThinkingEffort) -> ParsedOutput {
+        self.chat.parse(text, thinking)
+    }
+}
