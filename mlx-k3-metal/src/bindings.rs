@@ -15,6 +15,63 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn k3_codebook_qmm(
+        res: *mut k3_array,
+        x: k3_array,
+        codes: k3_array,
+        qh: k3_array,
+        scales: k3_array,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_gather_codebook_qmm(
+        res: *mut k3_array,
+        x: k3_array,
+        codes: k3_array,
+        qh: k3_array,
+        scales: k3_array,
+        lhs: k3_array,
+        rhs: k3_array,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_fast_quantized_matmul(
+        res: *mut k3_array,
+        x: k3_array,
+        w: k3_array,
+        scales: k3_array,
+        biases: k3_array,
+        group_size: ::std::os::raw::c_int,
+        bits: ::std::os::raw::c_int,
+        mode: *const ::std::os::raw::c_char,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_fast_gather_qmm(
+        res: *mut k3_array,
+        x: k3_array,
+        w: k3_array,
+        scales: k3_array,
+        biases: k3_array,
+        lhs: k3_array,
+        rhs: k3_array,
+        group_size: ::std::os::raw::c_int,
+        bits: ::std::os::raw::c_int,
+        mode: *const ::std::os::raw::c_char,
+        sorted_indices: bool,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_iq1s_grid_data(res: *mut *const u64) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_kernels_force_scalar(on: bool) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn k3_kernels_set_num_threads(n: ::std::os::raw::c_int) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {

@@ -28,10 +28,12 @@ mod error;
 
 pub mod chat;
 pub mod cli;
+pub mod codebook;
 pub mod distributed;
 pub mod engine;
 pub mod fast;
 pub mod generate;
+pub mod gguf;
 pub mod io;
 pub mod kernels;
 pub mod memory;

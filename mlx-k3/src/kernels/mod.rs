@@ -16,3 +16,73 @@ pub fn set_num_threads(n: usize) {
     // SAFETY: plain call.
     unsafe { mlx_k3_metal::k3_kernels_set_num_threads(n.min(i32::MAX as usize) as i32) };
 }
+
+/// Turns the kernels' SIMD paths off (`true`) or back on, so tests can check the scalar paths on SIMD CPUs.
+pub fn force_scalar(on: bool) {
+    // SAFETY: plain call.
+    unsafe { mlx_k3_metal::k3_kernels_force_scalar(on) };
+}
+
+/// `x @ Wᵀ` for an MLX-quantized weight through the project's CPU kernels where they apply (affine 2/4/8-bit,
+/// mxfp4, on AVX2+FMA), else MLX's own `quantized_matmul`; same layouts either way.
+pub fn quantized_matmul(
+    x: &crate::Array,
+    q: &crate::quant::Quantized,
+    spec: crate::quant::QuantSpec,
+) -> crate::Result<crate::Array> {
+    let st = crate::array::s();
+    let mode = quant_mode_c(spec.mode);
+    // SAFETY: live handles (or null) in, new handle out.
+    crate::Array::try_from_op("quantized_matmul", |res| unsafe {
+        mlx_k3_metal::k3_fast_quantized_matmul(
+            res,
+            x.as_raw(),
+            q.weight.as_raw(),
+            q.scales.as_raw(),
+            crate::Array::raw_opt(q.biases.as_ref()),
+            spec.group_size,
+            spec.bits,
+            mode.as_ptr(),
+            st,
+        )
+    })
+}
+
+/// `gather_qmm` (transpose = true) through the project's CPU kernels where they apply, else MLX's op.
+pub fn gather_qmm(
+    x: &crate::Array,
+    q: &crate::quant::Quantized,
+    spec: crate::quant::QuantSpec,
+    lhs: Option<&crate::Array>,
+    rhs: Option<&crate::Array>,
+    sorted: bool,
+) -> crate::Result<crate::Array> {
+    let st = crate::array::s();
+    let mode = quant_mode_c(spec.mode);
+    // SAFETY: live handles (or null) in, new handle out.
+    crate::Array::try_from_op("gather_qmm", |res| unsafe {
+        mlx_k3_metal::k3_fast_gather_qmm(
+            res,
+            x.as_raw(),
+            q.weight.as_raw(),
+            q.scales.as_raw(),
+            crate::Array::raw_opt(q.biases.as_ref()),
+            crate::Array::raw_opt(lhs),
+            crate::Array::raw_opt(rhs),
+            spec.group_size,
+            spec.bits,
+            mode.as_ptr(),
+            sorted,
+            st,
+        )
+    })
+}
+
+fn quant_mode_c(mode: crate::quant::QuantMode) -> &'static std::ffi::CStr {
+    match mode {
+        crate::quant::QuantMode::Affine => c"affine",
+        crate::quant::QuantMode::Mxfp4 => c"mxfp4",
+        crate::quant::QuantMode::Mxfp8 => c"mxfp8",
+        crate::quant::QuantMode::Nvfp4 => c"nvfp4",
+    }
+}

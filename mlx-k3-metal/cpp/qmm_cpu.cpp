@@ -1,0 +1,368 @@
+// CPU kernels for packed-weight matmuls (see qmm_cpu.hpp). Scalar paths define the arithmetic; AVX2 paths
+// compute the same sums with different association (checked against the plain-ops references in tests).
+#include "qmm_cpu.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define K3_X86 1
+#endif
+
+#include "iq1s_grid.inc"
+
+namespace k3::kernels {
+
+static std::atomic<bool> force_scalar{false};
+
+void set_force_scalar(bool on) {
+  force_scalar.store(on);
+}
+
+bool cpu_has_avx2_fma() {
+#ifdef K3_X86
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes && !force_scalar.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+const uint64_t* iq1s_grid() {
+  return k3_iq1s_grid;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalize
+      int e = -1;
+      do {
+        man <<= 1;
+        ++e;
+      } while ((man & 0x400u) == 0);
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+int activation_order(char format, int bits, bool simd) {
+  if (!simd) return 0;
+  if (format == 'm') return 4;
+  if (format == 'a' && (bits == 2 || bits == 4)) return bits;
+  return 0;
+}
+
+// Reorders each 32-block into the order decode32<BITS> produces codes in.
+static void permute_for_bits(const float* x, int rows, int K, int bits, float* xp) {
+  for (int m = 0; m < rows; ++m) {
+    for (int b = 0; b < K / 32; ++b) {
+      const float* s = x + (size_t)m * K + 32 * b;
+      float* d = xp + (size_t)m * K + 32 * b;
+      for (int i = 0; i < 32; ++i) {
+        // 4-bit: low nibbles (even elements), then high (odd); 2-bit: shift s = i / 8 of byte j = i % 8 holds
+        // element 4j + s.
+        int src = bits == 4 ? (i < 16 ? 2 * i : 2 * (i - 16) + 1) : 4 * (i % 8) + i / 8;
+        d[i] = s[src];
+      }
+    }
+  }
+}
+
+void prepare_activations(const float* x, int rows, int K, int order, float* permuted, float* sums) {
+  int nb = K / 32;
+  for (int m = 0; m < rows; ++m) {
+    for (int b = 0; b < nb; ++b) {
+      const float* p = x + (size_t)m * K + 32 * b;
+      float s = 0;
+      for (int j = 0; j < 32; ++j) s += p[j];
+      sums[(size_t)m * nb + b] = s;
+    }
+  }
+  if (order != 0) permute_for_bits(x, rows, K, order, permuted);
+}
+
+// ------------------------------------------------------------------------------------------------ codebook
+
+static inline void codebook_block(const CodebookRows& w, int n, int b, float& dl, float& delta, int idx[4]) {
+  const uint16_t q = w.qh[(size_t)n * (w.K / 32) + b];
+  const float d = f16_to_f32(w.scales[(size_t)n * (w.K / 256) + b / 8]);
+  dl = d * (float)(2 * ((q >> 12) & 7) + 1);
+  delta = (q & 0x8000) ? -0.125f : 0.125f;
+  const uint8_t* c = w.codes + (size_t)n * (w.K / 8) + 4 * b;
+  for (int l = 0; l < 4; ++l) idx[l] = c[l] | (((q >> (3 * l)) & 7) << 8);
+}
+
+static void codebook_rows_scalar(const CodebookRows& w, const float* x, const float* xsums, int rows, int n0, int n1,
+                                 float* out, int ldo) {
+  const int K = w.K, nb = K / 32;
+  for (int n = n0; n < n1; ++n) {
+    for (int m0 = 0; m0 < rows; m0 += kMaxRows) {
+      int mb = std::min(kMaxRows, rows - m0);
+      float acc[kMaxRows] = {0, 0, 0, 0};
+      for (int b = 0; b < nb; ++b) {
+        float dl, delta;
+        int idx[4];
+        codebook_block(w, n, b, dl, delta, idx);
+        for (int m = 0; m < mb; ++m) {
+          const float* xm = x + (size_t)(m0 + m) * K + 32 * b;
+          float s = 0;
+          for (int l = 0; l < 4; ++l) {
+            const int8_t* g = reinterpret_cast<const int8_t*>(&k3_iq1s_grid[idx[l]]);
+            for (int j = 0; j < 8; ++j) s += (float)g[j] * xm[8 * l + j];
+          }
+          acc[m] += dl * (s + delta * xsums[(size_t)(m0 + m) * nb + b]);
+        }
+      }
+      for (int m = 0; m < mb; ++m) out[(size_t)(m0 + m) * ldo + n] = acc[m];
+    }
+  }
+}
+
+#ifdef K3_X86
+__attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+__attribute__((target("avx2,fma"))) static inline __m256 grid8(int idx) {
+  __m128i g = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&k3_iq1s_grid[idx]));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(g));
+}
+
+template <int MB>
+__attribute__((target("avx2,fma"))) static void codebook_tile_avx2(const CodebookRows& w, const float* x,
+                                                                   const float* xsums, int m0, int n, float* out,
+                                                                   int ldo) {
+  const int K = w.K, nb = K / 32;
+  __m256 acc[MB];
+  float dacc[MB];
+  for (int m = 0; m < MB; ++m) {
+    acc[m] = _mm256_setzero_ps();
+    dacc[m] = 0;
+  }
+  for (int b = 0; b < nb; ++b) {
+    float dl, delta;
+    int idx[4];
+    codebook_block(w, n, b, dl, delta, idx);
+    const __m256 g0 = grid8(idx[0]), g1 = grid8(idx[1]), g2 = grid8(idx[2]), g3 = grid8(idx[3]);
+    const __m256 vdl = _mm256_set1_ps(dl);
+    const float dd = dl * delta;
+    for (int m = 0; m < MB; ++m) {
+      const float* xm = x + (size_t)(m0 + m) * K + 32 * b;
+      __m256 t = _mm256_mul_ps(g0, _mm256_loadu_ps(xm));
+      t = _mm256_fmadd_ps(g1, _mm256_loadu_ps(xm + 8), t);
+      t = _mm256_fmadd_ps(g2, _mm256_loadu_ps(xm + 16), t);
+      t = _mm256_fmadd_ps(g3, _mm256_loadu_ps(xm + 24), t);
+      acc[m] = _mm256_fmadd_ps(t, vdl, acc[m]);
+      dacc[m] += dd * xsums[(size_t)(m0 + m) * nb + b];
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = hsum(acc[m]) + dacc[m];
+}
+
+__attribute__((target("avx2,fma"))) static void codebook_rows_avx2(const CodebookRows& w, const float* x,
+                                                                   const float* xsums, int rows, int n0, int n1,
+                                                                   float* out, int ldo) {
+  for (int m0 = 0; m0 < rows; m0 += kMaxRows) {
+    int mb = std::min(kMaxRows, rows - m0);
+    for (int n = n0; n < n1; ++n) {
+      switch (mb) {
+        case 1: codebook_tile_avx2<1>(w, x, xsums, m0, n, out, ldo); break;
+        case 2: codebook_tile_avx2<2>(w, x, xsums, m0, n, out, ldo); break;
+        case 3: codebook_tile_avx2<3>(w, x, xsums, m0, n, out, ldo); break;
+        default: codebook_tile_avx2<4>(w, x, xsums, m0, n, out, ldo); break;
+      }
+    }
+  }
+}
+#endif
+
+void codebook_rows(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
+#ifdef K3_X86
+  if (simd) return codebook_rows_avx2(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+#endif
+  codebook_rows_scalar(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+}
+
+// -------------------------------------------------------------------------------------------------- affine
+
+#ifdef K3_X86
+// 32 codes of 2, 4 or 8 bits -> four __m256 of floats, in the order the activations were permuted to
+// (see permute_for_bits): 4-bit: even elements then odd; 2-bit: element 4j+s grouped by s; 8-bit: natural.
+template <int BITS>
+__attribute__((target("avx2,fma"))) static inline void decode32(const uint8_t* p, __m256 v[4]) {
+  if constexpr (BITS == 8) {
+    for (int i = 0; i < 4; ++i) {
+      __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i));
+      v[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+    }
+  } else if constexpr (BITS == 4) {
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  } else {  // BITS == 2
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x03);
+    for (int s = 0; s < 4; ++s) {
+      __m128i c = _mm_and_si128(_mm_srli_epi16(b, 2 * s), mask);
+      v[s] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
+    }
+  }
+}
+
+template <int BITS, int MB>
+__attribute__((target("avx2,fma"))) static void affine_tile_avx2(const AffineRows& w, const float* xp,
+                                                                 const float* xsums, int m0, int n, float* out,
+                                                                 int ldo) {
+  const int K = w.K, nb = K / 32, ng = K / w.group, bpg = w.group / 32;
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K * BITS / 8;
+  __m256 acc[MB];
+  float bacc[MB];
+  for (int m = 0; m < MB; ++m) {
+    acc[m] = _mm256_setzero_ps();
+    bacc[m] = 0;
+  }
+  for (int g = 0; g < ng; ++g) {
+    const __m256 s = _mm256_set1_ps(w.scales[(size_t)n * ng + g]);
+    const float bias = w.biases[(size_t)n * ng + g];
+    for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+      __m256 v[4];
+      decode32<BITS>(row + (size_t)b * 32 * BITS / 8, v);
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = xp + (size_t)(m0 + m) * K + 32 * b;
+        __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xm));
+        t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xm + 8), t);
+        t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), t);
+        t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), t);
+        acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
+        bacc[m] += bias * xsums[(size_t)(m0 + m) * nb + b];
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = hsum(acc[m]) + bacc[m];
+}
+
+template <int BITS>
+__attribute__((target("avx2,fma"))) static void affine_rows_avx2(const AffineRows& w, const float* xp,
+                                                                 const float* xsums, int rows, int n0, int n1,
+                                                                 float* out, int ldo) {
+  for (int m0 = 0; m0 < rows; m0 += kMaxRows) {
+    int mb = std::min(kMaxRows, rows - m0);
+    for (int n = n0; n < n1; ++n) {
+      switch (mb) {
+        case 1: affine_tile_avx2<BITS, 1>(w, xp, xsums, m0, n, out, ldo); break;
+        case 2: affine_tile_avx2<BITS, 2>(w, xp, xsums, m0, n, out, ldo); break;
+        case 3: affine_tile_avx2<BITS, 3>(w, xp, xsums, m0, n, out, ldo); break;
+        default: affine_tile_avx2<BITS, 4>(w, xp, xsums, m0, n, out, ldo); break;
+      }
+    }
+  }
+}
+#endif
+
+void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
+#ifdef K3_X86
+  if (simd && (w.bits == 2 || w.bits == 4 || w.bits == 8) && w.group % 32 == 0) {
+    switch (w.bits) {
+      case 2: return affine_rows_avx2<2>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
+      case 4: return affine_rows_avx2<4>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
+      default: return affine_rows_avx2<8>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+    }
+  }
+#endif
+  throw std::logic_error("[affine_qmm] no CPU kernel for this format here; the op routes it to MLX");
+}
+
+// --------------------------------------------------------------------------------------------------- mxfp4
+
+static const float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static inline float e8m0(uint8_t e) {
+  // 2^(e - 127); MLX decodes e = 0 as 2^-127 (a subnormal) and 0xFF as NaN.
+  if (e == 0xff) return NAN;
+  if (e == 0) return std::ldexp(1.0f, -127);
+  uint32_t bits = (uint32_t)e << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+#ifdef K3_X86
+template <int MB>
+__attribute__((target("avx2,fma"))) static void mxfp4_tile_avx2(const Mxfp4Rows& w, const float* xp, int m0, int n,
+                                                                float* out, int ldo) {
+  const int K = w.K, nb = K / 32;
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 2;
+  // E2M1 values x2 as int8, so a byte shuffle decodes 16 codes at once; the 0.5 goes into the scale.
+  const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
+    __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, mask));
+    __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    __m256 v2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    __m256 v3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    const __m256 s = _mm256_set1_ps(0.5f * e8m0(w.scales[(size_t)n * nb + b]));
+    for (int m = 0; m < MB; ++m) {
+      const float* xm = xp + (size_t)(m0 + m) * K + 32 * b;
+      __m256 t = _mm256_mul_ps(v0, _mm256_loadu_ps(xm));
+      t = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xm + 8), t);
+      t = _mm256_fmadd_ps(v2, _mm256_loadu_ps(xm + 16), t);
+      t = _mm256_fmadd_ps(v3, _mm256_loadu_ps(xm + 24), t);
+      acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = hsum(acc[m]);
+}
+#endif
+
+void mxfp4_rows(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
+#ifdef K3_X86
+  if (simd) {
+    for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
+      int mb = std::min(kMaxRows, a.rows - m0);
+      for (int n = n0; n < n1; ++n) {
+        switch (mb) {
+          case 1: mxfp4_tile_avx2<1>(w, a.permuted, m0, n, out, ldo); break;
+          case 2: mxfp4_tile_avx2<2>(w, a.permuted, m0, n, out, ldo); break;
+          case 3: mxfp4_tile_avx2<3>(w, a.permuted, m0, n, out, ldo); break;
+          default: mxfp4_tile_avx2<4>(w, a.permuted, m0, n, out, ldo); break;
+        }
+      }
+    }
+    return;
+  }
+#endif
+  throw std::logic_error("[mxfp4_qmm] no CPU kernel here; the op routes it to MLX");
+}
+
+}  // namespace k3::kernels

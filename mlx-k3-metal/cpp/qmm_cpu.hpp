@@ -1,0 +1,89 @@
+// CPU matmul kernels for packed weight formats: y[m, n] = sum_k x[m, k] * W[n, k] with W decoded on the fly.
+//
+// Structure shared by every format: the caller splits output rows n over the thread pool; for each weight
+// row a format-specific `dot` decodes the row once per 32-weight block and multiplies it into up to
+// `kMaxRows` activation rows at a time (decode cost amortized over the rows; the activation rows of a tile
+// stay in L1/L2 while weight rows stream). Each format has a scalar path and an AVX2+FMA path chosen at run
+// time (`cpu_has_avx2_fma`), so one binary runs on any x86-64 and uses AVX2 where present. The codebook has
+// a scalar path for other CPUs (the compiler auto-vectorizes it); MLX's own formats (affine, mxfp4) have
+// only AVX2 paths here, and the ops send them to MLX's kernels elsewhere.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace k3::kernels {
+
+// Activation rows processed together per weight row.
+constexpr int kMaxRows = 4;
+
+// Whether the CPU supports AVX2 and FMA (checked once) and the SIMD paths are enabled.
+bool cpu_has_avx2_fma();
+
+// Disables the SIMD paths (tests check the scalar paths on SIMD machines too).
+void set_force_scalar(bool on);
+
+// The IQ1_S grid: 2048 entries of 8 int8 values in {-1, 0, 1} (byte j of entry i = value j).
+const uint64_t* iq1s_grid();
+
+// Activations prepared once per matmul and shared by all threads: the rows as given, the same rows with each
+// 32-block reordered the way a format's SIMD decoder emits codes (`permuted`, when that format needs it),
+// and per-32-block sums (for formats with an additive per-block term: codebook delta, affine bias).
+struct Activations {
+  const float* x;         // [rows, K], natural order
+  const float* permuted;  // [rows, K] in decoder order, or == x
+  const float* sums;      // [rows, K / 32]
+  int rows;
+  int K;
+};
+
+// Bit width whose decoder order `permuted` must follow for this format (0 = natural order). Formats:
+// 'c' codebook, 'a' affine (with bits), 'm' mxfp4. `simd` is the path choice made when the op was built
+// (cpu_has_avx2_fma() then), passed to the kernels too so a later toggle cannot split one op's decisions.
+int activation_order(char format, int bits, bool simd);
+
+// Fills `permuted` (when order != 0) and `sums` for x.
+void prepare_activations(const float* x, int rows, int K, int order, float* permuted, float* sums);
+
+// ---------------------------------------------------------------------------------------- codebook (IQ1_S)
+// Planar IQ1_S layout of one [N, K] matrix (K % 256 == 0):
+//   codes  uint8  [N, K/8]   low 8 bits of the 11-bit grid index of each 8-weight group
+//   qh     uint16 [N, K/32]  per 32-block: bits 3l..3l+2 = index bits 8..10 of group l (l = 0..3),
+//                            bits 12..14 = block scale L, bit 15 = delta sign (set: delta = -1/8)
+//   scales f16    [N, K/256] super-block scale d
+// w[32b + 8l + j] = d * (2L + 1) * (grid[idx_l][j] + delta)
+struct CodebookRows {
+  const uint8_t* codes;
+  const uint16_t* qh;
+  const uint16_t* scales;  // f16 bits
+  int K;
+};
+
+// out[m * ldo + n] = dot(x_m, W_n) for n in [n0, n1), m in [0, rows).
+void codebook_rows(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd);
+
+// -------------------------------------------------------------------------------------------------- affine
+// MLX affine layout: wq uint32 [N, K*bits/32] (LSB-first bitstream per row), scales/biases [N, K/group] as f32
+// (converted by the op from the checkpoint's dtype). w = scale * q + bias.
+struct AffineRows {
+  const uint32_t* wq;
+  const float* scales;
+  const float* biases;
+  int K;
+  int group;
+  int bits;
+};
+
+void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd);
+
+// --------------------------------------------------------------------------------------------------- mxfp4
+// MLX mxfp4 layout: wq uint32 [N, K/8] (E2M1 nibbles, element i = nibble i), scales uint8 [N, K/32] (E8M0).
+struct Mxfp4Rows {
+  const uint32_t* wq;
+  const uint8_t* scales;
+  int K;
+};
+
+void mxfp4_rows(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd);
+
+}  // namespace k3::kernels

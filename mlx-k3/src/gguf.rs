@@ -1,0 +1,209 @@
+//! A small GGUF reader: header, metadata and tensor directory, and raw tensor bytes, enough to import IQ1_S
+//! tensors into the codebook format without re-quantizing. Every read is bounds-checked: a truncated or
+//! corrupt file is an error naming the file (and the tensor), never a panic.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use crate::codebook::{from_iq1s_blocks, CodebookHost, IQ1S_BLOCK_BYTES, SUPER_BLOCK};
+use crate::{Error, Result};
+
+/// GGML type id of IQ1_S.
+pub const GGML_TYPE_IQ1_S: u32 = 19;
+/// GGML type id of F32.
+pub const GGML_TYPE_F32: u32 = 0;
+
+/// One tensor's directory entry.
+#[derive(Clone, Debug)]
+pub struct TensorInfo {
+    /// Name.
+    pub name: String,
+    /// GGUF dims (innermost first).
+    pub dims: Vec<u64>,
+    /// GGML type id.
+    pub ggml_type: u32,
+    /// Offset from the start of the data section.
+    pub offset: u64,
+}
+
+/// An opened GGUF file.
+#[derive(Debug)]
+pub struct GgufFile {
+    path: PathBuf,
+    /// Format version.
+    pub version: u32,
+    /// Scalar and string metadata rendered as text (arrays summarized).
+    pub metadata: BTreeMap<String, String>,
+    /// Tensors by name.
+    pub tensors: BTreeMap<String, TensorInfo>,
+    data_start: u64,
+    size: u64,
+}
+
+struct Cursor<'a> {
+    f: &'a mut std::fs::File,
+    path: &'a Path,
+}
+
+impl Cursor<'_> {
+    fn err(&self, m: impl std::fmt::Display) -> Error {
+        Error::Format { path: self.path.to_path_buf(), message: m.to_string() }
+    }
+    fn bytes(&mut self, n: usize) -> Result<Vec<u8>> {
+        if n > 1 << 30 {
+            return Err(self.err(format!("corrupt: a field claims {n} bytes")));
+        }
+        let mut b = vec![0u8; n];
+        self.f.read_exact(&mut b).map_err(|_| self.err("truncated"))?;
+        Ok(b)
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.bytes(4)?.try_into().unwrap_or([0; 4])))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.bytes(8)?.try_into().unwrap_or([0; 8])))
+    }
+    fn string(&mut self) -> Result<String> {
+        let n = self.u64()? as usize;
+        String::from_utf8(self.bytes(n)?).map_err(|_| self.err("corrupt: a string is not UTF-8"))
+    }
+    fn value(&mut self, ty: u32, depth: usize) -> Result<String> {
+        Ok(match ty {
+            0 => self.bytes(1)?[0].to_string(),
+            1 => (self.bytes(1)?[0] as i8).to_string(),
+            2 => u16::from_le_bytes(self.bytes(2)?.try_into().unwrap_or([0; 2])).to_string(),
+            3 => i16::from_le_bytes(self.bytes(2)?.try_into().unwrap_or([0; 2])).to_string(),
+            4 => self.u32()?.to_string(),
+            5 => (self.u32()? as i32).to_string(),
+            6 => f32::from_bits(self.u32()?).to_string(),
+            7 => (self.bytes(1)?[0] != 0).to_string(),
+            8 => self.string()?,
+            9 => {
+                if depth > 2 {
+                    return Err(self.err("corrupt: nested arrays"));
+                }
+                let ety = self.u32()?;
+                let n = self.u64()?;
+                if n > 1 << 26 {
+                    return Err(self.err(format!("corrupt: an array claims {n} entries")));
+                }
+                for _ in 0..n {
+                    self.value(ety, depth + 1)?;
+                }
+                format!("[{n} values]")
+            }
+            10 => self.u64()?.to_string(),
+            11 => (self.u64()? as i64).to_string(),
+            12 => f64::from_bits(self.u64()?).to_string(),
+            other => return Err(self.err(format!("corrupt: unknown metadata type {other}"))),
+        })
+    }
+}
+
+impl GgufFile {
+    /// Reads the header and directory of `path`.
+    pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
+        let path = path.as_ref();
+        let mut f = std::fs::File::open(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        let size = f.metadata().map_err(|source| Error::Io { path: path.to_path_buf(), source })?.len();
+        let mut c = Cursor { f: &mut f, path };
+        if c.bytes(4).map_err(|_| c.err("not a GGUF file (too short)"))? != b"GGUF" {
+            return Err(c.err("not a GGUF file (bad magic)"));
+        }
+        let version = c.u32()?;
+        if !(2..=3).contains(&version) {
+            return Err(c.err(format!("GGUF version {version} is not supported (2 or 3)")));
+        }
+        let n_tensors = c.u64()?;
+        let n_kv = c.u64()?;
+        if n_tensors > 1 << 24 || n_kv > 1 << 24 {
+            return Err(c.err("corrupt: implausible tensor or metadata count"));
+        }
+        let mut metadata = BTreeMap::new();
+        for _ in 0..n_kv {
+            let key = c.string()?;
+            let ty = c.u32()?;
+            let v = c.value(ty, 0)?;
+            metadata.insert(key, v);
+        }
+        let mut tensors = BTreeMap::new();
+        for _ in 0..n_tensors {
+            let name = c.string()?;
+            let nd = c.u32()? as usize;
+            if nd > 8 {
+                return Err(c.err(format!("tensor '{name}': {nd} dimensions")));
+            }
+            let dims = (0..nd).map(|_| c.u64()).collect::<Result<Vec<_>>>()?;
+            let ggml_type = c.u32()?;
+            let offset = c.u64()?;
+            tensors.insert(name.clone(), TensorInfo { name, dims, ggml_type, offset });
+        }
+        let align: u64 = metadata.get("general.alignment").and_then(|v| v.parse().ok()).unwrap_or(32).max(1);
+        let pos = c.f.stream_position().map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        let data_start = pos.div_ceil(align) * align;
+        Ok(GgufFile { path: path.to_path_buf(), version, metadata, tensors, data_start, size })
+    }
+
+    /// The raw bytes of tensor `name` (`nbytes` long).
+    fn raw(&self, info: &TensorInfo, nbytes: u64) -> Result<Vec<u8>> {
+        let start = self.data_start + info.offset;
+        if start.checked_add(nbytes).is_none_or(|end| end > self.size) {
+            return Err(Error::Format {
+                path: self.path.clone(),
+                message: format!(
+                    "truncated: tensor '{}' needs bytes {start}..{} of {}",
+                    info.name,
+                    start + nbytes,
+                    self.size
+                ),
+            });
+        }
+        let mut f = std::fs::File::open(&self.path).map_err(|source| Error::Io { path: self.path.clone(), source })?;
+        f.seek(SeekFrom::Start(start)).map_err(|source| Error::Io { path: self.path.clone(), source })?;
+        let mut b = vec![0u8; nbytes as usize];
+        f.read_exact(&mut b).map_err(|source| Error::Io { path: self.path.clone(), source })?;
+        Ok(b)
+    }
+
+    fn info(&self, name: &str) -> Result<&TensorInfo> {
+        self.tensors
+            .get(name)
+            .ok_or_else(|| Error::Format { path: self.path.clone(), message: format!("no tensor named '{name}'") })
+    }
+
+    /// Imports IQ1_S tensor `name` (`[rows, K]`) into the planar codebook layout, bit for bit.
+    pub fn iq1s_tensor(&self, name: &str) -> Result<CodebookHost> {
+        let info = self.info(name)?;
+        if info.ggml_type != GGML_TYPE_IQ1_S {
+            return Err(Error::Format {
+                path: self.path.clone(),
+                message: format!("tensor '{name}' has GGML type {}, not IQ1_S ({GGML_TYPE_IQ1_S})", info.ggml_type),
+            });
+        }
+        if info.dims.is_empty() || info.dims[0] % SUPER_BLOCK as u64 != 0 {
+            return Err(Error::Format {
+                path: self.path.clone(),
+                message: format!("tensor '{name}': inner dimension {:?} is not a multiple of 256", info.dims.first()),
+            });
+        }
+        let k = info.dims[0] as usize;
+        let rows: usize = info.dims[1..].iter().product::<u64>() as usize;
+        let nbytes = (rows * k / SUPER_BLOCK * IQ1S_BLOCK_BYTES) as u64;
+        from_iq1s_blocks(&self.raw(info, nbytes)?, rows, k)
+    }
+
+    /// An F32 tensor's values.
+    pub fn f32_tensor(&self, name: &str) -> Result<Vec<f32>> {
+        let info = self.info(name)?;
+        if info.ggml_type != GGML_TYPE_F32 {
+            return Err(Error::Format {
+                path: self.path.clone(),
+                message: format!("tensor '{name}' has GGML type {}, not F32", info.ggml_type),
+            });
+        }
+        let n: u64 = info.dims.iter().product();
+        let b = self.raw(info, n * 4)?;
+        Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+}

@@ -1,0 +1,283 @@
+//! The ternary codebook format and the packed-weight kernels.
+//!
+//! Decoding is checked bit for bit against the `gguf` package's IQ1_S dequantization (fixtures made by
+//! scripts/make_codebook_fixtures.py). Kernels are checked against plain-ops references: the codebook matmul
+//! against MLX ops that dequantize then matmul, the fast affine/mxfp4 paths against MLX's own
+//! quantized_matmul / gather_qmm. Tolerance for kernels: the same products summed in another order; with
+//! K <= 1024 terms the difference stays below ~1e-6 of the largest |output|, checked at 2e-5 (f32).
+
+use std::path::{Path, PathBuf};
+
+use half::f16;
+use mlx_k3::codebook::{self, Codebook, CodebookHost};
+use mlx_k3::gguf::GgufFile;
+use mlx_k3::io::Safetensors;
+use mlx_k3::quant::{self, Gather, QuantMode, QuantSpec};
+use mlx_k3::{kernels, ops, random, Array, Dtype};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/codebook").join(name)
+}
+
+fn randn(shape: &[i32], seed: u64) -> Array {
+    random::normal(shape, Dtype::F32, 0.0, 1.0, Some(&random::key(seed).unwrap())).unwrap()
+}
+
+/// force_scalar is process-wide: tests that toggle it hold this lock so each checks the path it names.
+static SCALAR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn rel_err(got: &Array, want: &Array) -> f32 {
+    let (g, w) = (got.to_vec_f32().unwrap(), want.to_vec_f32().unwrap());
+    assert_eq!(g.len(), w.len());
+    let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    g.iter().zip(&w).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+/// A random codebook matrix: random valid planes (any index, scale, sign is a valid IQ1_S block).
+fn random_codebook(n: usize, k: usize, seed: u64) -> CodebookHost {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    CodebookHost {
+        n,
+        k,
+        codes: (0..n * k / 8).map(|_| next() as u8).collect(),
+        qh: (0..n * k / 32).map(|_| next() as u16).collect(),
+        scales: (0..n * k / 256).map(|_| f16::from_f32(((next() % 1000) as f32 / 1000.0 + 0.05) * 0.02)).collect(),
+    }
+}
+
+#[test]
+fn decoding_is_bit_exact_with_gguf() {
+    let st = Safetensors::load(fixture("iq1s_blocks.safetensors")).unwrap();
+    let blocks = st.get("blocks").unwrap().to_vec::<u8>().unwrap();
+    let want = st.get("decoded").unwrap().to_vec::<f32>().unwrap();
+    let n = want.len() / 256;
+    let h = codebook::from_iq1s_blocks(&blocks, n, 256).unwrap();
+    let got = codebook::decode_host(&h);
+    assert_eq!(
+        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+    // The MLX plain-ops dequantization is the same arithmetic, so also bit-exact.
+    let mlx = codebook::dequantize_reference(&h.to_arrays().unwrap()).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(
+        mlx.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn gguf_import_is_bit_exact_and_errors_name_the_problem() {
+    let g = GgufFile::open(fixture("tiny_iq1s.gguf")).unwrap();
+    let h = g.iq1s_tensor("blk.0.ffn_up.weight").unwrap();
+    assert_eq!((h.n, h.k), (4, 512));
+    let want = Safetensors::load(fixture("tiny_iq1s_expected.safetensors")).unwrap().get("weight").unwrap();
+    let want = want.to_vec::<f32>().unwrap();
+    assert_eq!(codebook::decode_host(&h), want);
+    let norm = g.f32_tensor("blk.0.attn_norm.weight").unwrap();
+    assert_eq!((norm.len(), norm[0], norm[511]), (512, -1.0, 1.0));
+    // Bad input.
+    let e = g.iq1s_tensor("nope").unwrap_err().to_string();
+    assert!(e.contains("nope") && e.contains("tiny_iq1s.gguf"), "{e}");
+    let e = g.iq1s_tensor("blk.0.attn_norm.weight").unwrap_err().to_string();
+    assert!(e.contains("not IQ1_S"), "{e}");
+    let bytes = std::fs::read(fixture("tiny_iq1s.gguf")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cut = dir.path().join("cut.gguf");
+    // Cut inside the f32 tensor (the last one), then inside the IQ1_S tensor.
+    std::fs::write(&cut, &bytes[..bytes.len() - 700]).unwrap();
+    let e = GgufFile::open(&cut).and_then(|g| g.f32_tensor("blk.0.attn_norm.weight")).unwrap_err().to_string();
+    assert!(e.contains("cut.gguf") && e.contains("truncated") && e.contains("attn_norm"), "{e}");
+    std::fs::write(&cut, &bytes[..bytes.len() - 2300]).unwrap();
+    let e = GgufFile::open(&cut).and_then(|g| g.iq1s_tensor("blk.0.ffn_up.weight")).unwrap_err().to_string();
+    assert!(e.contains("cut.gguf") && e.contains("truncated") && e.contains("ffn_up"), "{e}");
+    for len in [3, 40, 100] {
+        std::fs::write(&cut, &bytes[..len]).unwrap();
+        assert!(GgufFile::open(&cut).is_err());
+    }
+    std::fs::write(&cut, b"NOPE and more bytes here").unwrap();
+    assert!(GgufFile::open(&cut).unwrap_err().to_string().contains("magic"));
+}
+
+fn check_codebook_qmm(m: i32, n: usize, k: usize, seed: u64) -> f32 {
+    let cb = random_codebook(n, k, seed).to_arrays().unwrap();
+    let x = randn(&[m, k as i32], seed + 1);
+    let got = codebook::codebook_qmm(&x, &cb).unwrap();
+    let want = x.matmul(&codebook::dequantize_reference(&cb).unwrap().t().unwrap()).unwrap();
+    assert_eq!(got.shape(), [m, n as i32]);
+    let e = rel_err(&got, &want);
+    assert!(e <= 2e-5, "codebook_qmm m={m} n={n} k={k}: rel err {e}");
+    e
+}
+
+#[test]
+fn codebook_qmm_matches_dequantize_then_matmul() {
+    let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
+    for scalar in [false, true] {
+        kernels::force_scalar(scalar);
+        let mut worst = 0f32;
+        for (m, n, k) in [(1, 1, 256), (1, 300, 1024), (3, 65, 512), (4, 64, 256), (7, 33, 768), (33, 17, 256)] {
+            worst = worst.max(check_codebook_qmm(m, n, k, (m * 7 + n as i32) as u64));
+        }
+        println!("codebook_qmm (scalar={scalar}): worst rel err {worst:e}");
+    }
+    kernels::force_scalar(false);
+    // Batched x keeps its leading dims; f16 inputs come back as f16.
+    let cb = random_codebook(8, 256, 5).to_arrays().unwrap();
+    let x = randn(&[2, 3, 256], 9).astype(Dtype::F16).unwrap();
+    let y = codebook::codebook_qmm(&x, &cb).unwrap();
+    assert_eq!((y.shape(), y.dtype()), (vec![2, 3, 8], Dtype::F16));
+}
+
+#[test]
+fn gather_codebook_qmm_matches_per_expert_references() {
+    let (e, n, k) = (6usize, 40usize, 512usize);
+    let hosts: Vec<CodebookHost> = (0..e).map(|i| random_codebook(n, k, 100 + i as u64)).collect();
+    let stack = |f: &dyn Fn(&CodebookHost) -> Array| {
+        let parts: Vec<Array> = hosts.iter().map(f).collect();
+        ops::stack(&parts.iter().collect::<Vec<_>>(), 0).unwrap()
+    };
+    let cb = Codebook {
+        codes: stack(&|h| h.to_arrays().unwrap().codes),
+        qh: stack(&|h| h.to_arrays().unwrap().qh),
+        scales: stack(&|h| h.to_arrays().unwrap().scales),
+    };
+    let deq = codebook::dequantize_reference(&cb).unwrap(); // [E, N, K]
+    let lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
+    for scalar in [false, true] {
+        kernels::force_scalar(scalar);
+        // SwitchGLU decode shape: x (B=2, T=3, 1, 1, K), rhs (2, 3, k=2) -> (2, 3, 2, 1, N).
+        let x = randn(&[2, 3, 1, 1, k as i32], 1);
+        let rhs = Array::from_slice(&[5u32, 0, 2, 2, 1, 3, 0, 0, 4, 1, 3, 5], &[2, 3, 2]).unwrap();
+        let got = codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).unwrap();
+        let want = ops::gather_mm(&x, &deq.swapaxes(-1, -2).unwrap(), None, Some(&rhs), false).unwrap();
+        assert_eq!(got.shape(), [2, 3, 2, 1, n as i32]);
+        let err = rel_err(&got, &want);
+        assert!(err <= 2e-5, "unsorted: {err}");
+        // Sorted prefill shape: x (P, 1, K) with lhs/rhs, and several rows per expert.
+        let x = randn(&[10, 3, k as i32], 2);
+        let lhs = Array::from_slice(&[0u32, 1, 2, 3, 4, 5, 6, 7], &[8]).unwrap();
+        let rhs = Array::from_slice(&[0u32, 0, 0, 2, 2, 3, 5, 5], &[8]).unwrap();
+        let got = codebook::gather_codebook_qmm(&x, &cb, Some(&lhs), Some(&rhs)).unwrap();
+        let want = ops::gather_mm(&x, &deq.swapaxes(-1, -2).unwrap(), Some(&lhs), Some(&rhs), true).unwrap();
+        assert_eq!(got.shape(), [8, 3, n as i32]);
+        let err = rel_err(&got, &want);
+        assert!(err <= 2e-5, "sorted: {err}");
+    }
+    kernels::force_scalar(false);
+    drop(lock);
+    // An expert index past the stack is an error at evaluation, not a crash.
+    let x = randn(&[1, 1, k as i32], 3);
+    let bad = Array::from_slice(&[9u32], &[1]).unwrap();
+    let e = codebook::gather_codebook_qmm(&x, &cb, None, Some(&bad)).and_then(|y| y.eval()).unwrap_err().to_string();
+    assert!(e.contains("out of range"), "{e}");
+}
+
+#[test]
+fn bad_codebook_shapes_are_named_errors() {
+    let cb = random_codebook(4, 256, 1).to_arrays().unwrap();
+    let e = codebook::codebook_qmm(&randn(&[1, 128], 1), &cb).unwrap_err().to_string();
+    assert!(e.contains("[codebook_qmm]") && e.contains("256"), "{e}");
+    let bad = Codebook { codes: cb.codes.astype(Dtype::I32).unwrap(), ..cb.clone() };
+    let e = codebook::codebook_qmm(&randn(&[1, 256], 1), &bad).unwrap_err().to_string();
+    assert!(e.contains("codes") && e.contains("dtype"), "{e}");
+    let bad = Codebook { qh: cb.qh.slice_axis(1, 0, 4).unwrap(), ..cb };
+    let e = codebook::codebook_qmm(&randn(&[1, 256], 1), &bad).unwrap_err().to_string();
+    assert!(e.contains("qh") && e.contains("shape"), "{e}");
+}
+
+#[test]
+fn quantizer_is_deterministic_and_honours_importance() {
+    let (n, k) = (24usize, 512usize);
+    let w = randn(&[n as i32, k as i32], 11).to_vec::<f32>().unwrap();
+    let (a, ra) = codebook::quantize(&w, n, k, None).unwrap();
+    let (b, rb) = codebook::quantize(&w, n, k, None).unwrap();
+    assert_eq!(a, b, "deterministic");
+    assert_eq!(ra, rb);
+    // IQ1_S on Gaussian weights keeps the sign and rough size of each weight: relative squared error well
+    // below 1 (0 would be lossless, 1 is as bad as all-zero), and the decode matches what was reported.
+    assert!(ra.plain_rel_err < 0.35, "{ra:?}");
+    let dec = codebook::decode_host(&a);
+    let num: f64 = dec.iter().zip(&w).map(|(d, x)| ((d - x) as f64).powi(2)).sum();
+    let den: f64 = w.iter().map(|x| (*x as f64).powi(2)).sum();
+    assert!((num / den - ra.plain_rel_err).abs() < 1e-9, "report {} vs measured {}", ra.plain_rel_err, num / den);
+    // Importance on every 4th column lowers those columns' error relative to uniform importance (importance
+    // acts within each 32-weight block, where it decides which values the ternary levels fit best).
+    let imp: Vec<f32> = (0..k).map(|j| if j % 4 == 0 { 100.0 } else { 0.01 }).collect();
+    let (c, rc) = codebook::quantize(&w, n, k, Some(&imp)).unwrap();
+    let (u, _) = codebook::quantize(&w, n, k, Some(&vec![1.0; k])).unwrap();
+    let col_err = |h: &CodebookHost| {
+        let d = codebook::decode_host(h);
+        (0..n)
+            .flat_map(|r| (0..k).step_by(4).map(move |j| r * k + j))
+            .map(|i| ((d[i] - w[i]) as f64).powi(2))
+            .sum::<f64>()
+    };
+    assert!(col_err(&c) < col_err(&u), "important columns: {} vs {}", col_err(&c), col_err(&u));
+    let (_, ru) = codebook::quantize(&w, n, k, Some(&vec![1.0; k])).unwrap();
+    println!(
+        "IQ1_S quantizer on N(0,1): plain rel err {:.4} (x^2 weighting), {:.4} (uniform importance); \
+         every-4th-column importance: weighted {:.4}",
+        ra.plain_rel_err, ru.plain_rel_err, rc.weighted_rel_err
+    );
+    assert!(codebook::quantize(&w, n, 500, None).is_err());
+    assert!(codebook::quantize(&w[..10], n, k, None).is_err());
+    assert!(codebook::quantize(&w, n, k, Some(&[1.0; 3])).is_err());
+}
+
+fn check_fast_path(spec: QuantSpec, m: i32, n: i32, k: i32, seed: u64) -> f32 {
+    let w = randn(&[n, k], seed);
+    let q = quant::quantize(&w, spec, None).unwrap();
+    let x = randn(&[m, k], seed + 1);
+    let got = kernels::quantized_matmul(&x, &q, spec).unwrap();
+    let want = quant::quantized_matmul(&x, &q, spec, true).unwrap();
+    let e = rel_err(&got, &want);
+    assert!(e <= 2e-5, "{spec:?} m={m}: rel err {e}");
+    e
+}
+
+#[test]
+fn fast_affine_and_mxfp4_match_mlx() {
+    // MLX's own formats have only SIMD kernels here (elsewhere the op runs MLX's kernel), so one pass.
+    {
+        let mut worst = 0f32;
+        for bits in [2, 3, 4, 6, 8] {
+            for group in [32, 64, 128] {
+                for m in [1, 3, 5] {
+                    worst = worst.max(check_fast_path(
+                        QuantSpec::affine(group, bits),
+                        m,
+                        70,
+                        512,
+                        (bits * group + m) as u64,
+                    ));
+                }
+            }
+        }
+        for m in [1, 4, 9] {
+            worst = worst.max(check_fast_path(QuantSpec::default_for(QuantMode::Mxfp4), m, 70, 512, m as u64));
+        }
+        println!("fast affine/mxfp4: worst rel err vs MLX {worst:e}");
+    }
+}
+
+#[test]
+fn fast_gather_qmm_matches_mlx() {
+    for spec in [QuantSpec::affine(64, 4), QuantSpec::affine(32, 2), QuantSpec::default_for(QuantMode::Mxfp4)] {
+        let w = randn(&[5, 48, 256], 7);
+        let q = quant::quantize(&w, spec, None).unwrap();
+        let x = randn(&[2, 4, 1, 1, 256], 8);
+        let rhs = Array::from_slice(&[0u32, 4, 1, 1, 3, 2, 2, 0], &[2, 4, 1]).unwrap();
+        let got = kernels::gather_qmm(&x, &q, spec, None, Some(&rhs), false).unwrap();
+        let want =
+            quant::gather_qmm(&x, &q, spec, true, Gather { rhs_indices: Some(&rhs), ..Default::default() }).unwrap();
+        assert_eq!(got.shape(), want.shape());
+        let e = rel_err(&got, &want);
+        assert!(e <= 2e-5, "{spec:?}: {e}");
+    }
+}
