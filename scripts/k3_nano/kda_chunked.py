@@ -57,7 +57,7 @@ def _unit_lower_inverse(L: mx.array, C: int) -> mx.array:
     return R
 
 
-def chunked_delta_rule(q, k, v, log_g, beta, state, C: int = CHUNK):
+def chunked_delta_rule(q, k, v, log_g, beta, state, C: int = CHUNK, factorized: bool = False):
     """q, k: [B, T, H, Dk] (normalized as mlx-lm does), v: [B, T, H, Dv], log_g: [B, T, H, Dk],
     beta: [B, T, H], state: [B, H, Dv, Dk] float32. Returns y [B, T, H, Dv] (q.dtype), state."""
     B, T, H, Dk = q.shape
@@ -75,11 +75,20 @@ def chunked_delta_rule(q, k, v, log_g, beta, state, C: int = CHUNK):
     idx = mx.arange(C)
     incl = idx[:, None] >= idx[None, :]  # s <= t
     strict = idx[:, None] > idx[None, :]  # s < t
-    diff = cl[..., :, None, :] - cl[..., None, :, :]  # [.., t, s, Dk]
-    decay = mx.exp(mx.where(incl[..., None], diff, -mx.inf))  # 0 above the diagonal
-    kd = k[..., None, :, :] * decay  # k_s * exp(cl_t - cl_s)   [.., t, s, Dk]
-    A = (k[..., :, None, :] * kd).sum(-1) * strict  # [.., t, s]
-    Aqk = (q[..., :, None, :] * kd).sum(-1)  # inclusive (decay is 0 above the diagonal)
+    if factorized:
+        # A[t,s] = sum_d (k_t e^{cl_t - r}) (k_s e^{r - cl_s}) with r = cl at the chunk's middle: two
+        # matmuls instead of a [C, C, Dk] tensor. Every factor lies in [e^-x, e^x], x = |lower_bound| C / 2,
+        # every product in [e^-2x, e^2x]: finite and normal in fp32 for 2x <= 80 (checked by the caller).
+        ref = cl[..., C // 2 : C // 2 + 1, :]
+        kin = k * mx.exp(ref - cl)
+        A = (k * mx.exp(cl - ref)) @ kin.swapaxes(-1, -2) * strict
+        Aqk = (q * mx.exp(cl - ref)) @ kin.swapaxes(-1, -2) * incl
+    else:
+        diff = cl[..., :, None, :] - cl[..., None, :, :]  # [.., t, s, Dk]
+        decay = mx.exp(mx.where(incl[..., None], diff, -mx.inf))  # 0 above the diagonal
+        kd = k[..., None, :, :] * decay  # k_s * exp(cl_t - cl_s)   [.., t, s, Dk]
+        A = (k[..., :, None, :] * kd).sum(-1) * strict  # [.., t, s]
+        Aqk = (q[..., :, None, :] * kd).sum(-1)  # inclusive (decay is 0 above the diagonal)
 
     M = _unit_lower_inverse(beta[..., :, None] * A, C) * beta[..., None, :]  # (I + bA)^-1 diag(b)
     gam = mx.exp(cl)
@@ -117,7 +126,9 @@ def chunked_gated_delta_update(
     if state is None:
         B, _, H, Dk = q.shape
         state = mx.zeros((B, H, v.shape[-1], Dk), dtype=mx.float32)
-    return chunked_delta_rule(q, k, v, log_g, beta, state)
+    # The two-matmul form needs a bounded decay (see chunked_delta_rule); otherwise the pairwise form.
+    factorized = lower_bound is not None and abs(lower_bound) * CHUNK <= 80.0
+    return chunked_delta_rule(q, k, v, log_g, beta, state, factorized=factorized)
 
 
 def install():
