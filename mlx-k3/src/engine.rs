@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 
 use serde_json::Value;
 
-use crate::chat::{ChatMessage, ParsedOutput, ThinkingEffort};
+use crate::chat::{ChatFormat, ChatMessage, ParsedOutput, ThinkingEffort};
 use crate::generate::{GenerateOptions, Pipeline, PromptCache, TextGeneration};
 use crate::model::LoadOptions;
 use crate::{Error, Result};
@@ -102,6 +102,9 @@ pub struct ModelInfo {
     pub max_context: usize,
     /// Whether chat prompts use a template or Kimi K3's chat tokens by default.
     pub chat_by_default: bool,
+    /// Whether a chat reply with thinking on starts inside the reasoning block (Kimi K3's XTML encoding
+    /// opens it in the generation prompt), so a streaming client can tell reasoning from answer as it arrives.
+    pub starts_in_thinking: bool,
 }
 
 /// Engine settings.
@@ -189,6 +192,7 @@ impl EngineHandle {
                     vocab_size: pipeline.model.config().vocab_size,
                     max_context: pipeline.model.config().max_position_embeddings,
                     chat_by_default: pipeline.chat_by_default(),
+                    starts_in_thinking: matches!(pipeline.chat.format(), ChatFormat::KimiXtml),
                 };
                 if ready_tx.send(Ok(info)).is_err() {
                     return;
@@ -317,8 +321,11 @@ fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats) {
         Some(s) => sessions.take(s).unwrap_or_default(),
         None => PromptCache::new(),
     };
+    // Generation ends at the context length: a request may ask for more (OpenAI's default is "as many as fit").
+    let mut options = request.options.clone();
+    options.max_tokens = options.max_tokens.min(max_ctx.saturating_sub(ids.len()));
     let cancel = request.cancel.clone();
-    let result = p.generate(&mut cache, &ids, &request.options, |piece| {
+    let result = p.generate(&mut cache, &ids, &options, |piece| {
         !cancel.load(Ordering::SeqCst) && events.send(Event::Text(piece.to_string())).is_ok()
     });
     match result {

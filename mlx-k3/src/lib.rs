@@ -41,6 +41,7 @@ pub mod model;
 pub mod ops;
 pub mod quant;
 pub mod random;
+pub mod server;
 pub mod tokenizer;
 
 pub use array::{async_eval, eval, Array};

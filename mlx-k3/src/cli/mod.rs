@@ -9,6 +9,7 @@ pub mod gen;
 mod info;
 pub mod inspect;
 mod logits;
+mod serve;
 
 /// Run Kimi K3-class MoE models on MLX.
 #[derive(Parser, Debug)]
@@ -34,6 +35,8 @@ enum Command {
     Inspect(inspect::Args),
     /// One forward pass over the given token ids; writes the f32 logits [T, vocab] under the key `logits`.
     Logits(logits::Args),
+    /// Serve the model over HTTP: OpenAI-compatible API, /api/chat (SSE, sessions), metrics, web chat page.
+    Serve(serve::Args),
 }
 
 /// Parses the command line and runs the subcommand.
@@ -46,6 +49,7 @@ pub fn main() -> ExitCode {
         Command::Generate(args) => gen::generate(args),
         Command::Chat(args) => gen::chat(args),
         Command::Logits(args) => logits::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

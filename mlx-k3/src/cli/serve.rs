@@ -1,0 +1,61 @@
+//! `mlx-k3 serve`: the HTTP server (see [`crate::server`]).
+
+use std::path::PathBuf;
+
+use clap::Args as ClapArgs;
+
+use crate::engine::EngineConfig;
+use crate::model::LoadOptions;
+use crate::server::{self, ServerConfig};
+use crate::{Dtype, Error, Result};
+
+/// Options of `serve`.
+#[derive(ClapArgs, Debug)]
+pub(super) struct Args {
+    /// Checkpoint folder (config.json, model*.safetensors, tokenizer).
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to bind; the default serves this machine only.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port (0 picks a free one; the address is printed on stdout).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on every route but /health and the chat page's static files.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Activation dtype: float32, bfloat16 or float16 (default: float32 on a CPU, bfloat16 on a GPU).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Requests that may wait behind the running one; more are answered 503.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// MiB of KV state kept for sessions; least-recently-used sessions are dropped beyond it.
+    #[arg(long, default_value_t = 2048)]
+    session_cache_mib: usize,
+}
+
+pub(super) fn run(args: Args) -> Result<()> {
+    let dtype = match args.dtype.as_deref() {
+        None => None,
+        Some(n) => Some(
+            Dtype::from_name(n)
+                .filter(|d| d.is_float())
+                .ok_or_else(|| Error::invalid("cli", format!("--dtype: '{n}' is not a float dtype")))?,
+        ),
+    };
+    if args.max_queue == 0 {
+        return Err(Error::invalid("cli", "--max-queue must be at least 1"));
+    }
+    server::run(ServerConfig {
+        engine: EngineConfig {
+            model_dir: args.model,
+            load: LoadOptions { dtype, lazy: false },
+            max_queue: args.max_queue,
+            session_cache_bytes: args.session_cache_mib.saturating_mul(1 << 20),
+        },
+        host: args.host,
+        port: args.port,
+        api_key: args.api_key.filter(|k| !k.is_empty()),
+    })
+}

@@ -1,0 +1,231 @@
+//! Splitting a chat reply into reasoning and answer while it streams.
+//!
+//! Reasoning and answer are only separable by the chat format's markers (Kimi K3's XTML:
+//! `...<|close|>think<|sep|><|open|>response<|sep|>...<|close|>response<|sep|>`, tool calls after
+//! `<|open|>tools<|sep|>`), which arrive as several tokens. The splitter follows the same rules as
+//! [`crate::chat::ChatEncoder::parse`] as a state machine and holds back only a tail that could still grow
+//! into a marker, so text reaches the client token by token and a marker never leaks half-written. The final
+//! reply (the engine's parse of the whole text) stays authoritative for the tool calls; in odd outputs (text
+//! outside the response block) the streamed answer can hold text that the final parse drops.
+
+const THINK_OPEN: &str = "<|open|>think";
+const THINK_END: &str = "<|close|>think<|sep|>";
+const SEP: &str = "<|sep|>";
+const TOOLS_OPEN: &str = "<|open|>tools<|sep|>";
+const RESPONSE_OPEN: &str = "<|open|>response<|sep|>";
+const RESPONSE_CLOSE: &str = "<|close|>response<|sep|>";
+// Removed from the answer wherever they appear.
+const DROPPED: [&str; 2] = ["<|close|>message<|sep|>", "<|im_end|>"];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    /// Inside `<|open|>think ...`, before its `<|sep|>`.
+    ThinkHeader,
+    Reasoning,
+    Answer,
+    /// After the response block closed: only a tool section may follow.
+    AfterAnswer,
+    /// The tool section (its calls come from the final parse).
+    Tools,
+}
+
+/// New reasoning and answer text.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Delta {
+    /// Thinking text.
+    pub reasoning: String,
+    /// Answer text.
+    pub content: String,
+}
+
+impl Delta {
+    /// Whether nothing is new.
+    pub fn is_empty(&self) -> bool {
+        self.reasoning.is_empty() && self.content.is_empty()
+    }
+}
+
+/// The state machine; feed it text pieces in order.
+pub struct ReplySplitter {
+    part: Part,
+    pending: String,
+    saw_response_open: bool,
+}
+
+impl ReplySplitter {
+    /// A splitter for a reply that starts inside the thinking block or not.
+    pub fn new(starts_in_thinking: bool) -> Self {
+        let part = if starts_in_thinking { Part::Reasoning } else { Part::Answer };
+        ReplySplitter { part, pending: String::new(), saw_response_open: false }
+    }
+
+    /// Adds a piece; returns the text that is now certain.
+    pub fn push(&mut self, piece: &str) -> Delta {
+        self.pending.push_str(piece);
+        let mut out = Delta::default();
+        loop {
+            match self.part {
+                Part::ThinkHeader => match self.pending.find(SEP) {
+                    Some(i) => {
+                        self.pending.drain(..i + SEP.len());
+                        self.part = Part::Reasoning;
+                    }
+                    None => break,
+                },
+                Part::Reasoning => match self.pending.find(THINK_END) {
+                    Some(i) => {
+                        out.reasoning.push_str(&self.pending[..i]);
+                        self.pending.drain(..i + THINK_END.len());
+                        self.part = Part::Answer;
+                    }
+                    None => {
+                        let keep = partial_marker_len(&self.pending, &[THINK_END]);
+                        let n = self.pending.len() - keep;
+                        out.reasoning.push_str(&self.pending[..n]);
+                        self.pending.drain(..n);
+                        break;
+                    }
+                },
+                Part::Answer => {
+                    let close_ends = self.saw_response_open;
+                    let mut markers = vec![THINK_OPEN, TOOLS_OPEN, RESPONSE_OPEN, RESPONSE_CLOSE];
+                    markers.extend(DROPPED);
+                    let first = markers.iter().filter_map(|m| self.pending.find(m).map(|i| (i, *m))).min();
+                    match first {
+                        Some((i, m)) => {
+                            out.content.push_str(&self.pending[..i]);
+                            self.pending.drain(..i + m.len());
+                            self.part = match m {
+                                THINK_OPEN => Part::ThinkHeader,
+                                TOOLS_OPEN => Part::Tools,
+                                RESPONSE_CLOSE if close_ends => Part::AfterAnswer,
+                                _ => Part::Answer,
+                            };
+                            if m == RESPONSE_OPEN {
+                                self.saw_response_open = true;
+                            }
+                        }
+                        None => {
+                            let keep = partial_marker_len(&self.pending, &markers);
+                            let n = self.pending.len() - keep;
+                            out.content.push_str(&self.pending[..n]);
+                            self.pending.drain(..n);
+                            break;
+                        }
+                    }
+                }
+                Part::AfterAnswer => match self.pending.find(TOOLS_OPEN) {
+                    Some(i) => {
+                        self.pending.drain(..i + TOOLS_OPEN.len());
+                        self.part = Part::Tools;
+                    }
+                    None => {
+                        let keep = partial_marker_len(&self.pending, &[TOOLS_OPEN]);
+                        self.pending.drain(..self.pending.len() - keep);
+                        break;
+                    }
+                },
+                Part::Tools => {
+                    self.pending.clear();
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    /// The end of the reply: releases a held-back tail that never became a marker.
+    pub fn finish(&mut self) -> Delta {
+        let rest = std::mem::take(&mut self.pending);
+        match self.part {
+            Part::Reasoning => Delta { reasoning: rest, content: String::new() },
+            Part::Answer => Delta { reasoning: String::new(), content: rest },
+            _ => Delta::default(),
+        }
+    }
+}
+
+/// Length of the longest tail of `text` that is a proper prefix of one of `markers`.
+fn partial_marker_len(text: &str, markers: &[&str]) -> usize {
+    markers.iter().flat_map(|m| (1..m.len()).rev().find(|&k| text.ends_with(&m[..k]))).max().unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::chat::{ChatEncoder, ThinkingEffort};
+    use crate::tokenizer::{TiktokenTokenizer, Tokenizer, KIMI_PATTERN};
+
+    /// A byte-level tokenizer whose specials are Kimi K3's XTML tokens, so the chat encoder parses XTML.
+    fn xtml_encoder() -> ChatEncoder {
+        let ranks: HashMap<Vec<u8>, u32> = (0..=255u8).map(|b| (vec![b], b as u32)).collect();
+        let cfg = serde_json::json!({"added_tokens_decoder": {
+            "256": {"content": "<|open|>"}, "257": {"content": "<|sep|>"}, "258": {"content": "<|close|>"},
+            "259": {"content": "<|im_end|>"}
+        }});
+        let tok = Tokenizer::Tiktoken(TiktokenTokenizer::from_ranks(ranks, &cfg, KIMI_PATTERN).unwrap());
+        ChatEncoder::new(&tok, None, None, None).unwrap()
+    }
+
+    fn stream(text: &str, starts_in_thinking: bool, cuts: &[usize]) -> Delta {
+        let mut s = ReplySplitter::new(starts_in_thinking);
+        let mut all = Delta::default();
+        let mut at = 0;
+        for &c in cuts.iter().chain([&text.len()]) {
+            let d = s.push(&text[at..c]);
+            all.reasoning += &d.reasoning;
+            all.content += &d.content;
+            at = c;
+        }
+        let d = s.finish();
+        all.reasoning += &d.reasoning;
+        all.content += &d.content;
+        all
+    }
+
+    #[test]
+    fn streamed_split_matches_the_final_parse_at_every_cut() {
+        let enc = xtml_encoder();
+        let call = "<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"x\" \
+                    type=\"string\"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>";
+        let cases = [
+            (
+                "Let me think <b>.<|close|>think<|sep|><|open|>response<|sep|>**Hi** there<|close|>response<|sep|>\
+                 <|close|>message<|sep|>",
+                ThinkingEffort::High,
+            ),
+            ("still thinking <|close|>thi", ThinkingEffort::High),
+            ("the answer<|close|>response<|sep|><|close|>message<|sep|>", ThinkingEffort::Off),
+            (
+                "<|open|>think effort=\"low\"<|sep|>hmm<|close|>think<|sep|><|open|>response<|sep|>ok<|im_end|>",
+                ThinkingEffort::Off,
+            ),
+            ("plain text with < and <| but no marker", ThinkingEffort::Off),
+        ];
+        let with_tools = format!("r<|close|>think<|sep|><|open|>response<|sep|>calling<|close|>response<|sep|>{call}");
+        let mut all: Vec<(String, ThinkingEffort)> = cases.iter().map(|(t, e)| (t.to_string(), *e)).collect();
+        all.push((with_tools, ThinkingEffort::High));
+        for (text, effort) in &all {
+            let want = enc.parse(text, *effort);
+            let thinking = *effort != ThinkingEffort::Off;
+            for cut in 0..=text.len() {
+                for cut2 in [cut, (cut + 3).min(text.len()), (cut + 11).min(text.len())] {
+                    let got = stream(text, thinking, &[cut, cut2]);
+                    assert_eq!(got.reasoning, want.reasoning, "reasoning of {text:?} cut at {cut}/{cut2}");
+                    assert_eq!(got.content, want.content, "answer of {text:?} cut at {cut}/{cut2}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn text_is_released_as_soon_as_it_cannot_be_a_marker() {
+        let mut s = ReplySplitter::new(true);
+        assert_eq!(s.push("abc<|clo").reasoning, "abc");
+        assert_eq!(s.push("se|>x").reasoning, "<|close|>x");
+        assert_eq!(s.push("<|close|>think<|sep|>").reasoning, "");
+        assert_eq!(s.push("answer").content, "answer");
+    }
+}

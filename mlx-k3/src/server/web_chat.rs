@@ -1,0 +1,240 @@
+//! Card 000's web chat endpoint. `POST /api/chat` takes `{messages, session, max_tokens, temperature,
+//! thinking_effort}` (plus optional `top_p`, `seed`) and answers with named SSE events:
+//!
+//! | event | data |
+//! |---|---|
+//! | `start` | `{"session", "prompt_tokens"}` |
+//! | `thinking` | `{"text"}`: a piece of reasoning |
+//! | `answer` | `{"text"}`: a piece of the answer |
+//! | `tool_calls` | `{"tool_calls"}` in OpenAI's shape |
+//! | `done` | `{"finish_reason"` (stop, length, cancelled, tool_calls)`, "reasoning", "content", "usage", "timing"}` |
+//! | `error` | `{"error": {...}}` when generation fails after it started |
+//!
+//! The client sends the whole conversation each turn; the session id keeps its KV state in the engine, so
+//! only the new suffix is prefilled (`usage.cached_tokens` says how much was reused). `POST /api/chat/stop`
+//! with `{"session"}` stops that session's running generation; it ends with `finish_reason: "cancelled"`.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::extract::State as AxState;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::error::{ApiError, JsonBody};
+use super::generation::{failure, Generation};
+use super::sampling::{thinking_effort, Sampling};
+use super::split::{Delta, ReplySplitter};
+use super::stream::{sse, StreamFormat};
+use super::State;
+use crate::chat::{ChatMessage, ThinkingEffort};
+use crate::engine::{Event, Prompt, Request};
+use crate::generate::FinishReason;
+
+/// Default new tokens per turn when the request gives none.
+const DEFAULT_MAX_TOKENS: usize = 1024;
+
+/// The request body.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebChatRequest {
+    messages: Vec<WebMessage>,
+    session: Option<String>,
+    max_tokens: Option<usize>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    seed: Option<u64>,
+    thinking_effort: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WebMessage {
+    role: String,
+    content: String,
+}
+
+/// `POST /api/chat`.
+pub async fn chat(AxState(state): AxState<State>, JsonBody(req): JsonBody<WebChatRequest>) -> Response {
+    match run(state, req).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run(state: State, req: WebChatRequest) -> Result<Response, ApiError> {
+    if req.messages.is_empty() {
+        return Err(ApiError::bad_param("messages", "messages must not be empty"));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.into_iter().enumerate() {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
+            return Err(ApiError::bad_param(
+                &format!("messages[{i}].role"),
+                format!("role '{}' is not system, user or assistant", m.role),
+            ));
+        }
+        messages.push(ChatMessage::new(&m.role, &m.content));
+    }
+    let thinking = thinking_effort(req.thinking_effort.as_deref(), None)?;
+    let sampling = Sampling {
+        max_tokens: req.max_tokens,
+        temperature: req.temperature,
+        top_p: req.top_p,
+        seed: req.seed,
+        ..Sampling::default()
+    };
+    let options = sampling.options(DEFAULT_MAX_TOKENS)?;
+    let session = match super::sampling::check_session(req.session)? {
+        Some(s) => s,
+        None => new_session_id(),
+    };
+    let mut request = Request::new(Prompt::Chat { messages, tools: None, thinking }, options);
+    request.session = Some(session.clone());
+
+    let mut generation = Generation::submit(&state.engine, request)?;
+    // Registered while queued too, so a stop before the generation starts is not lost.
+    let registration = Registration::new(state.clone(), session.clone(), generation.cancel_flag());
+    let prompt_tokens = match generation.started().await {
+        Ok(n) => n,
+        Err(_) if registration.flag.load(Ordering::SeqCst) => {
+            let done = event("done", json!({"finish_reason": "cancelled", "session": session}));
+            return Ok(Sse::new(futures_util::stream::iter([Ok::<_, Infallible>(done)])).into_response());
+        }
+        Err(e) => return Err(e),
+    };
+    let starts_in_thinking = state.engine.info().starts_in_thinking && thinking != ThinkingEffort::Off;
+    let format = WebChatStream {
+        splitter: ReplySplitter::new(starts_in_thinking),
+        stop_requested: registration.flag.clone(),
+        _registration: registration,
+    };
+    let first = vec![event("start", json!({"session": session, "prompt_tokens": prompt_tokens}))];
+    Ok(sse(generation, format, first).into_response())
+}
+
+fn new_session_id() -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!("s-{:x}-{}", super::sampling::now_secs(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+fn event(name: &str, data: Value) -> SseEvent {
+    SseEvent::default().event(name).data(data.to_string())
+}
+
+/// The request body of `/api/chat/stop`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StopRequest {
+    session: String,
+}
+
+/// `POST /api/chat/stop`: `{"stopped": true}` when a generation of that session was running.
+pub async fn stop(AxState(state): AxState<State>, JsonBody(req): JsonBody<StopRequest>) -> Json<Value> {
+    let flag = state.active.lock().unwrap_or_else(|p| p.into_inner()).get(&req.session).cloned();
+    let stopped = match flag {
+        Some(f) => !f.swap(true, Ordering::SeqCst),
+        None => false,
+    };
+    Json(json!({"stopped": stopped, "session": req.session}))
+}
+
+/// Keeps a session's cancel flag findable by `/api/chat/stop` while its stream lives.
+struct Registration {
+    state: State,
+    session: String,
+    flag: Arc<AtomicBool>,
+}
+
+impl Registration {
+    fn new(state: State, session: String, flag: Arc<AtomicBool>) -> Self {
+        state.active.lock().unwrap_or_else(|p| p.into_inner()).insert(session.clone(), flag.clone());
+        Registration { state, session, flag }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let mut active = self.state.active.lock().unwrap_or_else(|p| p.into_inner());
+        // A newer request of the same session may have replaced the entry: leave that one.
+        if active.get(&self.session).is_some_and(|f| Arc::ptr_eq(f, &self.flag)) {
+            active.remove(&self.session);
+        }
+    }
+}
+
+struct WebChatStream {
+    splitter: ReplySplitter,
+    stop_requested: Arc<AtomicBool>,
+    _registration: Registration,
+}
+
+impl WebChatStream {
+    fn delta(d: Delta, out: &mut Vec<SseEvent>) {
+        if !d.reasoning.is_empty() {
+            out.push(event("thinking", json!({"text": d.reasoning})));
+        }
+        if !d.content.is_empty() {
+            out.push(event("answer", json!({"text": d.content})));
+        }
+    }
+}
+
+impl StreamFormat for WebChatStream {
+    fn on_event(&mut self, ev: Option<Event>, out: &mut Vec<SseEvent>) -> bool {
+        match ev {
+            Some(Event::Text(piece)) => {
+                Self::delta(self.splitter.push(&piece), out);
+                false
+            }
+            Some(Event::Done { result, parsed }) => {
+                Self::delta(self.splitter.finish(), out);
+                let parsed = parsed.unwrap_or_default();
+                if !parsed.tool_calls.is_empty() {
+                    out.push(event("tool_calls", json!({"tool_calls": parsed.tool_calls})));
+                }
+                let finish = match result.finish_reason {
+                    FinishReason::Cancelled => "cancelled",
+                    _ if !parsed.tool_calls.is_empty() => "tool_calls",
+                    FinishReason::Length => "length",
+                    FinishReason::Stop => "stop",
+                };
+                let s = &result.stats;
+                out.push(event(
+                    "done",
+                    json!({
+                        "finish_reason": finish,
+                        "reasoning": parsed.reasoning,
+                        "content": parsed.content,
+                        "usage": {
+                            "prompt_tokens": s.prompt_tokens,
+                            "completion_tokens": s.generated_tokens,
+                            "cached_tokens": s.prompt_tokens - s.prefilled_tokens,
+                        },
+                        "timing": {
+                            "time_to_first_token": s.time_to_first_token,
+                            "prompt_tps": s.prompt_tps,
+                            "generation_tps": s.generation_tps,
+                        },
+                    }),
+                ));
+                true
+            }
+            Some(Event::Failed { kind, message }) => {
+                out.push(event("error", failure(kind, message).body()));
+                true
+            }
+            Some(Event::Started { .. }) => false,
+            None => {
+                // Stopped before the engine produced a result.
+                let reason = if self.stop_requested.load(Ordering::SeqCst) { "cancelled" } else { "stop" };
+                out.push(event("done", json!({"finish_reason": reason})));
+                true
+            }
+        }
+    }
+}

@@ -1,0 +1,477 @@
+//! The HTTP server over real HTTP: `mlx-k3 serve` runs the test model (k3-nano, or `MLX_K3_TEST_MODEL`) on
+//! a free port; every test talks to it as a client would.
+//!
+//! Tests share the 2-core machine, so each holds a lock while its server works: timing checks (a cancelled
+//! generation frees the engine within 1 s) then measure the server, not a neighbour.
+
+mod server_support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use server_support::{collect_chat_chunks, read_sse, Server};
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn user(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+fn error_of(v: &Value) -> (&str, Option<&str>, Option<&str>) {
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "error without message: {v}");
+    (e["type"].as_str().unwrap(), e["param"].as_str(), e["code"].as_str())
+}
+
+#[test]
+fn health_models_and_metrics_answer() {
+    let _g = serial();
+    let s = Server::start(&[]);
+    let (code, h) = s.get_json("/health");
+    assert_eq!((code, h["status"].as_str()), (200, Some("ok")));
+    let (code, m) = s.get_json("/v1/models");
+    assert_eq!(code, 200);
+    assert_eq!(m["data"][0]["id"], h["model"]);
+    assert!(m["data"][0]["max_model_len"].as_u64().unwrap() > 0);
+
+    let before = s.metric("mlx_k3_generated_tokens_total");
+    let (code, r) = s.post("/v1/completions", &json!({"prompt": "def main():", "max_tokens": 5, "temperature": 0}));
+    assert_eq!(code, 200, "{r}");
+    let (_, text) = s.get("/metrics");
+    for name in [
+        "mlx_k3_requests_total",
+        "mlx_k3_request_failures_total",
+        "mlx_k3_prompt_tokens_total",
+        "mlx_k3_generated_tokens_total",
+        "mlx_k3_generation_tokens_per_second",
+        "mlx_k3_queue_length",
+        "mlx_k3_prompt_cache_hits_total",
+        "mlx_k3_prompt_cached_tokens_total",
+    ] {
+        assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing from /metrics:\n{text}");
+    }
+    let generated = r["usage"]["completion_tokens"].as_f64().unwrap();
+    assert_eq!(s.metric("mlx_k3_generated_tokens_total") - before, generated);
+    assert!(s.metric("mlx_k3_generation_tokens_per_second") >= 0.0);
+    assert_eq!(s.metric("mlx_k3_queue_length"), 0.0);
+    assert!(text.contains("mlx_k3_http_requests_total{route=\"/v1/completions\",status=\"200\"} 1"), "{text}");
+}
+
+#[test]
+fn chat_stream_and_non_stream_agree_for_greedy() {
+    let _g = serial();
+    let s = Server::start(&[]);
+    let body = json!({"messages": user("Write a Python function that adds two numbers."), "max_tokens": 12,
+                      "temperature": 0});
+    let (code, full) = s.post("/v1/chat/completions", &body);
+    assert_eq!(code, 200, "{full}");
+    assert_eq!(full["object"], "chat.completion");
+    let choice = &full["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    let usage = &full["usage"];
+    let completion = usage["completion_tokens"].as_u64().unwrap();
+    assert!((1..=12).contains(&completion), "{usage}");
+    assert_eq!(usage["total_tokens"], usage["prompt_tokens"].as_u64().unwrap() + completion);
+    let expected_finish = if completion == 12 { "length" } else { "stop" };
+    assert_eq!(choice["finish_reason"], expected_finish);
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let events = s.stream_all("/v1/chat/completions", &streamed);
+    let first = events[0].json();
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    let (reasoning, content, finish, usage_streamed) = collect_chat_chunks(&events);
+    let want_reasoning = choice["message"]["reasoning_content"].as_str().unwrap_or("");
+    assert_eq!(reasoning, want_reasoning);
+    assert_eq!(content, choice["message"]["content"].as_str().unwrap_or(""));
+    assert_eq!(finish.as_deref(), Some(expected_finish));
+    assert_eq!(usage_streamed["completion_tokens"], usage["completion_tokens"]);
+    // include_usage: the chunk before [DONE] has no choices, only usage.
+    let usage_chunk = events[events.len() - 2].json();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(usage_chunk["usage"]["prompt_tokens"], usage["prompt_tokens"]);
+
+    // OpenAI-style extras are accepted: tools, content parts, developer role, ignored fields.
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let (code, r) = s.post(
+        "/v1/chat/completions",
+        &json!({"model": "anything", "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]}],
+            "tools": tools, "tool_choice": "auto", "max_tokens": 4, "temperature": 0.7, "top_p": 0.9, "seed": 3,
+            "user": "u1", "frequency_penalty": 0, "presence_penalty": 0.5, "stop": ["\n\n"], "n": 1}),
+    );
+    assert_eq!(code, 200, "{r}");
+}
+
+#[test]
+fn completions_honour_stop_seed_and_token_prompts() {
+    let _g = serial();
+    let s = Server::start(&[]);
+    let greedy = |extra: Value| {
+        let mut body = json!({"prompt": "import os\nimport sys\n\ndef main():\n", "max_tokens": 24, "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (code, r) = s.post("/v1/completions", &body);
+        assert_eq!(code, 200, "{r}");
+        r
+    };
+    let base = greedy(json!({}));
+    assert_eq!(base["object"], "text_completion");
+    let text = base["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(!text.is_empty());
+    // A stop string taken from the middle of the greedy text cuts it at its first occurrence.
+    let chars: Vec<char> = text.chars().collect();
+    let mid = chars.len() / 2;
+    let stop: String = chars[mid..(mid + 2).min(chars.len())].iter().collect();
+    let cut = greedy(json!({"stop": stop}));
+    assert_eq!(cut["choices"][0]["text"].as_str().unwrap(), &text[..text.find(&stop).unwrap()], "stop {stop:?}");
+    assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+
+    // The same seed gives the same sample.
+    let a = greedy(json!({"temperature": 1.0, "seed": 42, "max_tokens": 16}));
+    let b = greedy(json!({"temperature": 1.0, "seed": 42, "max_tokens": 16}));
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+
+    // Token ids as the prompt.
+    let (code, r) = s.post("/v1/completions", &json!({"prompt": [100, 101, 102], "max_tokens": 3, "temperature": 0}));
+    assert_eq!(code, 200, "{r}");
+    assert_eq!(r["usage"]["prompt_tokens"], 3);
+
+    // Streaming gives the same text.
+    let events = s.stream_all(
+        "/v1/completions",
+        &json!({"prompt": "import os\nimport sys\n\ndef main():\n", "max_tokens": 24, "temperature": 0,
+                "stream": true}),
+    );
+    let (_, streamed, finish, usage) = collect_chat_chunks(&events);
+    assert_eq!(streamed, text);
+    assert_eq!(finish.as_deref(), base["choices"][0]["finish_reason"].as_str());
+    assert_eq!(usage["completion_tokens"], base["usage"]["completion_tokens"]);
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_the_server_survives() {
+    let _g = serial();
+    let s = Server::start(&[]);
+    let ctx = s.get_json("/v1/models").1["data"][0]["max_model_len"].as_u64().unwrap() as usize;
+    let chat = "/v1/chat/completions";
+    let bad = |path: &str, body: &str, param: Option<&str>, code: Option<&str>| {
+        let (got, text) = s.post_raw(path, body);
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path} {body}: not JSON ({e}): {text}"));
+        assert_eq!(got, 400, "{path} {body}: {v}");
+        let (kind, p, c) = error_of(&v);
+        assert_eq!(kind, "invalid_request_error", "{body}: {v}");
+        assert_eq!(p, param, "param of {body}: {v}");
+        if code.is_some() {
+            assert_eq!(c, code, "code of {body}: {v}");
+        }
+    };
+    let with = |extra: Value| {
+        let mut body = json!({"messages": user("hi")});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body.to_string()
+    };
+    bad(chat, "{\"messages\": [", None, Some("invalid_json"));
+    bad(chat, "", None, Some("invalid_json"));
+    bad(chat, &with(json!({"max_tokenz": 3})), Some("max_tokenz"), Some("unknown_field"));
+    let extra_field = json!({"messages": [{"role": "user", "content": "hi", "extra": 1}]}).to_string();
+    bad(chat, &extra_field, Some("messages[0].extra"), Some("unknown_field"));
+    bad(chat, &with(json!({"max_tokens": "ten"})), Some("max_tokens"), Some("invalid_value"));
+    bad(chat, &with(json!({"temperature": 5})), Some("temperature"), None);
+    bad(chat, &with(json!({"max_tokens": 0})), Some("max_tokens"), None);
+    bad(chat, &with(json!({"n": 2})), Some("n"), Some("unsupported_parameter"));
+    bad(chat, &json!({"messages": []}).to_string(), Some("messages"), None);
+    bad(chat, &json!({"messages": [{"role": "wizard", "content": "hi"}]}).to_string(), Some("messages[0].role"), None);
+    bad(chat, &with(json!({"tools": [{"type": "x"}]})), Some("tools[0]"), None);
+    bad(chat, &with(json!({"thinking_effort": "huge"})), Some("thinking_effort"), None);
+    bad("/v1/completions", &json!({"prompt": ""}).to_string(), Some("prompt"), None);
+    bad("/v1/completions", &json!({"prompt": "x", "echo": true}).to_string(), Some("echo"), None);
+    bad("/api/chat", &with(json!({"sesion": "x"})), Some("sesion"), Some("unknown_field"));
+    bad("/api/chat/stop", "{}", None, Some("invalid_value"));
+
+    // Prompts longer than the context: digits pre-tokenize in groups of at most three, so 3 x ctx digits are
+    // at least ctx tokens whatever the vocabulary.
+    let long: String = (0..3 * ctx + 30).map(|i| char::from(b'0' + (i * 7 % 10) as u8)).collect();
+    for (path, body) in [
+        (chat, json!({"messages": user(&long), "max_tokens": 4})),
+        ("/v1/completions", json!({"prompt": long, "max_tokens": 4})),
+        ("/v1/completions", json!({"prompt": vec![65; ctx + 1], "max_tokens": 4, "stream": true})),
+    ] {
+        let (code, v) = s.post(path, &body);
+        assert_eq!(code, 400, "{v}");
+        let (_, _, c) = error_of(&v);
+        assert_eq!(c, Some("context_length_exceeded"), "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("context"), "{v}");
+    }
+
+    let (code, v) = s.get_json("/no/such/route");
+    assert_eq!((code, error_of(&v).2), (404, Some("not_found")));
+    let (code, v) = s.get_json("/v1/chat/completions");
+    assert_eq!((code, error_of(&v).2), (405, Some("method_not_allowed")));
+    // Still serving.
+    let (code, r) = s.post("/v1/completions", &json!({"prompt": "ok", "max_tokens": 2, "temperature": 0}));
+    assert_eq!(code, 200, "{r}");
+}
+
+#[test]
+fn api_key_guards_every_route_but_health_and_the_page() {
+    let _g = serial();
+    let s = Server::start(&["--api-key", "sekrit"]);
+    let agent = server_support::agent();
+    let call = |method: &str, path: &str, auth: Option<&str>| {
+        let url = s.at(path);
+        let mut res = match method {
+            "GET" => {
+                let mut r = agent.get(&url);
+                if let Some(a) = auth {
+                    r = r.header("Authorization", a);
+                }
+                r.call().unwrap()
+            }
+            _ => {
+                let mut r = agent.post(&url).header("Content-Type", "application/json");
+                if let Some(a) = auth {
+                    r = r.header("Authorization", a);
+                }
+                r.send(json!({"messages": user("hi"), "prompt": "hi", "max_tokens": 1}).to_string()).unwrap()
+            }
+        };
+        (res.status().as_u16(), res.body_mut().read_to_string().unwrap())
+    };
+    assert_eq!(call("GET", "/health", None).0, 200);
+    assert_eq!(call("GET", "/", None).0, 200, "the static page loads without the key (it asks for it)");
+    for (method, path) in
+        [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"), ("POST", "/api/chat")]
+    {
+        let (code, body) = call(method, path, None);
+        assert_eq!(code, 401, "{path} without a key: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(error_of(&v).2, Some("invalid_api_key"));
+        assert_eq!(call(method, path, Some("Bearer wrong")).0, 401, "{path} with a wrong key");
+    }
+    assert_eq!(call("GET", "/v1/models", Some("Bearer sekrit")).0, 200);
+    let (code, body) = call("POST", "/v1/completions", Some("Bearer sekrit"));
+    assert_eq!(code, 400, "the key lets the request through to validation: {body}");
+}
+
+#[test]
+fn a_full_queue_answers_503_with_a_json_error() {
+    let _g = serial();
+    let s = Server::start(&["--max-queue", "1"]);
+    let long = json!({"prompt": "def f():", "max_tokens": 4000, "temperature": 0, "stream": true});
+    // A runs; B waits in the queue (its response starts only when it runs); C finds the queue full.
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|scope| {
+        let s = &s;
+        let long_a = long.clone();
+        scope.spawn(move || {
+            s.stream("/v1/completions", &long_a, |_| {
+                let _ = started_tx.send(());
+                stop_rx.try_recv().is_err()
+            });
+        });
+        started_rx.recv_timeout(Duration::from_secs(60)).expect("A did not start");
+        let b = scope.spawn(move || {
+            s.post("/v1/completions", &json!({"prompt": "def g():", "max_tokens": 2, "temperature": 0}))
+        });
+        let t0 = Instant::now();
+        while s.metric("mlx_k3_queue_length") < 2.0 {
+            assert!(t0.elapsed() < Duration::from_secs(30), "B never queued");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (code, v) = s.post("/v1/completions", &json!({"prompt": "def h():", "max_tokens": 2}));
+        assert_eq!(code, 503, "{v}");
+        assert_eq!(error_of(&v).2, Some("queue_full"));
+        // Dropping A's stream cancels it, and B runs.
+        stop_tx.send(()).unwrap();
+        let (code, v) = b.join().unwrap();
+        assert_eq!(code, 200, "{v}");
+    });
+}
+
+/// The events of one `/api/chat` turn: (answer text, thinking text, done data).
+fn web_turn(s: &Server, messages: &Value, session: &str, max_tokens: usize) -> (String, String, Value) {
+    let events = s.stream_all(
+        "/api/chat",
+        &json!({"messages": messages, "session": session, "max_tokens": max_tokens,
+                                          "temperature": 0, "thinking_effort": "high"}),
+    );
+    assert_eq!(events[0].event, "start", "{events:?}");
+    assert_eq!(events[0].json()["session"], session);
+    let mut answer = String::new();
+    let mut thinking = String::new();
+    for e in &events[1..events.len() - 1] {
+        match e.event.as_str() {
+            "answer" => answer += e.json()["text"].as_str().unwrap(),
+            "thinking" => thinking += e.json()["text"].as_str().unwrap(),
+            "tool_calls" => {}
+            other => panic!("unexpected event {other}: {}", e.data),
+        }
+    }
+    let done = events.last().unwrap();
+    assert_eq!(done.event, "done", "{events:?}");
+    (answer, thinking, done.json())
+}
+
+#[test]
+fn sessions_reuse_their_prompt_cache_and_outputs_stay_the_same() {
+    let _g = serial();
+    let s = Server::start(&[]);
+    let mut history = user("Write a function that reverses a list.");
+    let (answer, thinking, done) = web_turn(&s, &history, "conv-1", 8);
+    assert_eq!(done["content"].as_str().unwrap(), answer, "streamed answer = final answer");
+    assert_eq!(done["reasoning"].as_str().unwrap(), thinking);
+    assert_eq!(done["usage"]["cached_tokens"], 0);
+    history.as_array_mut().unwrap().push(json!({"role": "assistant", "content": answer}));
+    history.as_array_mut().unwrap().push(json!({"role": "user", "content": "Now make it recursive."}));
+    let hits = s.metric("mlx_k3_prompt_cache_hits_total");
+    let (answer2, _, done2) = web_turn(&s, &history, "conv-1", 8);
+    let cached = done2["usage"]["cached_tokens"].as_u64().unwrap();
+    let prompt = done2["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(cached > 0 && cached < prompt, "turn 2 reuses turn 1's state: {done2}");
+    assert_eq!(s.metric("mlx_k3_prompt_cache_hits_total"), hits + 1.0);
+    // The cached state gives exactly what a fresh prefill gives.
+    let (fresh, _, done_fresh) = web_turn(&s, &history, "conv-fresh", 8);
+    assert_eq!(done_fresh["usage"]["cached_tokens"], 0);
+    assert_eq!(answer2, fresh);
+    drop(s);
+
+    // A session budget of 0 bytes keeps only the newest session: conv-1 is evicted by conv-2.
+    let s = Server::start(&["--session-cache-mib", "0"]);
+    let first = user("Write a function that reverses a list.");
+    web_turn(&s, &first, "conv-1", 8);
+    web_turn(&s, &user("Something else entirely."), "conv-2", 8);
+    let (_, _, done) = web_turn(&s, &history, "conv-1", 8);
+    assert_eq!(done["usage"]["cached_tokens"], 0, "conv-1 was evicted: {done}");
+}
+
+#[test]
+fn web_chat_stop_endpoint_ends_the_generation() {
+    let _g = serial();
+    let s = Server::start(&[]);
+    let (code, v) = s.post("/api/chat/stop", &json!({"session": "idle"}));
+    assert_eq!((code, &v["stopped"]), (200, &json!(false)));
+    let body = json!({"messages": user("Tell me a long story."), "session": "story", "max_tokens": 3000,
+                      "temperature": 0});
+    let mut answers = 0;
+    let mut stop_sent = false;
+    let mut done = None;
+    let code = s.stream("/api/chat", &body, |e| {
+        match e.event.as_str() {
+            "answer" | "thinking" => {
+                answers += 1;
+                if answers == 3 && !stop_sent {
+                    let (code, v) = s.post("/api/chat/stop", &json!({"session": "story"}));
+                    assert_eq!((code, &v["stopped"]), (200, &json!(true)), "{v}");
+                    stop_sent = true;
+                }
+            }
+            "done" => done = Some(e.json()),
+            _ => {}
+        }
+        true
+    });
+    assert_eq!(code, 200);
+    let done = done.expect("the stream ends with a done event");
+    assert_eq!(done["finish_reason"], "cancelled", "{done}");
+    assert!(done["usage"]["completion_tokens"].as_u64().unwrap() < 3000);
+    assert_eq!(s.metric("mlx_k3_web_chat_streams"), 0.0);
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_frees_the_engine_within_a_second() {
+    let _g = serial();
+    let s = Server::start(&[]);
+    let addr = s.url.trim_start_matches("http://").to_string();
+    let body = json!({"prompt": "def f():", "max_tokens": 4000, "temperature": 0, "stream": true}).to_string();
+    let mut sock = TcpStream::connect(&addr).unwrap();
+    write!(
+        sock,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // Read until a few chunks of text have arrived, then hang up.
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while seen.windows(5).filter(|w| w == b"data:").count() < 3 {
+        let n = sock.read(&mut buf).unwrap();
+        assert!(n > 0, "the server closed the stream: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    drop(sock);
+    let t0 = Instant::now();
+    let mut first = None;
+    let status = s.stream(
+        "/v1/completions",
+        &json!({"prompt": "def g():", "max_tokens": 3, "temperature": 0, "stream": true}),
+        |_| {
+            first.get_or_insert_with(|| t0.elapsed());
+            true
+        },
+    );
+    assert_eq!(status, 200);
+    let first = first.expect("no event");
+    assert!(first < Duration::from_secs(1), "the next request started after {first:?}");
+    // The abandoned generation stopped far short of its 4000 tokens.
+    assert!(s.metric("mlx_k3_generated_tokens_total") < 1000.0);
+}
+
+#[test]
+fn thinking_streams_apart_from_the_answer_with_kimi_k3s_chat_encoding() {
+    let _g = serial();
+    // The same weights with XTML chat tokens: the generation prompt opens a think block, so with thinking on
+    // the reply is reasoning (until the model closes the block, which this model never learned to do).
+    let xtml = server_support::xtml_variant(&server_support::model_dir());
+    let s = Server::start_with(xtml.path(), &[]);
+    let body = json!({"messages": user("What is 2 + 2?"), "max_tokens": 10, "temperature": 0});
+    let (code, full) = s.post("/v1/chat/completions", &body);
+    assert_eq!(code, 200, "{full}");
+    let message = &full["choices"][0]["message"];
+    let reasoning = message["reasoning_content"].as_str().unwrap_or("");
+    assert!(!reasoning.is_empty(), "no reasoning_content: {full}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (r, c, _, _) = collect_chat_chunks(&s.stream_all("/v1/chat/completions", &streamed));
+    assert_eq!((r.as_str(), c.as_str()), (reasoning, message["content"].as_str().unwrap_or("")));
+
+    // /api/chat: the same text arrives as `thinking` events.
+    let (answer, thinking, done) = web_turn(&s, &user("What is 2 + 2?"), "xtml", 10);
+    assert_eq!((thinking.as_str(), answer.as_str()), (reasoning, message["content"].as_str().unwrap_or("")));
+    assert_eq!(done["reasoning"].as_str().unwrap(), reasoning);
+
+    // Thinking off: the prompt opens the response block, and the reply is all answer.
+    let (code, off) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": user("What is 2 + 2?"), "max_tokens": 10, "temperature": 0, "reasoning_effort": "none"}),
+    );
+    assert_eq!(code, 200, "{off}");
+    assert!(off["choices"][0]["message"]["reasoning_content"].is_null(), "{off}");
+}
+
+#[test]
+fn sse_reader_handles_split_lines() {
+    let body = b"event: a\ndata: {\"x\":1}\n\n: comment\n\ndata: [DONE]\n\n".to_vec();
+    let mut got = Vec::new();
+    read_sse(&body[..], |e| {
+        got.push((e.event.clone(), e.data.clone()));
+        true
+    });
+    assert_eq!(got, vec![("a".into(), "{\"x\":1}".into()), ("message".into(), "[DONE]".into())]);
+}
