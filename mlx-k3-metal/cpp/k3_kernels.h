@@ -27,8 +27,9 @@ int k3_codebook_qmm(k3_array* res, const k3_array x, const k3_array codes, const
 int k3_gather_codebook_qmm(k3_array* res, const k3_array x, const k3_array codes, const k3_array qh,
                            const k3_array scales, const k3_array lhs, const k3_array rhs, const k3_stream s);
 
-/* quantized_matmul (transpose = true) with the project's CPU kernels where they apply (affine 2/4/8-bit with
- * group 32/64/128 and mxfp4, on AVX2+FMA CPUs); anything else runs MLX's own op. Same layouts as MLX. */
+/* quantized_matmul (transpose = true) with the project's CPU kernels where they apply (f32 activations on a
+ * CPU stream, affine 2/4/8-bit with group 32/64/128 or mxfp4, AVX2+FMA); anything else runs MLX's own op.
+ * Same layouts as MLX. */
 int k3_fast_quantized_matmul(k3_array* res, const k3_array x, const k3_array w, const k3_array scales,
                              const k3_array biases, int group_size, int bits, const char* mode, const k3_stream s);
 

@@ -293,9 +293,14 @@ mx::array gather_packed_qmm(Format f, const mx::array& x_in, const std::vector<m
   return mx::astype(mx::reshape(y, out_shape, s), x_in.dtype(), s);
 }
 
-bool fast_affine(int bits, int group, const mx::Stream& s) {
-  return s.device == mx::Device::cpu && cpu_has_avx2_fma() && (bits == 2 || bits == 4 || bits == 8) &&
-         group % 32 == 0;
+// The fast paths take f32 activations on the CPU (the CPU default); half-precision activations keep MLX's
+// kernels, whose bf16/f16 rounding is what mlx-lm's results were made with.
+bool fast_cpu(const mx::array& x, const mx::Stream& s) {
+  return s.device == mx::Device::cpu && x.dtype() == mx::float32 && cpu_has_avx2_fma();
+}
+
+bool fast_affine(const mx::array& x, int bits, int group, const mx::Stream& s) {
+  return fast_cpu(x, s) && (bits == 2 || bits == 4 || bits == 8) && group % 32 == 0;
 }
 
 }  // namespace
@@ -332,11 +337,11 @@ extern "C" int k3_fast_quantized_matmul(k3_array* res, const k3_array x, const k
   K3_TRY({
     auto st = k3::to_stream(s);
     std::string m = mode ? mode : "affine";
-    if (m == "affine" && biases.ctx && kk::fast_affine(bits, group_size, st)) {
+    if (m == "affine" && biases.ctx && kk::fast_affine(arr(x), bits, group_size, st)) {
       k3::put(res, kk::packed_qmm({'a', bits, group_size, true}, arr(x),
                                   {arr(w), mx::astype(arr(scales), mx::float32, st), mx::astype(arr(biases), mx::float32, st)},
                                   st));
-    } else if (m == "mxfp4" && st.device == mx::Device::cpu && kk::cpu_has_avx2_fma()) {
+    } else if (m == "mxfp4" && kk::fast_cpu(arr(x), st)) {
       k3::put(res, kk::packed_qmm({'m', 4, 32, true}, arr(x), {arr(w), arr(scales)}, st));
     } else {
       k3::put(res, mx::quantized_matmul(arr(x), arr(w), arr(scales), opt(biases), true, k3::opt_int(group_size),
@@ -351,12 +356,12 @@ extern "C" int k3_fast_gather_qmm(k3_array* res, const k3_array x, const k3_arra
   K3_TRY({
     auto st = k3::to_stream(s);
     std::string m = mode ? mode : "affine";
-    if (m == "affine" && biases.ctx && kk::fast_affine(bits, group_size, st)) {
+    if (m == "affine" && biases.ctx && kk::fast_affine(arr(x), bits, group_size, st)) {
       k3::put(res, kk::gather_packed_qmm({'a', bits, group_size, true}, arr(x),
                                          {arr(w), mx::astype(arr(scales), mx::float32, st),
                                           mx::astype(arr(biases), mx::float32, st)},
                                          opt(lhs), opt(rhs), st));
-    } else if (m == "mxfp4" && st.device == mx::Device::cpu && kk::cpu_has_avx2_fma()) {
+    } else if (m == "mxfp4" && kk::fast_cpu(arr(x), st)) {
       k3::put(res, kk::gather_packed_qmm({'m', 4, 32, true}, arr(x), {arr(w), arr(scales)}, opt(lhs), opt(rhs), st));
     } else {
       k3::put(res, mx::gather_qmm(arr(x), arr(w), arr(scales), opt(biases), opt(lhs), opt(rhs), true,

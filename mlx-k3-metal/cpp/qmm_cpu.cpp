@@ -25,7 +25,8 @@ void set_force_scalar(bool on) {
 
 bool cpu_has_avx2_fma() {
 #ifdef K3_X86
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool yes =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return yes && !force_scalar.load(std::memory_order_relaxed);
 #else
   return false;
@@ -144,54 +145,108 @@ __attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-__attribute__((target("avx2,fma"))) static inline __m256 grid8(int idx) {
-  __m128i g = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&k3_iq1s_grid[idx]));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(g));
+// The grid as floats (2048 x 8, 64 KiB, L2-resident): one aligned load per 8-weight group instead of a
+// byte load and two conversions.
+alignas(64) static float g_grid_f32[2048 * 8];
+static const bool g_grid_ready = [] {
+  for (int i = 0; i < 2048; ++i) {
+    const int8_t* g = reinterpret_cast<const int8_t*>(&k3_iq1s_grid[i]);
+    for (int j = 0; j < 8; ++j) g_grid_f32[i * 8 + j] = (float)g[j];
+  }
+  return true;
+}();
+
+// Decodes one super-block's metadata with vector ops: the 32 grid offsets (index * 8) and, per 32-block,
+// dl = d * (2L + 1) and dd = dl * delta.
+__attribute__((target("avx2,fma,f16c"))) static inline void codebook_superblock(const CodebookRows& w, int n, int sb,
+                                                                                int offs[32], float dl[8],
+                                                                                float dd[8]) {
+  const int K = w.K;
+  const __m128i qh16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qh + (size_t)n * (K / 32) + 8 * sb));
+  const __m256i qh = _mm256_cvtepu16_epi32(qh16);
+  const uint8_t* codes = w.codes + (size_t)n * (K / 8) + 32 * sb;
+  const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9);
+  const __m256i seven = _mm256_set1_epi32(7);
+  for (int r = 0; r < 4; ++r) {
+    // Lanes 0-3 belong to block 2r, lanes 4-7 to block 2r+1.
+    const __m256i pick = _mm256_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1);
+    __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(qh, pick), shifts), seven);
+    __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * r)));
+    __m256i idx = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(offs + 8 * r), _mm256_slli_epi32(idx, 3));
+  }
+  const float d = _cvtsh_ss(w.scales[(size_t)n * (K / 256) + sb]);
+  __m256 mult = _mm256_cvtepi32_ps(
+      _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 12), seven), 1), _mm256_set1_epi32(1)));
+  __m256 vdl = _mm256_mul_ps(_mm256_set1_ps(d), mult);
+  __m256 neg = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(qh, 15), 31));
+  __m256 delta = _mm256_or_ps(_mm256_set1_ps(0.125f), neg);  // sign bit from qh bit 15
+  _mm256_storeu_ps(dl, vdl);
+  _mm256_storeu_ps(dd, _mm256_mul_ps(vdl, delta));
+}
+
+// MB activation rows x NB weight rows per pass: each x block is loaded once for NB rows, each decoded group
+// is used for MB rows, and the MB x NB accumulators are independent dependency chains.
+template <int MB, int NB>
+__attribute__((target("avx2,fma,f16c"))) static void codebook_tile_avx2(const CodebookRows& w, const float* x,
+                                                                        const float* xsums, int m0, int n, float* out,
+                                                                        int ldo) {
+  const int K = w.K, nb = K / 32;
+  __m256 acc[MB][NB];
+  float dacc[MB][NB];
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      acc[m][j] = _mm256_setzero_ps();
+      dacc[m][j] = 0;
+    }
+  }
+  alignas(32) int offs[NB][32];
+  alignas(32) float dl[NB][8], dd[NB][8];
+  for (int sb = 0; sb < K / 256; ++sb) {
+    for (int j = 0; j < NB; ++j) codebook_superblock(w, n + j, sb, offs[j], dl[j], dd[j]);
+    for (int bi = 0; bi < 8; ++bi) {
+      const int b = sb * 8 + bi;
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = x + (size_t)(m0 + m) * K + 32 * b;
+        const __m256 x0 = _mm256_loadu_ps(xm), x1 = _mm256_loadu_ps(xm + 8);
+        const __m256 x2 = _mm256_loadu_ps(xm + 16), x3 = _mm256_loadu_ps(xm + 24);
+        const float xs = xsums[(size_t)(m0 + m) * nb + b];
+        for (int j = 0; j < NB; ++j) {
+          const int* o = offs[j] + 4 * bi;
+          __m256 p0 = _mm256_mul_ps(_mm256_load_ps(g_grid_f32 + o[0]), x0);
+          __m256 p1 = _mm256_mul_ps(_mm256_load_ps(g_grid_f32 + o[1]), x1);
+          p0 = _mm256_fmadd_ps(_mm256_load_ps(g_grid_f32 + o[2]), x2, p0);
+          p1 = _mm256_fmadd_ps(_mm256_load_ps(g_grid_f32 + o[3]), x3, p1);
+          acc[m][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), _mm256_set1_ps(dl[j][bi]), acc[m][j]);
+          dacc[m][j] += dd[j][bi] * xs;
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) out[(size_t)(m0 + m) * ldo + n + j] = hsum(acc[m][j]) + dacc[m][j];
+  }
 }
 
 template <int MB>
-__attribute__((target("avx2,fma"))) static void codebook_tile_avx2(const CodebookRows& w, const float* x,
-                                                                   const float* xsums, int m0, int n, float* out,
-                                                                   int ldo) {
-  const int K = w.K, nb = K / 32;
-  __m256 acc[MB];
-  float dacc[MB];
-  for (int m = 0; m < MB; ++m) {
-    acc[m] = _mm256_setzero_ps();
-    dacc[m] = 0;
-  }
-  for (int b = 0; b < nb; ++b) {
-    float dl, delta;
-    int idx[4];
-    codebook_block(w, n, b, dl, delta, idx);
-    const __m256 g0 = grid8(idx[0]), g1 = grid8(idx[1]), g2 = grid8(idx[2]), g3 = grid8(idx[3]);
-    const __m256 vdl = _mm256_set1_ps(dl);
-    const float dd = dl * delta;
-    for (int m = 0; m < MB; ++m) {
-      const float* xm = x + (size_t)(m0 + m) * K + 32 * b;
-      __m256 t = _mm256_mul_ps(g0, _mm256_loadu_ps(xm));
-      t = _mm256_fmadd_ps(g1, _mm256_loadu_ps(xm + 8), t);
-      t = _mm256_fmadd_ps(g2, _mm256_loadu_ps(xm + 16), t);
-      t = _mm256_fmadd_ps(g3, _mm256_loadu_ps(xm + 24), t);
-      acc[m] = _mm256_fmadd_ps(t, vdl, acc[m]);
-      dacc[m] += dd * xsums[(size_t)(m0 + m) * nb + b];
-    }
-  }
-  for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = hsum(acc[m]) + dacc[m];
+__attribute__((target("avx2,fma,f16c"))) static void codebook_rows_mb(const CodebookRows& w, const float* x,
+                                                                      const float* xsums, int m0, int n0, int n1,
+                                                                      float* out, int ldo) {
+  int n = n0;
+  for (; n + 2 <= n1; n += 2) codebook_tile_avx2<MB, 2>(w, x, xsums, m0, n, out, ldo);
+  for (; n < n1; ++n) codebook_tile_avx2<MB, 1>(w, x, xsums, m0, n, out, ldo);
 }
 
-__attribute__((target("avx2,fma"))) static void codebook_rows_avx2(const CodebookRows& w, const float* x,
-                                                                   const float* xsums, int rows, int n0, int n1,
-                                                                   float* out, int ldo) {
+__attribute__((target("avx2,fma,f16c"))) static void codebook_rows_avx2(const CodebookRows& w, const float* x,
+                                                                        const float* xsums, int rows, int n0, int n1,
+                                                                        float* out, int ldo) {
+  (void)g_grid_ready;
   for (int m0 = 0; m0 < rows; m0 += kMaxRows) {
-    int mb = std::min(kMaxRows, rows - m0);
-    for (int n = n0; n < n1; ++n) {
-      switch (mb) {
-        case 1: codebook_tile_avx2<1>(w, x, xsums, m0, n, out, ldo); break;
-        case 2: codebook_tile_avx2<2>(w, x, xsums, m0, n, out, ldo); break;
-        case 3: codebook_tile_avx2<3>(w, x, xsums, m0, n, out, ldo); break;
-        default: codebook_tile_avx2<4>(w, x, xsums, m0, n, out, ldo); break;
-      }
+    switch (std::min(kMaxRows, rows - m0)) {
+      case 1: codebook_rows_mb<1>(w, x, xsums, m0, n0, n1, out, ldo); break;
+      case 2: codebook_rows_mb<2>(w, x, xsums, m0, n0, n1, out, ldo); break;
+      case 3: codebook_rows_mb<3>(w, x, xsums, m0, n0, n1, out, ldo); break;
+      default: codebook_rows_mb<4>(w, x, xsums, m0, n0, n1, out, ldo); break;
     }
   }
 }
@@ -234,36 +289,59 @@ __attribute__((target("avx2,fma"))) static inline void decode32(const uint8_t* p
   }
 }
 
-template <int BITS, int MB>
+template <int BITS, int MB, int NB>
 __attribute__((target("avx2,fma"))) static void affine_tile_avx2(const AffineRows& w, const float* xp,
                                                                  const float* xsums, int m0, int n, float* out,
                                                                  int ldo) {
   const int K = w.K, nb = K / 32, ng = K / w.group, bpg = w.group / 32;
-  const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K * BITS / 8;
-  __m256 acc[MB];
-  float bacc[MB];
+  const size_t row_bytes = (size_t)K * BITS / 8;
+  const uint8_t* rows = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
+  __m256 acc[MB][NB];
+  float bacc[MB][NB];
   for (int m = 0; m < MB; ++m) {
-    acc[m] = _mm256_setzero_ps();
-    bacc[m] = 0;
+    for (int j = 0; j < NB; ++j) {
+      acc[m][j] = _mm256_setzero_ps();
+      bacc[m][j] = 0;
+    }
   }
   for (int g = 0; g < ng; ++g) {
-    const __m256 s = _mm256_set1_ps(w.scales[(size_t)n * ng + g]);
-    const float bias = w.biases[(size_t)n * ng + g];
+    __m256 s[NB];
+    float bias[NB];
+    for (int j = 0; j < NB; ++j) {
+      s[j] = _mm256_set1_ps(w.scales[(size_t)(n + j) * ng + g]);
+      bias[j] = w.biases[(size_t)(n + j) * ng + g];
+    }
     for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
-      __m256 v[4];
-      decode32<BITS>(row + (size_t)b * 32 * BITS / 8, v);
+      __m256 v[NB][4];
+      for (int j = 0; j < NB; ++j) decode32<BITS>(rows + j * row_bytes + (size_t)b * 32 * BITS / 8, v[j]);
       for (int m = 0; m < MB; ++m) {
         const float* xm = xp + (size_t)(m0 + m) * K + 32 * b;
-        __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xm));
-        t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xm + 8), t);
-        t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), t);
-        t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), t);
-        acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
-        bacc[m] += bias * xsums[(size_t)(m0 + m) * nb + b];
+        const __m256 x0 = _mm256_loadu_ps(xm), x1 = _mm256_loadu_ps(xm + 8);
+        const __m256 x2 = _mm256_loadu_ps(xm + 16), x3 = _mm256_loadu_ps(xm + 24);
+        const float xs = xsums[(size_t)(m0 + m) * nb + b];
+        for (int j = 0; j < NB; ++j) {
+          __m256 p0 = _mm256_mul_ps(v[j][0], x0);
+          __m256 p1 = _mm256_mul_ps(v[j][1], x1);
+          p0 = _mm256_fmadd_ps(v[j][2], x2, p0);
+          p1 = _mm256_fmadd_ps(v[j][3], x3, p1);
+          acc[m][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), s[j], acc[m][j]);
+          bacc[m][j] += bias[j] * xs;
+        }
       }
     }
   }
-  for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = hsum(acc[m]) + bacc[m];
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) out[(size_t)(m0 + m) * ldo + n + j] = hsum(acc[m][j]) + bacc[m][j];
+  }
+}
+
+template <int BITS, int MB>
+__attribute__((target("avx2,fma"))) static void affine_rows_mb(const AffineRows& w, const float* xp,
+                                                               const float* xsums, int m0, int n0, int n1, float* out,
+                                                               int ldo) {
+  int n = n0;
+  for (; n + 2 <= n1; n += 2) affine_tile_avx2<BITS, MB, 2>(w, xp, xsums, m0, n, out, ldo);
+  for (; n < n1; ++n) affine_tile_avx2<BITS, MB, 1>(w, xp, xsums, m0, n, out, ldo);
 }
 
 template <int BITS>
@@ -271,14 +349,11 @@ __attribute__((target("avx2,fma"))) static void affine_rows_avx2(const AffineRow
                                                                  const float* xsums, int rows, int n0, int n1,
                                                                  float* out, int ldo) {
   for (int m0 = 0; m0 < rows; m0 += kMaxRows) {
-    int mb = std::min(kMaxRows, rows - m0);
-    for (int n = n0; n < n1; ++n) {
-      switch (mb) {
-        case 1: affine_tile_avx2<BITS, 1>(w, xp, xsums, m0, n, out, ldo); break;
-        case 2: affine_tile_avx2<BITS, 2>(w, xp, xsums, m0, n, out, ldo); break;
-        case 3: affine_tile_avx2<BITS, 3>(w, xp, xsums, m0, n, out, ldo); break;
-        default: affine_tile_avx2<BITS, 4>(w, xp, xsums, m0, n, out, ldo); break;
-      }
+    switch (std::min(kMaxRows, rows - m0)) {
+      case 1: affine_rows_mb<BITS, 1>(w, xp, xsums, m0, n0, n1, out, ldo); break;
+      case 2: affine_rows_mb<BITS, 2>(w, xp, xsums, m0, n0, n1, out, ldo); break;
+      case 3: affine_rows_mb<BITS, 3>(w, xp, xsums, m0, n0, n1, out, ldo); break;
+      default: affine_rows_mb<BITS, 4>(w, xp, xsums, m0, n0, n1, out, ldo); break;
     }
   }
 }
@@ -299,9 +374,6 @@ void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, floa
 
 // --------------------------------------------------------------------------------------------------- mxfp4
 
-static const float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
 static inline float e8m0(uint8_t e) {
   // 2^(e - 127); MLX decodes e = 0 as 2^-127 (a subnormal) and 0xFF as NaN.
   if (e == 0xff) return NAN;
@@ -313,35 +385,55 @@ static inline float e8m0(uint8_t e) {
 }
 
 #ifdef K3_X86
-template <int MB>
+template <int MB, int NB>
 __attribute__((target("avx2,fma"))) static void mxfp4_tile_avx2(const Mxfp4Rows& w, const float* xp, int m0, int n,
                                                                 float* out, int ldo) {
   const int K = w.K, nb = K / 32;
-  const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 2;
+  const size_t row_bytes = (size_t)K / 2;
+  const uint8_t* rows = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
   // E2M1 values x2 as int8, so a byte shuffle decodes 16 codes at once; the 0.5 goes into the scale.
   const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
   const __m128i mask = _mm_set1_epi8(0x0f);
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 acc[MB][NB];
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+  }
   for (int b = 0; b < nb; ++b) {
-    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
-    __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, mask));
-    __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
-    __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-    __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-    __m256 v2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-    __m256 v3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-    const __m256 s = _mm256_set1_ps(0.5f * e8m0(w.scales[(size_t)n * nb + b]));
+    __m256 v[NB][4], s[NB];
+    for (int j = 0; j < NB; ++j) {
+      __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + j * row_bytes + 16 * b));
+      __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, mask));
+      __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+      v[j][0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+      v[j][1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+      v[j][2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+      v[j][3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+      s[j] = _mm256_set1_ps(0.5f * e8m0(w.scales[(size_t)(n + j) * nb + b]));
+    }
     for (int m = 0; m < MB; ++m) {
       const float* xm = xp + (size_t)(m0 + m) * K + 32 * b;
-      __m256 t = _mm256_mul_ps(v0, _mm256_loadu_ps(xm));
-      t = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xm + 8), t);
-      t = _mm256_fmadd_ps(v2, _mm256_loadu_ps(xm + 16), t);
-      t = _mm256_fmadd_ps(v3, _mm256_loadu_ps(xm + 24), t);
-      acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
+      const __m256 x0 = _mm256_loadu_ps(xm), x1 = _mm256_loadu_ps(xm + 8);
+      const __m256 x2 = _mm256_loadu_ps(xm + 16), x3 = _mm256_loadu_ps(xm + 24);
+      for (int j = 0; j < NB; ++j) {
+        __m256 p0 = _mm256_mul_ps(v[j][0], x0);
+        __m256 p1 = _mm256_mul_ps(v[j][1], x1);
+        p0 = _mm256_fmadd_ps(v[j][2], x2, p0);
+        p1 = _mm256_fmadd_ps(v[j][3], x3, p1);
+        acc[m][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), s[j], acc[m][j]);
+      }
     }
   }
-  for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = hsum(acc[m]);
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) out[(size_t)(m0 + m) * ldo + n + j] = hsum(acc[m][j]);
+  }
+}
+
+template <int MB>
+__attribute__((target("avx2,fma"))) static void mxfp4_rows_mb(const Mxfp4Rows& w, const float* xp, int m0, int n0,
+                                                              int n1, float* out, int ldo) {
+  int n = n0;
+  for (; n + 2 <= n1; n += 2) mxfp4_tile_avx2<MB, 2>(w, xp, m0, n, out, ldo);
+  for (; n < n1; ++n) mxfp4_tile_avx2<MB, 1>(w, xp, m0, n, out, ldo);
 }
 #endif
 
@@ -349,14 +441,11 @@ void mxfp4_rows(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float*
 #ifdef K3_X86
   if (simd) {
     for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
-      int mb = std::min(kMaxRows, a.rows - m0);
-      for (int n = n0; n < n1; ++n) {
-        switch (mb) {
-          case 1: mxfp4_tile_avx2<1>(w, a.permuted, m0, n, out, ldo); break;
-          case 2: mxfp4_tile_avx2<2>(w, a.permuted, m0, n, out, ldo); break;
-          case 3: mxfp4_tile_avx2<3>(w, a.permuted, m0, n, out, ldo); break;
-          default: mxfp4_tile_avx2<4>(w, a.permuted, m0, n, out, ldo); break;
-        }
+      switch (std::min(kMaxRows, a.rows - m0)) {
+        case 1: mxfp4_rows_mb<1>(w, a.permuted, m0, n0, n1, out, ldo); break;
+        case 2: mxfp4_rows_mb<2>(w, a.permuted, m0, n0, n1, out, ldo); break;
+        case 3: mxfp4_rows_mb<3>(w, a.permuted, m0, n0, n1, out, ldo); break;
+        default: mxfp4_rows_mb<4>(w, a.permuted, m0, n0, n1, out, ldo); break;
       }
     }
     return;

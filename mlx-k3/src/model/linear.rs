@@ -3,7 +3,8 @@
 //! `Embedding` (lookup, or a tied output head).
 
 use super::weights::{MaybeQuantized, WeightStore};
-use crate::quant::{self, Gather};
+use crate::kernels;
+use crate::quant;
 use crate::{ops, Array, Dtype, Result};
 
 /// `y = x @ Wᵀ` with W `[out, in]`, dense or quantized along `in`.
@@ -22,7 +23,8 @@ impl Linear {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match &self.w {
             MaybeQuantized::Dense(w) => x.matmul(&w.t()?),
-            MaybeQuantized::Quantized(q, spec) => quant::quantized_matmul(x, q, *spec, true),
+            // The project's CPU kernels where they apply, MLX's op otherwise (same result within fp32 rounding).
+            MaybeQuantized::Quantized(q, spec) => kernels::quantized_matmul(x, q, *spec),
         }
     }
 
@@ -90,13 +92,7 @@ impl SwitchLinear {
                 }
                 ops::gather_mm(x, &w.swapaxes(-1, -2)?, None, Some(indices), sorted)
             }
-            MaybeQuantized::Quantized(q, spec) => quant::gather_qmm(
-                x,
-                q,
-                *spec,
-                true,
-                Gather { rhs_indices: Some(indices), sorted_indices: sorted, ..Default::default() },
-            ),
+            MaybeQuantized::Quantized(q, spec) => kernels::gather_qmm(x, q, *spec, None, Some(indices), sorted),
         }
     }
 }
@@ -135,7 +131,7 @@ impl Embedding {
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match &self.w {
             MaybeQuantized::Dense(w) => x.matmul(&w.t()?),
-            MaybeQuantized::Quantized(q, spec) => quant::quantized_matmul(x, q, *spec, true),
+            MaybeQuantized::Quantized(q, spec) => kernels::quantized_matmul(x, q, *spec),
         }
     }
 }
