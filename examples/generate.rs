@@ -1,15 +1,75 @@
-//! `cargo run --release --example generate`: the README's first command.
+//! `cargo run --release --example generate`: the README's run command.
 //!
-//! What it does today: the model graph, tokenizer and generation engine come with their own issues, so this
-//! example proves the stack underneath them on this machine: it reports the MLX wheel the build found,
-//! the devices present, then runs the SiTU primitive (the first custom kernel) against its plain-ops
-//! reference on every available device and prints the agreement and the time of each. When the model
-//! lands this example generates text with the embedded default model instead.
+//! With no arguments it loads the embedded default, k3-nano (`models/k3-nano`: a small Kimi K3-architecture
+//! model trained in this repository on the Python standard library, see its model card), continues a
+//! Python prompt, streams the text and prints the statistics. Options:
+//!
+//! ```text
+//! --model DIR        any checkpoint (config.json, model*.safetensors, tiktoken.model or tokenizer.json)
+//! --prompt TEXT      the prompt (default: the start of a Python module)
+//! --max-tokens N     new tokens (default 200)
+//! --temp T           temperature (default 0.7; 0 = greedy)
+//! --seed S           sampling seed (default 0)
+//! --chat             render the prompt as a chat turn with the checkpoint's chat encoding
+//! ```
 
-use std::time::Instant;
+use std::io::Write;
+use std::path::PathBuf;
 
-use mlx_k3::kernels::{situ, situ_reference};
-use mlx_k3::{random, with_device, Device, Dtype, Result};
+use mlx_k3::chat::{ChatMessage, ThinkingEffort};
+use mlx_k3::generate::{GenerateOptions, Pipeline, PromptCache, SamplerConfig};
+use mlx_k3::model::LoadOptions;
+use mlx_k3::{Error, Result};
+
+struct Args {
+    model: PathBuf,
+    prompt: String,
+    max_tokens: usize,
+    temp: f32,
+    seed: u64,
+    chat: bool,
+}
+
+fn parse() -> Result<Args> {
+    let default_model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/k3-nano");
+    let mut a = Args {
+        model: default_model,
+        prompt: "import os\nimport sys\n\n\ndef".into(),
+        max_tokens: 200,
+        temp: 0.7,
+        seed: 0,
+        chat: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value =
+            |name: &str| it.next().ok_or_else(|| Error::invalid("generate", format!("{name} needs a value")));
+        match flag.as_str() {
+            "--model" => a.model = PathBuf::from(value("--model")?),
+            "--prompt" => a.prompt = value("--prompt")?,
+            "--max-tokens" => {
+                a.max_tokens = value("--max-tokens")?
+                    .parse()
+                    .map_err(|_| Error::invalid("generate", "--max-tokens: not a number"))?
+            }
+            "--temp" => {
+                a.temp = value("--temp")?.parse().map_err(|_| Error::invalid("generate", "--temp: not a number"))?
+            }
+            "--seed" => {
+                a.seed = value("--seed")?.parse().map_err(|_| Error::invalid("generate", "--seed: not a number"))?
+            }
+            "--chat" => a.chat = true,
+            "-h" | "--help" => {
+                println!(
+                    "usage: generate [--model DIR] [--prompt TEXT] [--max-tokens N] [--temp T] [--seed S] [--chat]"
+                );
+                std::process::exit(0);
+            }
+            other => return Err(Error::invalid("generate", format!("unknown option '{other}' (try --help)"))),
+        }
+    }
+    Ok(a)
+}
 
 fn main() {
     if let Err(e) = run() {
@@ -19,35 +79,39 @@ fn main() {
 }
 
 fn run() -> Result<()> {
-    println!("mlx-k3 {} on MLX {} ({})", env!("CARGO_PKG_VERSION"), mlx_k3::mlx_version(), mlx_k3::MLX_ORIGIN);
-    println!("text generation is not available yet: the Kimi K3 model graph and tokenizer are separate issues.");
-    println!("checking the kernel stack instead (SiTU primitive vs plain MLX ops, 16 experts x 3072):");
-    for device in Device::available() {
-        with_device(device, || -> Result<()> {
-            let key = random::key(7)?;
-            let ks = random::split(&key, 2)?;
-            let up = random::normal(&[16, 3072], Dtype::F32, 0.0, 2.0, Some(&ks.slice_axis(0, 0, 1)?.squeeze(&[0])?))?;
-            let gate =
-                random::normal(&[16, 3072], Dtype::F32, 0.0, 2.0, Some(&ks.slice_axis(0, 1, 2)?.squeeze(&[0])?))?;
-            mlx_k3::eval(&[&up, &gate])?;
-            let t = Instant::now();
-            let fused = situ(&up, &gate, 1.0, Some(8.0))?;
-            fused.eval()?;
-            let t_fused = t.elapsed();
-            let t = Instant::now();
-            let reference = situ_reference(&up, &gate, 1.0, Some(8.0))?;
-            reference.eval()?;
-            let t_ref = t.elapsed();
-            let diff = fused.subtract(&reference)?.abs()?.max_all(false)?.item::<f32>()?;
-            let scale = reference.abs()?.max_all(false)?.item::<f32>()?;
-            println!(
-                "  {device:?}: max |fused - reference| = {diff:.3e} (max |reference| = {scale:.3}); \
-                 fused {:.3} ms, plain ops {:.3} ms (one cold run each; see `cargo bench` for timings)",
-                t_fused.as_secs_f64() * 1e3,
-                t_ref.as_secs_f64() * 1e3
-            );
-            Ok(())
-        })??;
+    let args = parse()?;
+    eprintln!("mlx-k3 {} on MLX {} ({})", env!("CARGO_PKG_VERSION"), mlx_k3::mlx_version(), mlx_k3::MLX_ORIGIN);
+    eprintln!("loading {}", args.model.display());
+    let p = Pipeline::load(&args.model, LoadOptions::default(), &mut |_, _| {})?;
+    let ids = if args.chat {
+        p.encode_chat(&[ChatMessage::new("user", &args.prompt)], None, ThinkingEffort::default())?
+    } else {
+        p.encode_raw(&args.prompt)?
+    };
+    let opts = GenerateOptions {
+        max_tokens: args.max_tokens,
+        sampler: SamplerConfig { temperature: args.temp, seed: args.seed, ..Default::default() },
+        ..Default::default()
+    };
+    let mut out = std::io::stdout();
+    if !args.chat {
+        print!("{}", args.prompt);
     }
+    let r = p.generate(&mut PromptCache::new(), &ids, &opts, |piece| {
+        print!("{piece}");
+        out.flush().is_ok()
+    })?;
+    println!();
+    let s = &r.stats;
+    eprintln!(
+        "\nprompt {} tokens, {:.1} tok/s | generated {} tokens, {:.1} tok/s | first token {:.3} s | peak memory {:.1} MiB | {}",
+        s.prompt_tokens,
+        s.prompt_tps,
+        s.generated_tokens,
+        s.generation_tps,
+        s.time_to_first_token,
+        s.peak_memory as f64 / (1 << 20) as f64,
+        r.finish_reason.name()
+    );
     Ok(())
 }

@@ -31,6 +31,7 @@ pub mod cli;
 pub mod codebook;
 pub mod distributed;
 pub mod engine;
+pub mod eval;
 pub mod fast;
 pub mod generate;
 pub mod gguf;
