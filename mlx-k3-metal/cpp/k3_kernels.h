@@ -27,6 +27,16 @@ int k3_codebook_qmm(k3_array* res, const k3_array x, const k3_array codes, const
 int k3_gather_codebook_qmm(k3_array* res, const k3_array x, const k3_array codes, const k3_array qh,
                            const k3_array scales, const k3_array lhs, const k3_array rhs, const k3_stream s);
 
+/* Gathered matmul over a mixed-format expert stack (MLX gather_qmm semantics for x, lhs, rhs): tier [E] uint8
+ * says each expert's format (0 codebook, 1 mxfp4, 2 affine with aff_group / aff_bits), slot [E] uint32 its
+ * index in that tier's stack. Absent tiers are none handles. One op dispatches every (token, expert) pair to
+ * its tier's kernel. CPU only for now. */
+int k3_gather_tiered_qmm(k3_array* res, const k3_array x, const k3_array tier, const k3_array slot,
+                         const k3_array cb_codes, const k3_array cb_qh, const k3_array cb_scales,
+                         const k3_array fp4_weight, const k3_array fp4_scales, const k3_array aff_weight,
+                         const k3_array aff_scales, const k3_array aff_biases, int aff_group, int aff_bits,
+                         const k3_array lhs, const k3_array rhs, const k3_stream s);
+
 /* quantized_matmul (transpose = true) with the project's CPU kernels where they apply (f32 activations on a
  * CPU stream, affine 2/4/8-bit with group 32/64/128 or mxfp4, AVX2+FMA); anything else runs MLX's own op.
  * Same layouts as MLX. */
@@ -47,6 +57,17 @@ int k3_kernels_force_scalar(bool on);
 /* Worker threads the CPU kernels use (>= 1); 0 restores the default (hardware threads, or K3_NUM_THREADS). */
 int k3_kernels_set_num_threads(int n);
 int k3_kernels_num_threads(void);
+
+/* Fused MoE router (mlx-lm `_group_expert_select`): sigmoid of logits [..., E] (f32/f16/bf16), plus the
+ * correction bias [E] for selection only (none = no bias), grouped top-k (n_group > 1: groups ranked by the
+ * sum of their top-2 scores, the n_group - topk_group lowest set to 0), top_k, weights = sigmoid at the
+ * chosen experts, renormalized if renormalize and top_k > 1, times routed_scaling_factor. Writes 2 arrays
+ * (inds uint32 [..., k], weights [..., k] in the logits' dtype) or, with protected_mask [E] (nonzero =
+ * protected tier), 3 (plus bool [..., k]). CPU: bit-identical to MLX's CPU ops, index order included; GPU:
+ * one custom kernel per call (E <= 1024, k <= 32; larger shapes use plain ops). */
+int k3_moe_router(k3_array* res, size_t cap, size_t* n_out, const k3_array logits, const k3_array bias,
+                  const k3_array protected_mask, int top_k, int n_group, int topk_group, float routed_scaling_factor,
+                  bool renormalize, const k3_stream s);
 
 #ifdef __cplusplus
 }

@@ -80,12 +80,26 @@ struct Prepared {
 
 constexpr int kMinRowsPerTask = 64;
 
+// Tier ids of a mixed expert stack, as the checkpoint's `tier` tensor records them.
+constexpr int kTierCodebook = 0, kTierMxfp4 = 1, kTierAffine = 2, kTiers = 3;
+
+int n_arrays(char kind) {
+  return kind == 'm' ? 2 : 3;
+}
+
+// The weight formats of one op: a single format, or (tiered) up to one format per tier id.
+struct Layout {
+  std::vector<Format> formats;  // plain: 1; tiered: kTiers entries, kind 0 for absent tiers
+  bool tiered = false;
+  bool operator==(const Layout&) const = default;
+};
+
 class PackedQmm : public mx::UnaryPrimitive {
  public:
-  PackedQmm(mx::Stream s, Format f, bool gather, int n_weights)
-      : mx::UnaryPrimitive(s), f_(f), gather_(gather), n_weights_(n_weights) {}
+  PackedQmm(mx::Stream s, Layout layout, bool gather) : mx::UnaryPrimitive(s), layout_(std::move(layout)), gather_(gather) {}
 
-  // Inputs: x [B, M, K] f32 (B = 1 unless gathered), [lhs [P], rhs [P] uint32 when gathered], weight arrays.
+  // Inputs: x [B, M, K] f32 (B = 1 unless gathered); when gathered lhs [P], rhs [P] uint32; when tiered
+  // tier [E] uint8 and slot [E] uint32; then the arrays of each present format in order.
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     for (auto& in : inputs) {
       if (!in.flags().row_contiguous) throw std::runtime_error(std::string("[") + name() + "] non-contiguous input");
@@ -94,83 +108,9 @@ class PackedQmm : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(this->stream());
     for (auto& in : inputs) enc.set_input_array(in);
     enc.set_output_array(out);
-    const auto& x = inputs[0];
-    int off = gather_ ? 3 : 1;
-    Weights w{f_, 0, 0, {nullptr, nullptr, nullptr}};
-    for (int i = 0; i < n_weights_; ++i) w.w[i] = &inputs[off + i];
-    const auto& w0 = inputs[off];
-    w.N = w0.shape(-2);
-    w.K = x.shape(-1);
-    int M = x.shape(-2), K = w.K, N = w.N;
-    int order = activation_order(f_.kind, f_.bits, f_.simd);
-    // Arrays stay alive until the task ran (MLX holds inputs of queued work); capture them by value.
     std::vector<mx::array> keep(inputs.begin(), inputs.end());
-    enc.dispatch([keep = std::move(keep), w, out_ptr = out.data<float>(), M, K, N, order, gather = gather_,
-                  off]() mutable {
-      Weights ww = w;
-      for (int i = 0; i < 3 && ww.w[i]; ++i) ww.w[i] = &keep[off + i];
-      const float* xp = keep[0].data<float>();
-      if (!gather) {
-        Prepared p(xp, M, K, order);
-        parallel_range(N, kMinRowsPerTask, [&](size_t n0, size_t n1) { ww.rows(0, p.a, (int)n0, (int)n1, out_ptr, N); });
-        return;
-      }
-      const uint32_t* lhs = keep[1].data<uint32_t>();
-      const uint32_t* rhs = keep[2].data<uint32_t>();
-      size_t P = keep[1].size();
-      int E = keep[off].shape(0);
-      int Bx = keep[0].size() / ((size_t)M * K);
-      for (size_t p = 0; p < P; ++p) {
-        if ((int)rhs[p] >= E || (int)lhs[p] >= Bx) {
-          throw std::out_of_range("[gather_qmm] index out of range: expert " + std::to_string(rhs[p]) + " of " +
-                                  std::to_string(E) + ", row block " + std::to_string(lhs[p]) + " of " +
-                                  std::to_string(Bx));
-        }
-      }
-      // Runs of pairs per expert (a stable sort: sorted input stays in place).
-      std::vector<size_t> order_p(P);
-      std::iota(order_p.begin(), order_p.end(), 0);
-      std::stable_sort(order_p.begin(), order_p.end(), [&](size_t a, size_t b) { return rhs[a] < rhs[b]; });
-      struct Run {
-        int expert;
-        std::vector<size_t> pairs;
-        std::vector<float> x, y;
-        std::unique_ptr<Prepared> prep;
-      };
-      std::vector<Run> runs;
-      for (size_t i = 0; i < P; ++i) {
-        size_t p = order_p[i];
-        if (runs.empty() || runs.back().expert != (int)rhs[p]) runs.push_back(Run{(int)rhs[p], {}, {}, {}, nullptr});
-        runs.back().pairs.push_back(p);
-      }
-      for (auto& r : runs) {
-        int rows = (int)r.pairs.size() * M;
-        r.x.resize((size_t)rows * K);
-        for (size_t j = 0; j < r.pairs.size(); ++j) {
-          std::copy_n(xp + (size_t)lhs[r.pairs[j]] * M * K, (size_t)M * K, r.x.data() + j * M * K);
-        }
-        r.y.resize((size_t)rows * N);
-        r.prep = std::make_unique<Prepared>(r.x.data(), rows, K, order);
-      }
-      // Tasks: (run, slice of output rows), sized so small runs still split across threads.
-      struct Task {
-        size_t run;
-        int n0, n1;
-      };
-      std::vector<Task> tasks;
-      int slice = std::max(kMinRowsPerTask, N / std::max(1, 4 * num_threads() / (int)std::max<size_t>(1, runs.size())));
-      for (size_t r = 0; r < runs.size(); ++r) {
-        for (int n0 = 0; n0 < N; n0 += slice) tasks.push_back({r, n0, std::min(N, n0 + slice)});
-      }
-      parallel_for(tasks.size(), [&](size_t t) {
-        auto& r = runs[tasks[t].run];
-        ww.rows(r.expert, r.prep->a, tasks[t].n0, tasks[t].n1, r.y.data(), N);
-      });
-      for (auto& r : runs) {
-        for (size_t j = 0; j < r.pairs.size(); ++j) {
-          std::copy_n(r.y.data() + j * M * N, (size_t)M * N, out_ptr + r.pairs[j] * M * N);
-        }
-      }
+    enc.dispatch([keep = std::move(keep), layout = layout_, gather = gather_, out_ptr = out.data<float>()]() {
+      run(keep, layout, gather, out_ptr);
     });
   }
 
@@ -178,17 +118,128 @@ class PackedQmm : public mx::UnaryPrimitive {
     throw std::runtime_error(std::string("[") + name() + "] no GPU kernel yet; GPU streams use MLX's op");
   }
 
-  const char* name() const override { return op_name(f_.kind, gather_); }
+  const char* name() const override {
+    if (layout_.tiered) return "gather_tiered_qmm";
+    return op_name(layout_.formats[0].kind, gather_);
+  }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const PackedQmm&>(other);
-    return f_ == o.f_ && gather_ == o.gather_ && n_weights_ == o.n_weights_;
+    return layout_ == o.layout_ && gather_ == o.gather_;
   }
 
  private:
-  Format f_;
+  // Runs on the stream's worker thread; `in` are the (evaluated) inputs.
+  static void run(const std::vector<mx::array>& in, const Layout& layout, bool gather, float* out) {
+    const auto& x = in[0];
+    int M = x.shape(-2), K = x.shape(-1);
+    size_t next = gather ? 3 : 1;
+    const uint8_t* tier = nullptr;
+    const uint32_t* slot = nullptr;
+    if (layout.tiered) {
+      tier = in[next].data<uint8_t>();
+      slot = in[next + 1].data<uint32_t>();
+      next += 2;
+    }
+    std::vector<Weights> subs;
+    std::vector<int> sub_of(layout.formats.size(), -1);
+    for (size_t t = 0; t < layout.formats.size(); ++t) {
+      const Format& f = layout.formats[t];
+      if (f.kind == 0) continue;
+      Weights w{f, in[next].shape(-2), K, {nullptr, nullptr, nullptr}};
+      for (int i = 0; i < n_arrays(f.kind); ++i) w.w[i] = &in[next + i];
+      next += n_arrays(f.kind);
+      sub_of[t] = (int)subs.size();
+      subs.push_back(w);
+    }
+    const int N = subs[0].N;
+    const float* xp = x.data<float>();
+    if (!gather) {
+      const Weights& w = subs[0];
+      Prepared p(xp, M, K, activation_order(w.f.kind, w.f.bits, w.f.simd));
+      parallel_range(N, kMinRowsPerTask, [&](size_t n0, size_t n1) { w.rows(0, p.a, (int)n0, (int)n1, out, N); });
+      return;
+    }
+    const uint32_t* lhs = in[1].data<uint32_t>();
+    const uint32_t* rhs = in[2].data<uint32_t>();
+    size_t P = in[1].size();
+    int E = layout.tiered ? (int)in[3].size() : in[3].shape(0);
+    int Bx = (int)(x.size() / ((size_t)M * K));
+    // Which sub-format and slot serve expert e.
+    auto locate = [&](int e) -> std::pair<const Weights*, int> {
+      if (!layout.tiered) return {&subs[0], e};
+      int t = tier[e];
+      if (t >= (int)sub_of.size() || sub_of[t] < 0) {
+        throw std::out_of_range("[gather_tiered_qmm] expert " + std::to_string(e) + " has tier " + std::to_string(t) +
+                                ", which this stack does not hold");
+      }
+      const Weights& w = subs[sub_of[t]];
+      int stack = w.w[0]->shape(0);
+      if ((int)slot[e] >= stack) {
+        throw std::out_of_range("[gather_tiered_qmm] expert " + std::to_string(e) + " has slot " +
+                                std::to_string(slot[e]) + " in a tier of " + std::to_string(stack));
+      }
+      return {&w, (int)slot[e]};
+    };
+    for (size_t p = 0; p < P; ++p) {
+      if ((int)rhs[p] >= E || (int)lhs[p] >= Bx) {
+        throw std::out_of_range("[gather_qmm] index out of range: expert " + std::to_string(rhs[p]) + " of " +
+                                std::to_string(E) + ", row block " + std::to_string(lhs[p]) + " of " + std::to_string(Bx));
+      }
+    }
+    // Runs of pairs per expert (a stable sort: sorted input stays in place).
+    std::vector<size_t> order_p(P);
+    std::iota(order_p.begin(), order_p.end(), 0);
+    std::stable_sort(order_p.begin(), order_p.end(), [&](size_t a, size_t b) { return rhs[a] < rhs[b]; });
+    struct Run {
+      int expert;
+      std::vector<size_t> pairs;
+      std::vector<float> x, y;
+      std::unique_ptr<Prepared> prep;
+      const Weights* w = nullptr;
+      int slot = 0;
+    };
+    std::vector<Run> runs;
+    for (size_t i = 0; i < P; ++i) {
+      size_t p = order_p[i];
+      if (runs.empty() || runs.back().expert != (int)rhs[p]) runs.push_back(Run{(int)rhs[p], {}, {}, {}, nullptr});
+      runs.back().pairs.push_back(p);
+    }
+    for (auto& r : runs) {
+      auto [w, s] = locate(r.expert);
+      r.w = w;
+      r.slot = s;
+      int rows = (int)r.pairs.size() * M;
+      r.x.resize((size_t)rows * K);
+      for (size_t j = 0; j < r.pairs.size(); ++j) {
+        std::copy_n(xp + (size_t)lhs[r.pairs[j]] * M * K, (size_t)M * K, r.x.data() + j * M * K);
+      }
+      r.y.resize((size_t)rows * N);
+      r.prep = std::make_unique<Prepared>(r.x.data(), rows, K, activation_order(w->f.kind, w->f.bits, w->f.simd));
+    }
+    // Tasks: (run, slice of output rows), sized so small runs still split across threads.
+    struct Task {
+      size_t run;
+      int n0, n1;
+    };
+    std::vector<Task> tasks;
+    int slice = std::max(kMinRowsPerTask, N / std::max(1, 4 * num_threads() / (int)std::max<size_t>(1, runs.size())));
+    for (size_t r = 0; r < runs.size(); ++r) {
+      for (int n0 = 0; n0 < N; n0 += slice) tasks.push_back({r, n0, std::min(N, n0 + slice)});
+    }
+    parallel_for(tasks.size(), [&](size_t t) {
+      auto& r = runs[tasks[t].run];
+      r.w->rows(r.slot, r.prep->a, tasks[t].n0, tasks[t].n1, r.y.data(), N);
+    });
+    for (auto& r : runs) {
+      for (size_t j = 0; j < r.pairs.size(); ++j) {
+        std::copy_n(r.y.data() + j * M * N, (size_t)M * N, out + r.pairs[j] * M * N);
+      }
+    }
+  }
+
+  Layout layout_;
   bool gather_;
-  int n_weights_;
 };
 
 [[noreturn]] void fail(const char* op, const std::string& msg) {
@@ -254,10 +305,26 @@ mx::array packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::arra
   int M = x.shape(0);
   std::vector<mx::array> inputs{mx::reshape(x, {1, M, K}, s)};
   for (auto& a : w) inputs.push_back(mx::contiguous(a, false, s));
-  auto y = mx::array({M, N}, mx::float32, std::make_shared<PackedQmm>(s, f, false, (int)w.size()), inputs);
+  auto y = mx::array({M, N}, mx::float32, std::make_shared<PackedQmm>(s, Layout{{f}, false}, false), inputs);
   mx::Shape out_shape(x_in.shape().begin(), x_in.shape().end() - 1);
   out_shape.push_back(N);
   return mx::astype(mx::reshape(y, out_shape, s), out_dtype, s);
+}
+
+// Broadcast, flattened uint32 lhs/rhs index arrays for x (*Bx, M, K) and E experts; also the output's batch
+// shape.
+std::tuple<mx::array, mx::array, mx::Shape> gather_indices(const char* op, const mx::array& x_in, int E,
+                                                           const std::optional<mx::array>& lhs_in,
+                                                           const std::optional<mx::array>& rhs_in, mx::Stream s) {
+  mx::Shape bx(x_in.shape().begin(), x_in.shape().end() - 2);
+  int nbx = 1;
+  for (auto d : bx) nbx *= d;
+  auto lhs = lhs_in ? mx::astype(*lhs_in, mx::uint32, s) : mx::reshape(mx::arange(nbx, mx::uint32, s), bx, s);
+  if (!rhs_in && E != nbx) fail(op, "rhs indices are required when the batch does not match the experts");
+  auto rhs = rhs_in ? mx::astype(*rhs_in, mx::uint32, s) : mx::reshape(mx::arange(E, mx::uint32, s), bx, s);
+  auto bc = mx::broadcast_arrays({lhs, rhs}, s);
+  mx::Shape bshape = bc[0].shape();
+  return {mx::contiguous(mx::flatten(bc[0], s), false, s), mx::contiguous(mx::flatten(bc[1], s), false, s), bshape};
 }
 
 mx::array gather_packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::array>& w,
@@ -269,24 +336,62 @@ mx::array gather_packed_qmm(Format f, const mx::array& x_in, const std::vector<m
   if (!mx::issubdtype(x_in.dtype(), mx::floating)) fail(op, "x must be a floating-point array");
   int K = x_in.shape(-1), M = x_in.shape(-2);
   int N = check_weights(op, f, w, K, true);
-  int E = w[0].shape(0);
-  mx::Shape bx(x_in.shape().begin(), x_in.shape().end() - 2);
-  int nbx = 1;
-  for (auto d : bx) nbx *= d;
-  auto lhs = lhs_in ? mx::astype(*lhs_in, mx::uint32, s) : mx::reshape(mx::arange(nbx, mx::uint32, s), bx, s);
-  auto rhs = rhs_in ? mx::astype(*rhs_in, mx::uint32, s)
-                    : (E == nbx ? mx::reshape(mx::arange(E, mx::uint32, s), bx, s)
-                                : (fail(op, "rhs indices are required when the batch does not match the experts"),
-                                   mx::array(0)));
-  auto bc = mx::broadcast_arrays({lhs, rhs}, s);
-  mx::Shape bshape = bc[0].shape();
-  auto lflat = mx::contiguous(mx::flatten(bc[0], s), false, s);
-  auto rflat = mx::contiguous(mx::flatten(bc[1], s), false, s);
+  auto [lflat, rflat, bshape] = gather_indices(op, x_in, w[0].shape(0), lhs_in, rhs_in, s);
   int P = lflat.size();
+  int nbx = x_in.size() / ((size_t)M * K);
   auto x = mx::contiguous(mx::reshape(mx::astype(x_in, mx::float32, s), {nbx, M, K}, s), false, s);
   std::vector<mx::array> inputs{x, lflat, rflat};
   for (auto& a : w) inputs.push_back(mx::contiguous(a, false, s));
-  auto y = mx::array({P, M, N}, mx::float32, std::make_shared<PackedQmm>(s, f, true, (int)w.size()), inputs);
+  auto y = mx::array({P, M, N}, mx::float32, std::make_shared<PackedQmm>(s, Layout{{f}, false}, true), inputs);
+  mx::Shape out_shape = bshape;
+  out_shape.push_back(M);
+  out_shape.push_back(N);
+  return mx::astype(mx::reshape(y, out_shape, s), x_in.dtype(), s);
+}
+
+// A mixed expert stack: tier [E] uint8 (0 codebook, 1 mxfp4, 2 affine) and slot [E] uint32 (index within
+// that tier's stack); `stacks[t]` holds tier t's arrays (empty when the stack has no such experts).
+mx::array gather_tiered_qmm(const mx::array& x_in, const mx::array& tier, const mx::array& slot,
+                            const std::vector<mx::array> stacks[kTiers], int aff_group, int aff_bits,
+                            const std::optional<mx::array>& lhs_in, const std::optional<mx::array>& rhs_in,
+                            mx::StreamOrDevice sd) {
+  const char* op = "gather_tiered_qmm";
+  auto s = mx::to_stream(sd);
+  if (s.device != mx::Device::cpu) fail(op, "only the CPU back-end has this kernel yet");
+  if (x_in.ndim() < 2) fail(op, "x must be at least 2-D (..., M, K)");
+  if (!mx::issubdtype(x_in.dtype(), mx::floating)) fail(op, "x must be a floating-point array");
+  if (tier.ndim() != 1 || tier.dtype() != mx::uint8) fail(op, "tier must be a 1-D uint8 array (one entry per expert)");
+  if (slot.shape() != tier.shape() || slot.dtype() != mx::uint32) fail(op, "slot must be uint32 shaped like tier");
+  int K = x_in.shape(-1), M = x_in.shape(-2);
+  bool simd = cpu_has_avx2_fma();
+  Layout layout{{Format{0, 0, 0, false}, Format{0, 0, 0, false}, Format{0, 0, 0, false}}, true};
+  int N = -1;
+  std::vector<mx::array> arrays;
+  for (int t = 0; t < kTiers; ++t) {
+    if (stacks[t].empty()) continue;
+    Format f = t == kTierCodebook ? Format{'c', 0, 256, simd}
+               : t == kTierMxfp4  ? Format{'m', 4, 32, simd}
+                                  : Format{'a', aff_bits, aff_group, simd};
+    std::vector<mx::array> w = stacks[t];
+    if (t == kTierAffine) {
+      w[1] = mx::astype(w[1], mx::float32, s);
+      w[2] = mx::astype(w[2], mx::float32, s);
+    }
+    int n = check_weights(op, f, w, K, true);
+    if (N >= 0 && n != N) fail(op, "the tiers' stacks have different output sizes");
+    N = n;
+    layout.formats[t] = f;
+    for (auto& a : w) arrays.push_back(mx::contiguous(a, false, s));
+  }
+  if (N < 0) fail(op, "no tier holds any expert");
+  int E = tier.shape(0);
+  auto [lflat, rflat, bshape] = gather_indices(op, x_in, E, lhs_in, rhs_in, s);
+  int P = lflat.size();
+  int nbx = x_in.size() / ((size_t)M * K);
+  auto x = mx::contiguous(mx::reshape(mx::astype(x_in, mx::float32, s), {nbx, M, K}, s), false, s);
+  std::vector<mx::array> inputs{x, lflat, rflat, mx::contiguous(tier, false, s), mx::contiguous(slot, false, s)};
+  inputs.insert(inputs.end(), arrays.begin(), arrays.end());
+  auto y = mx::array({P, M, N}, mx::float32, std::make_shared<PackedQmm>(s, layout, true), inputs);
   mx::Shape out_shape = bshape;
   out_shape.push_back(M);
   out_shape.push_back(N);
@@ -378,4 +483,19 @@ extern "C" int k3_iq1s_grid_data(const uint64_t** res) {
 extern "C" int k3_kernels_force_scalar(bool on) {
   kk::set_force_scalar(on);
   return 0;
+}
+
+extern "C" int k3_gather_tiered_qmm(k3_array* res, const k3_array x, const k3_array tier, const k3_array slot,
+                                    const k3_array cb_codes, const k3_array cb_qh, const k3_array cb_scales,
+                                    const k3_array fp4_weight, const k3_array fp4_scales, const k3_array aff_weight,
+                                    const k3_array aff_scales, const k3_array aff_biases, int aff_group,
+                                    int aff_bits, const k3_array lhs, const k3_array rhs, const k3_stream s) {
+  K3_TRY({
+    std::vector<mx::array> stacks[kk::kTiers];
+    if (cb_codes.ctx) stacks[kk::kTierCodebook] = {arr(cb_codes), arr(cb_qh), arr(cb_scales)};
+    if (fp4_weight.ctx) stacks[kk::kTierMxfp4] = {arr(fp4_weight), arr(fp4_scales)};
+    if (aff_weight.ctx) stacks[kk::kTierAffine] = {arr(aff_weight), arr(aff_scales), arr(aff_biases)};
+    k3::put(res, kk::gather_tiered_qmm(arr(x), arr(tier), arr(slot), stacks, aff_group, aff_bits, opt(lhs), opt(rhs),
+                                       k3::stream(s)));
+  })
 }

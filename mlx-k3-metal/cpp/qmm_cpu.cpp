@@ -359,6 +359,32 @@ __attribute__((target("avx2,fma"))) static void affine_rows_avx2(const AffineRow
 }
 #endif
 
+// Scalar affine path: the tiered op's fallback on CPUs without AVX2 (plain affine ops run MLX's kernel there).
+static void affine_rows_scalar(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
+  const int K = w.K, nb = K / 32, ng = K / w.group, bpg = w.group / 32;
+  const size_t row_bytes = (size_t)K * w.bits / 8;
+  const uint32_t mask = (1u << w.bits) - 1;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
+    for (int m = 0; m < a.rows; ++m) {
+      const float* xm = a.x + (size_t)m * K;
+      float acc = 0;
+      for (int g = 0; g < ng; ++g) {
+        float s = 0, xs = 0;
+        for (int k = g * w.group; k < (g + 1) * w.group; ++k) {
+          size_t bit = (size_t)k * w.bits;
+          uint32_t v = row[bit / 8];
+          if (bit / 8 + 1 < row_bytes) v |= (uint32_t)row[bit / 8 + 1] << 8;
+          s += (float)((v >> (bit % 8)) & mask) * xm[k];
+        }
+        for (int b = g * bpg; b < (g + 1) * bpg; ++b) xs += a.sums[(size_t)m * nb + b];
+        acc += w.scales[(size_t)n * ng + g] * s + w.biases[(size_t)n * ng + g] * xs;
+      }
+      out[(size_t)m * ldo + n] = acc;
+    }
+  }
+}
+
 void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
 #ifdef K3_X86
   if (simd && (w.bits == 2 || w.bits == 4 || w.bits == 8) && w.group % 32 == 0) {
@@ -369,7 +395,7 @@ void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, floa
     }
   }
 #endif
-  throw std::logic_error("[affine_qmm] no CPU kernel for this format here; the op routes it to MLX");
+  affine_rows_scalar(w, a, n0, n1, out, ldo);
 }
 
 // --------------------------------------------------------------------------------------------------- mxfp4
@@ -437,6 +463,29 @@ __attribute__((target("avx2,fma"))) static void mxfp4_rows_mb(const Mxfp4Rows& w
 }
 #endif
 
+// Scalar mxfp4 path: the tiered op's fallback on CPUs without AVX2.
+static void mxfp4_rows_scalar(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
+  static const float e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  const int K = w.K, nb = K / 32;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 2;
+    for (int m = 0; m < a.rows; ++m) {
+      const float* xm = a.x + (size_t)m * K;
+      float acc = 0;
+      for (int b = 0; b < nb; ++b) {
+        float s = 0;
+        for (int i = 0; i < 32; ++i) {
+          uint8_t byte = row[16 * b + i / 2];
+          s += e2m1[(i & 1) ? byte >> 4 : byte & 15] * xm[32 * b + i];
+        }
+        acc += e8m0(w.scales[(size_t)n * nb + b]) * s;
+      }
+      out[(size_t)m * ldo + n] = acc;
+    }
+  }
+}
+
 void mxfp4_rows(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
 #ifdef K3_X86
   if (simd) {
@@ -451,7 +500,7 @@ void mxfp4_rows(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float*
     return;
   }
 #endif
-  throw std::logic_error("[mxfp4_qmm] no CPU kernel here; the op routes it to MLX");
+  mxfp4_rows_scalar(w, a, n0, n1, out, ldo);
 }
 
 }  // namespace k3::kernels

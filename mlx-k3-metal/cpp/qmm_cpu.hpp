@@ -5,8 +5,9 @@
 // `kMaxRows` activation rows at a time (decode cost amortized over the rows; the activation rows of a tile
 // stay in L1/L2 while weight rows stream). Each format has a scalar path and an AVX2+FMA path chosen at run
 // time (`cpu_has_avx2_fma`), so one binary runs on any x86-64 and uses AVX2 where present. The codebook has
-// a scalar path for other CPUs (the compiler auto-vectorizes it); MLX's own formats (affine, mxfp4) have
-// only AVX2 paths here, and the ops send them to MLX's kernels elsewhere.
+// a scalar path for other CPUs (the compiler auto-vectorizes it). MLX's own formats (affine, mxfp4) have
+// scalar paths too, but plain affine/mxfp4 ops use MLX's kernels where there is no AVX2; only tiered expert
+// stacks (which MLX cannot run) take them.
 #pragma once
 
 #include <cstddef>

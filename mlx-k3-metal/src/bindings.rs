@@ -37,6 +37,27 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn k3_gather_tiered_qmm(
+        res: *mut k3_array,
+        x: k3_array,
+        tier: k3_array,
+        slot: k3_array,
+        cb_codes: k3_array,
+        cb_qh: k3_array,
+        cb_scales: k3_array,
+        fp4_weight: k3_array,
+        fp4_scales: k3_array,
+        aff_weight: k3_array,
+        aff_scales: k3_array,
+        aff_biases: k3_array,
+        aff_group: ::std::os::raw::c_int,
+        aff_bits: ::std::os::raw::c_int,
+        lhs: k3_array,
+        rhs: k3_array,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn k3_fast_quantized_matmul(
         res: *mut k3_array,
         x: k3_array,

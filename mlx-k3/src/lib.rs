@@ -43,6 +43,7 @@ pub mod ops;
 pub mod quant;
 pub mod random;
 pub mod server;
+pub mod tiers;
 pub mod tokenizer;
 
 pub use array::{async_eval, eval, Array};

@@ -281,3 +281,28 @@ fn fast_gather_qmm_matches_mlx() {
         assert!(e <= 2e-5, "{spec:?}: {e}");
     }
 }
+
+#[test]
+fn gather_tiered_qmm_matches_the_dequantized_stack_on_both_paths() {
+    use mlx_k3::tiers::{self, Tier};
+    let (e, n, k) = (6, 40, 512);
+    let w = randn(&[e, n, k], 21).multiply(0.05f32).unwrap();
+    let tiers_of = [Tier::Codebook, Tier::Mxfp4, Tier::Affine, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
+    // 3-bit affine takes the scalar affine path even on AVX2 machines.
+    for affine in [QuantSpec::affine(64, 4), QuantSpec::affine(32, 3)] {
+        let (t, _) = tiers::build_tiered(&w, &tiers_of, affine, None).unwrap();
+        let deq = tiers::dequantize_tiered(&t).unwrap();
+        let x = randn(&[3, 2, 1, 1, k], 22);
+        let rhs = Array::from_slice(&[5u32, 0, 2, 2, 1, 3, 4, 0, 3, 1, 5, 4], &[3, 2, 2]).unwrap();
+        let want = ops::gather_mm(&x, &deq.swapaxes(-1, -2).unwrap(), None, Some(&rhs), false).unwrap();
+        let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
+        for scalar in [false, true] {
+            kernels::force_scalar(scalar);
+            let got = tiers::gather_tiered_qmm(&x, &t, None, Some(&rhs)).unwrap();
+            assert_eq!(got.shape(), want.shape());
+            let err = rel_err(&got, &want);
+            assert!(err <= 2e-5, "{affine:?} scalar={scalar}: {err}");
+        }
+        kernels::force_scalar(false);
+    }
+}

@@ -280,6 +280,13 @@ pub enum PathQuant {
     Quantized(QuantSpec),
     /// Explicitly left unquantized (`false`).
     Unquantized,
+    /// The project's ternary codebook format (`{"mode": "k3_codebook"}`).
+    Codebook,
+    /// A mixed-format expert stack (`{"mode": "k3_tiered", "affine": {...}}`), see [`crate::tiers`].
+    Tiered {
+        /// The spec of the stack's affine experts, if it has any.
+        affine: Option<QuantSpec>,
+    },
 }
 
 /// `quantization` from `config.json`: the default plus per-module-path overrides, as `mlx_lm.convert`
@@ -380,6 +387,20 @@ impl ModelConfig {
                 let path = k.strip_prefix("language_model.").unwrap_or(k).to_string();
                 let pq = match v {
                     Value::Bool(false) => PathQuant::Unquantized,
+                    Value::Object(o) if o.get("mode").and_then(Value::as_str) == Some("k3_codebook") => {
+                        PathQuant::Codebook
+                    }
+                    Value::Object(o) if o.get("mode").and_then(Value::as_str) == Some("k3_tiered") => {
+                        PathQuant::Tiered {
+                            affine: match o.get("affine") {
+                                None | Some(Value::Null) => None,
+                                Some(a) => Some(
+                                    spec_from(&format!("quantization.{k}.affine"), a, QuantMode::Affine)
+                                        .map_err(|e| fmt(e.to_string()))?,
+                                ),
+                            },
+                        }
+                    }
                     Value::Object(_) => PathQuant::Quantized(
                         spec_from(&format!("quantization.{k}"), v, default_mode).map_err(|e| fmt(e.to_string()))?,
                     ),

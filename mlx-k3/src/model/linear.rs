@@ -3,8 +3,8 @@
 //! `Embedding` (lookup, or a tied output head).
 
 use super::weights::{MaybeQuantized, WeightStore};
-use crate::kernels;
 use crate::quant;
+use crate::{codebook, kernels, tiers};
 use crate::{ops, Array, Dtype, Result};
 
 /// `y = x @ Wᵀ` with W `[out, in]`, dense or quantized along `in`.
@@ -25,6 +25,8 @@ impl Linear {
             MaybeQuantized::Dense(w) => x.matmul(&w.t()?),
             // The project's CPU kernels where they apply, MLX's op otherwise (same result within fp32 rounding).
             MaybeQuantized::Quantized(q, spec) => kernels::quantized_matmul(x, q, *spec),
+            MaybeQuantized::Codebook(cb) => codebook::codebook_qmm(x, cb),
+            MaybeQuantized::Tiered(_) => Err(crate::Error::invalid("linear", "tiered weights are for expert stacks")),
         }
     }
 
@@ -41,9 +43,16 @@ pub struct MultiLinear {
 }
 
 impl MultiLinear {
-    /// Loads `{path}.weight` of shape `[heads, out, in]`.
+    /// Loads `{path}.weight` of shape `[heads, out, in]` (dense or MLX-quantized).
     pub fn load(ws: &mut WeightStore, path: &str, in_dims: usize, out_dims: usize, heads: usize) -> Result<Self> {
-        Ok(MultiLinear { w: ws.take_weight(path, &[heads as i32, out_dims as i32, in_dims as i32])? })
+        let w = ws.take_weight(path, &[heads as i32, out_dims as i32, in_dims as i32])?;
+        if matches!(w, MaybeQuantized::Codebook(_) | MaybeQuantized::Tiered(_)) {
+            return Err(crate::Error::invalid(
+                "load",
+                format!("{path}: MLA head matrices must be dense or MLX-quantized"),
+            ));
+        }
+        Ok(MultiLinear { w })
     }
 
     /// `x @ Wᵀ` when `transpose`, else `x @ W` (broadcast over heads).
@@ -57,6 +66,7 @@ impl MultiLinear {
                 }
             }
             MaybeQuantized::Quantized(q, spec) => quant::quantized_matmul(x, q, *spec, transpose),
+            _ => Err(crate::Error::invalid("multi_linear", "unsupported weight format")),
         }
     }
 }
@@ -93,6 +103,8 @@ impl SwitchLinear {
                 ops::gather_mm(x, &w.swapaxes(-1, -2)?, None, Some(indices), sorted)
             }
             MaybeQuantized::Quantized(q, spec) => kernels::gather_qmm(x, q, *spec, None, Some(indices), sorted),
+            MaybeQuantized::Codebook(cb) => codebook::gather_codebook_qmm(x, cb, None, Some(indices)),
+            MaybeQuantized::Tiered(t) => tiers::gather_tiered_qmm(x, t, None, Some(indices)),
         }
     }
 }
@@ -105,10 +117,14 @@ pub struct Embedding {
 }
 
 impl Embedding {
-    /// Loads `{path}.weight`.
+    /// Loads `{path}.weight` (dense or MLX-quantized).
     pub fn load(ws: &mut WeightStore, path: &str, vocab: usize, hidden: usize) -> Result<Embedding> {
         let dtype = ws.dtype();
-        Ok(Embedding { w: ws.take_weight(path, &[vocab as i32, hidden as i32])?, dtype })
+        let w = ws.take_weight(path, &[vocab as i32, hidden as i32])?;
+        if matches!(w, MaybeQuantized::Codebook(_) | MaybeQuantized::Tiered(_)) {
+            return Err(crate::Error::invalid("load", format!("{path}: embeddings must be dense or MLX-quantized")));
+        }
+        Ok(Embedding { w, dtype })
     }
 
     /// Rows for token ids `ids` (any shape) -> `[..., hidden]`.
@@ -124,6 +140,7 @@ impl Embedding {
                 // mlx-lm dequantizes into the scales' dtype (bf16 for the fp modes); use the activation dtype.
                 quant::dequantize(&rows, *spec, None, Some(self.dtype))
             }
+            _ => Err(crate::Error::invalid("embedding", "unsupported weight format")),
         }
     }
 
@@ -132,6 +149,7 @@ impl Embedding {
         match &self.w {
             MaybeQuantized::Dense(w) => x.matmul(&w.t()?),
             MaybeQuantized::Quantized(q, spec) => kernels::quantized_matmul(x, q, *spec),
+            _ => Err(crate::Error::invalid("embedding", "unsupported weight format")),
         }
     }
 }

@@ -189,6 +189,29 @@ impl KimiK3 {
         Ok(KimiK3 { config: t.clone(), dtype, embed, layers, norm, output_res, lm_head, records })
     }
 
+    /// A model with random weights (seeded) for `cfg`, and the tensors it was made of under mlx-lm's names
+    /// (without the `language_model.` prefix): save them with a config.json to get a random checkpoint.
+    pub fn random(cfg: &TextConfig, seed: u64) -> Result<(KimiK3, std::collections::BTreeMap<String, Array>)> {
+        cfg.validate()?;
+        let mut ws = WeightStore::fabricating(seed, Dtype::F32)?;
+        let (d, v) = (cfg.hidden_size, cfg.vocab_size);
+        let embed = Embedding::load(&mut ws, "model.embed_tokens", v, d)?;
+        let layers =
+            (0..cfg.num_hidden_layers).map(|i| DecoderLayer::load(&mut ws, i, cfg)).collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(&mut ws, "model.norm", d, cfg.rms_norm_eps)?;
+        let output_res = match cfg.attn_res_block_size {
+            Some(_) => Some(load_w_eff(&mut ws, "model.output_attn_res", d, cfg.rms_norm_eps)?),
+            None => None,
+        };
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(Linear::load(&mut ws, "lm_head", d, v)?) };
+        let tensors = ws.fabricated().cloned().unwrap_or_default();
+        let records = ws.records().to_vec();
+        Ok((
+            KimiK3 { config: cfg.clone(), dtype: Dtype::F32, embed, layers, norm, output_res, lm_head, records },
+            tensors,
+        ))
+    }
+
     /// The text config.
     pub fn config(&self) -> &TextConfig {
         &self.config

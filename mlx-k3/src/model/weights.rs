@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 
 use super::config::{PathQuant, QuantizationConfig};
 use super::loader::{infer_spec, RawWeights};
-use crate::quant::{QuantSpec, Quantized};
+use crate::codebook::Codebook;
+use crate::quant::{QuantMode, QuantSpec, Quantized};
+use crate::tiers::TieredExperts;
 use crate::{Array, Dtype, Error, Result};
 
 /// Tensors kept in f32 whatever the activation dtype (mlx-lm's `cast_predicate`).
@@ -41,6 +43,41 @@ pub struct WeightStore {
     dir: PathBuf,
     records: Vec<TensorRecord>,
     pending: Vec<Array>,
+    /// When set, missing tensors are made up (random, seeded) and remembered: builds random checkpoints.
+    fabricate: Option<Fabricator>,
+}
+
+/// Makes up plausible random tensors by name for [`WeightStore::fabricating`].
+struct Fabricator {
+    key: Array,
+    counter: u64,
+    made: BTreeMap<String, Array>,
+}
+
+impl Fabricator {
+    fn make(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
+        self.counter += 1;
+        let key = crate::random::split(&crate::random::key(self.counter)?.add(&self.key)?, 2)?
+            .slice_axis(0, 0, 1)?
+            .squeeze(&[0])?;
+        let fan_in = *shape.last().unwrap_or(&1) as f32;
+        let a = if name.ends_with("A_log") {
+            crate::random::uniform(1.0, 16.0, shape, Dtype::F32, Some(&key))?.log()?
+        } else if name.ends_with("dt_bias") {
+            crate::ops::zeros(shape, Dtype::F32)?
+        } else if name.contains("e_score_correction_bias") {
+            crate::random::normal(shape, Dtype::F32, 0.0, 0.05, Some(&key))?
+        } else if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
+            crate::random::normal(shape, Dtype::F32, 1.0, 0.05, Some(&key))?
+        } else if name.ends_with("conv.weight") {
+            crate::random::normal(shape, Dtype::F32, 0.0, 0.3, Some(&key))?
+        } else {
+            crate::random::normal(shape, Dtype::F32, 0.0, 1.0 / fan_in.sqrt(), Some(&key))?
+        };
+        a.eval()?;
+        self.made.insert(name.to_string(), a.clone());
+        Ok(a)
+    }
 }
 
 /// A weight that is either dense or quantized.
@@ -50,6 +87,10 @@ pub enum MaybeQuantized {
     Dense(Array),
     /// Packed weight with its spec.
     Quantized(Quantized, QuantSpec),
+    /// The project's ternary codebook format.
+    Codebook(Codebook),
+    /// A mixed-format expert stack.
+    Tiered(Box<TieredExperts>),
 }
 
 impl WeightStore {
@@ -63,7 +104,22 @@ impl WeightStore {
             dir: dir.to_path_buf(),
             records: Vec::new(),
             pending: Vec::new(),
+            fabricate: None,
         }
+    }
+
+    /// A store that makes up every tensor it is asked for (f32, seeded): building a model from it and then
+    /// [`WeightStore::fabricated`] gives a random checkpoint that loads like a real one.
+    pub fn fabricating(seed: u64, dtype: Dtype) -> Result<WeightStore> {
+        let raw = RawWeights { tensors: BTreeMap::new(), files: BTreeMap::new() };
+        let mut ws = WeightStore::new(raw, QuantizationConfig::default(), dtype, Path::new("<random>"));
+        ws.fabricate = Some(Fabricator { key: crate::random::key(seed)?, counter: 0, made: BTreeMap::new() });
+        Ok(ws)
+    }
+
+    /// The tensors a fabricating store made up, by name.
+    pub fn fabricated(&self) -> Option<&BTreeMap<String, Array>> {
+        self.fabricate.as_ref().map(|f| &f.made)
     }
 
     /// The activation dtype.
@@ -100,6 +156,9 @@ impl WeightStore {
 
     /// Takes a raw tensor (no cast), checking its shape.
     pub fn take_raw(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
+        if let Some(f) = self.fabricate.as_mut() {
+            return f.make(name, shape);
+        }
         let a = self.tensors.get(name).cloned().ok_or_else(|| self.missing(name))?;
         self.check_shape(name, &a, shape)?;
         self.tensors.remove(name);
@@ -143,6 +202,18 @@ impl WeightStore {
     /// Takes `{path}.weight` (and `.scales`/`.biases` when quantized) of a weight whose unquantized shape is
     /// `[...batch, out, in]`.
     pub fn take_weight(&mut self, path: &str, shape: &[i32]) -> Result<MaybeQuantized> {
+        if self.has(&format!("{path}.tier")) {
+            return self.take_tiered(path, shape);
+        }
+        if self.has(&format!("{path}.codes")) {
+            return Ok(MaybeQuantized::Codebook(self.take_codebook(path, path, shape, true)?));
+        }
+        if let Some(PathQuant::Codebook | PathQuant::Tiered { .. }) = self.quant.for_path(path) {
+            return Err(Error::Format {
+                path: self.dir.clone(),
+                message: format!("config.json gives '{path}' a k3 format but its tensors are missing"),
+            });
+        }
         let wname = format!("{path}.weight");
         let sname = format!("{path}.scales");
         let override_ = self.quant.for_path(path);
@@ -226,6 +297,120 @@ impl WeightStore {
         self.pending.extend([weight.clone(), scales.clone()]);
         self.pending.extend(biases.iter().cloned());
         Ok(MaybeQuantized::Quantized(Quantized { weight, scales, biases }, spec))
+    }
+
+    /// Takes a codebook matrix or stack stored as `{stem}.codes/qh/scales` for a weight of unquantized `shape`.
+    fn take_codebook(&mut self, path: &str, stem: &str, shape: &[i32], record: bool) -> Result<Codebook> {
+        let n = shape.len();
+        let k = shape[n - 1];
+        if k % 256 != 0 {
+            return Err(Error::Format {
+                path: self.dir.clone(),
+                message: format!("'{path}': the codebook format needs K % 256 == 0, K is {k}"),
+            });
+        }
+        let with = |last: i32| {
+            let mut s = shape[..n - 1].to_vec();
+            s.push(last);
+            s
+        };
+        let cb = Codebook {
+            codes: self.take_typed(&format!("{stem}.codes"), &with(k / 8), Dtype::U8)?,
+            qh: self.take_typed(&format!("{stem}.qh"), &with(k / 32), Dtype::U16)?,
+            scales: self.take_typed(&format!("{stem}.scales"), &with(k / 256), Dtype::F16)?,
+        };
+        let bytes = (cb.codes.nbytes() + cb.qh.nbytes() + cb.scales.nbytes()) as u64;
+        if record {
+            self.records.push(TensorRecord {
+                path: path.to_string(),
+                params: shape.iter().map(|&d| d as u64).product(),
+                bytes,
+                spec: None,
+                dtype: Dtype::U8,
+            });
+        }
+        self.pending.extend([cb.codes.clone(), cb.qh.clone(), cb.scales.clone()]);
+        Ok(cb)
+    }
+
+    /// Takes a raw tensor of a given shape and dtype.
+    fn take_typed(&mut self, name: &str, shape: &[i32], dtype: Dtype) -> Result<Array> {
+        let a = self.take_raw(name, shape)?;
+        if a.dtype() != dtype {
+            return Err(Error::Format {
+                path: self.dir.clone(),
+                message: format!("tensor {} has dtype {}, expected {dtype}", self.where_(name), a.dtype()),
+            });
+        }
+        Ok(a)
+    }
+
+    /// Takes a mixed-format expert stack (see [`crate::tiers`]) of unquantized shape `[E, N, K]`.
+    fn take_tiered(&mut self, path: &str, shape: &[i32]) -> Result<MaybeQuantized> {
+        if shape.len() != 3 {
+            return Err(Error::Format {
+                path: self.dir.clone(),
+                message: format!("'{path}': tiers are for expert stacks [E, N, K], this weight is {shape:?}"),
+            });
+        }
+        let (e, n, k) = (shape[0], shape[1], shape[2]);
+        let tier = self.take_typed(&format!("{path}.tier"), &[e], Dtype::U8)?;
+        let slot = self.take_typed(&format!("{path}.slot"), &[e], Dtype::U32)?;
+        let count = |ws: &WeightStore, name: String| ws.tensors.get(&name).map(|a| a.dim(0)).transpose();
+        let codebook = match count(self, format!("{path}.codebook.codes"))? {
+            Some(ec) => Some(self.take_codebook(path, &format!("{path}.codebook"), &[ec, n, k], false)?),
+            None => None,
+        };
+        let mxfp4 = match count(self, format!("{path}.mxfp4.weight"))? {
+            Some(em) => {
+                if k % 32 != 0 {
+                    return Err(Error::Format {
+                        path: self.dir.clone(),
+                        message: format!("'{path}': K {k} % 32 != 0"),
+                    });
+                }
+                let weight = self.take_typed(&format!("{path}.mxfp4.weight"), &[em, n, k / 8], Dtype::U32)?;
+                let scales = self.take_typed(&format!("{path}.mxfp4.scales"), &[em, n, k / 32], Dtype::U8)?;
+                self.pending.extend([weight.clone(), scales.clone()]);
+                Some(Quantized { weight, scales, biases: None })
+            }
+            None => None,
+        };
+        let affine = match count(self, format!("{path}.affine.weight"))? {
+            Some(ea) => {
+                let w = self.tensors.get(&format!("{path}.affine.weight")).cloned();
+                let sc = self.tensors.get(&format!("{path}.affine.scales")).cloned();
+                let spec = match (self.quant.for_path(path), w, sc) {
+                    (Some(PathQuant::Tiered { affine: Some(spec) }), _, _) => spec,
+                    (_, Some(w), Some(sc)) => infer_spec(path, k, w.dim(-1)?, sc.dim(-1)?, sc.dtype())?,
+                    _ => return Err(self.missing(&format!("{path}.affine.scales"))),
+                };
+                if spec.mode != QuantMode::Affine || k % spec.group_size != 0 {
+                    return Err(Error::Format {
+                        path: self.dir.clone(),
+                        message: format!("'{path}': affine tier spec {spec:?} does not fit K = {k}"),
+                    });
+                }
+                let weight =
+                    self.take_typed(&format!("{path}.affine.weight"), &[ea, n, k * spec.bits / 32], Dtype::U32)?;
+                let (scales, _) = self.take_float(&format!("{path}.affine.scales"), &[ea, n, k / spec.group_size])?;
+                let (biases, _) = self.take_float(&format!("{path}.affine.biases"), &[ea, n, k / spec.group_size])?;
+                self.pending.extend([weight.clone(), scales.clone(), biases.clone()]);
+                Some((Quantized { weight, scales, biases: Some(biases) }, spec))
+            }
+            None => None,
+        };
+        let t = TieredExperts { tier, slot, codebook, mxfp4, affine };
+        t.validate(path).map_err(|e| Error::Format { path: self.dir.clone(), message: e.to_string() })?;
+        self.records.push(TensorRecord {
+            path: path.to_string(),
+            params: shape.iter().map(|&d| d as u64).product(),
+            bytes: t.nbytes() as u64,
+            spec: None,
+            dtype: Dtype::U8,
+        });
+        self.pending.extend([t.tier.clone(), t.slot.clone()]);
+        Ok(MaybeQuantized::Tiered(Box::new(t)))
     }
 
     /// Evaluates the tensors handed out since the last call (reads them from disk and runs any sanitize
