@@ -9,7 +9,7 @@ use mlx_k3_sys as sys;
 
 use crate::array::s;
 use crate::error::last_error;
-use crate::{Array, Error, Result};
+use crate::{Array, Dtype, Error, Result};
 
 fn c_path(path: &Path) -> Result<CString> {
     CString::new(path.to_string_lossy().as_bytes())
@@ -134,4 +134,22 @@ pub fn save_safetensors(path: impl AsRef<Path>, tensors: &[(&str, &Array)], meta
         return Err(Error::Format { path: path.to_path_buf(), message: last_error() });
     }
     Ok(())
+}
+
+/// Copies raw little-endian `bytes` into a new array of `shape` and `dtype`; the length must match.
+pub fn array_from_bytes(bytes: &[u8], shape: &[i32], dtype: Dtype) -> Result<Array> {
+    if shape.iter().any(|&d| d < 0) {
+        return Err(Error::invalid("array_from_bytes", format!("negative dimension in shape {shape:?}")));
+    }
+    let want = shape.iter().map(|&d| d as usize).product::<usize>() * dtype.size_of();
+    if bytes.len() != want {
+        return Err(Error::invalid(
+            "array_from_bytes",
+            format!("{} bytes cannot fill shape {shape:?} of {dtype} ({want} bytes)", bytes.len()),
+        ));
+    }
+    // SAFETY: bytes holds product(shape) elements of dtype (checked above); MLX copies them.
+    Array::try_from_op("array_from_bytes", |res| unsafe {
+        sys::k3_array_from_data(res, bytes.as_ptr().cast(), shape.as_ptr(), shape.len(), dtype.to_raw())
+    })
 }

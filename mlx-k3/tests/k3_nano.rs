@@ -20,7 +20,7 @@ fn nano() -> PathBuf {
 
 #[test]
 fn heldout_losses_match_mlx_lm() {
-    let model = KimiK3::load(&nano(), LoadOptions { dtype: Some(Dtype::F32), lazy: false }).unwrap();
+    let model = KimiK3::load(&nano(), LoadOptions { dtype: Some(Dtype::F32), lazy: false, shard: None }).unwrap();
     let st = Safetensors::load(nano().join("eval_reference.safetensors")).unwrap();
     let tokens = st.get("tokens").unwrap();
     let want = st.get("window_loss").unwrap().to_vec::<f32>().unwrap();

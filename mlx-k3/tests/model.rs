@@ -76,7 +76,7 @@ fn last_row(logits: &Array) -> Vec<f32> {
 const TOL: f32 = 1e-4;
 
 fn load(dir: &Path, dtype: Dtype) -> KimiK3 {
-    KimiK3::load(dir, LoadOptions { dtype: Some(dtype), lazy: false })
+    KimiK3::load(dir, LoadOptions { dtype: Some(dtype), lazy: false, shard: None })
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 

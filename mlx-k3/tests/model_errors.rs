@@ -41,7 +41,7 @@ fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
 }
 
 fn load_err(dir: &Path) -> String {
-    match KimiK3::load(dir, LoadOptions { dtype: Some(Dtype::F32), lazy: false }) {
+    match KimiK3::load(dir, LoadOptions { dtype: Some(Dtype::F32), lazy: false, shard: None }) {
         Ok(_) => panic!("loading {} should fail", dir.display()),
         Err(e) => e.to_string(),
     }

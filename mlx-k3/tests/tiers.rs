@@ -143,7 +143,7 @@ fn tiered_and_codebook_checkpoints_match_their_dequantized_reference() {
         };
         assert_eq!(argmax(&a), argmax(&b), "{name}: greedy tokens");
         // inspect reads the tiered stacks' bits per weight from the records.
-        let m = KimiK3::load(&pdir, LoadOptions { dtype: Some(Dtype::F32), lazy: true }).unwrap();
+        let m = KimiK3::load(&pdir, LoadOptions { dtype: Some(Dtype::F32), lazy: true, shard: None }).unwrap();
         let experts: Vec<_> = m.tensor_records().iter().filter(|r| r.path.contains("switch_mlp")).collect();
         let bpw = experts.iter().map(|r| r.bytes * 8).sum::<u64>() as f64
             / experts.iter().map(|r| r.params).sum::<u64>() as f64;

@@ -70,7 +70,7 @@ impl ModelArgs {
                     .ok_or_else(|| Error::invalid("cli", format!("--dtype: '{n}' is not a float dtype")))?,
             ),
         };
-        load_with_progress(&self.model, LoadOptions { dtype, lazy: false })
+        load_with_progress(&self.model, LoadOptions { dtype, lazy: false, shard: None })
     }
 
     fn options(&self) -> GenerateOptions {

@@ -47,7 +47,7 @@ pub fn tensor_class(path: &str, cfg: &TextConfig) -> &'static str {
     }
 }
 
-fn fmt_bytes(b: u64) -> String {
+pub(super) fn fmt_bytes(b: u64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;
     let mut u = 0;
@@ -74,7 +74,7 @@ pub(super) fn run(args: Args) -> Result<()> {
     let cfg = ModelConfig::load(&args.dir)?;
     let t = &cfg.text;
     // Lazy: shapes, dtypes and quantization only; no tensor data is read.
-    let model = KimiK3::load_with_config(&args.dir, &cfg, LoadOptions { dtype: None, lazy: true }, &mut |_, _| {})?;
+    let model = KimiK3::load_with_config(&args.dir, &cfg, LoadOptions { dtype: None, lazy: true, shard: None }, &mut |_, _| {})?;
     let kda = (0..t.num_hidden_layers).filter(|&i| t.is_kda(i)).count();
     let moe = (0..t.num_hidden_layers).filter(|&i| t.is_moe(i)).count();
     println!("{}: {}", args.dir.display(), cfg.model_type);

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+pub mod dist;
 mod dist_check;
 pub mod gen;
 mod info;
@@ -35,6 +36,9 @@ enum Command {
     Inspect(inspect::Args),
     /// One forward pass over the given token ids; writes the f32 logits [T, vocab] under the key `logits`.
     Logits(logits::Args),
+    /// Per-rank weight bytes by tensor class for a model split over N ranks (expert parallel, optionally
+    /// tensor parallel), as `--distributed` would load it; reads only headers.
+    Plan(dist::PlanArgs),
     /// Serve the model over HTTP: OpenAI-compatible API, /api/chat (SSE, sessions), metrics, web chat page.
     Serve(serve::Args),
 }
@@ -50,6 +54,7 @@ pub fn main() -> ExitCode {
         Command::Chat(args) => gen::chat(args),
         Command::Logits(args) => logits::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Plan(args) => dist::plan(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

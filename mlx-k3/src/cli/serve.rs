@@ -50,7 +50,7 @@ pub(super) fn run(args: Args) -> Result<()> {
     server::run(ServerConfig {
         engine: EngineConfig {
             model_dir: args.model,
-            load: LoadOptions { dtype, lazy: false },
+            load: LoadOptions { dtype, lazy: false, shard: None },
             max_queue: args.max_queue,
             session_cache_bytes: args.session_cache_mib.saturating_mul(1 << 20),
         },

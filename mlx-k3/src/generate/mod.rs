@@ -238,6 +238,7 @@ pub fn generate_tokens(
     let mut out = Vec::new();
     let mut reason = FinishReason::Length;
     let mut t_first = None;
+    let mut stop_at: Option<usize> = None;
     while out.len() < opts.max_tokens {
         // Enqueue the next step before reading this token (not with penalties: they need its value).
         let more = out.len() + 1 < opts.max_tokens;
@@ -264,9 +265,24 @@ pub fn generate_tokens(
             break;
         }
         out.push(token);
-        if !on_token(TokenEvent { token, logprobs: &lp }) {
+        if stop_at.is_none() && !on_token(TokenEvent { token, logprobs: &lp }) {
             reason = FinishReason::Cancelled;
-            break;
+            if model.comm().is_none() {
+                break;
+            }
+            // A split model: a stop one rank decides alone (a client went away) must not leave the others
+            // waiting in a collective, so the ranks agree on it at the next check; tokens after this one are
+            // computed by every rank but not returned.
+            stop_at = Some(out.len());
+        }
+        if let Some(c) = model.comm() {
+            if out.len() % SYNC_EVERY == 0 && tripwire(c, &out, stop_at.is_some())? {
+                if stop_at.is_none() {
+                    reason = FinishReason::Cancelled;
+                    stop_at = Some(out.len());
+                }
+                break;
+            }
         }
         match next {
             Some((ny, nlp)) => (y, lp) = (ny, nlp),
@@ -281,6 +297,12 @@ pub fn generate_tokens(
     if let Some(c) = pcache.cache.as_ref() {
         crate::eval(&c.arrays())?;
     }
+    if let Some(c) = model.comm() {
+        tripwire(c, &out, stop_at.is_some())?;
+    }
+    if let Some(n) = stop_at {
+        out.truncate(n);
+    }
     stats.generated_tokens = out.len();
     if let Some(t0) = t_first {
         let dt = t0.elapsed().as_secs_f64();
@@ -290,6 +312,39 @@ pub fn generate_tokens(
     }
     stats.peak_memory = memory::peak();
     Ok((out, reason, stats))
+}
+
+/// Tokens between two checks of [`tripwire`] on a model split over ranks.
+pub const SYNC_EVERY: usize = 16;
+
+/// Ranks of a split model sample from identical logits with identically seeded samplers, so they emit the
+/// same tokens without exchanging them. This checks that they did: every rank all_gathers a hash of its
+/// tokens so far and stops with an error naming the rank that differs. The same exchange carries each
+/// rank's wish to stop; returns whether any rank wants to.
+pub fn tripwire(comm: &crate::model::shard::Comm, tokens: &[u32], stop: bool) -> Result<bool> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for t in tokens {
+        for b in t.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    let mine = [h as u32, (h >> 32) as u32, tokens.len() as u32, stop as u32];
+    let all = comm.group().all_gather(&Array::from_slice(&mine, &[4])?)?.to_vec::<u32>()?;
+    let me = comm.shard().rank;
+    let mut any_stop = false;
+    for (r, theirs) in all.chunks(4).enumerate() {
+        any_stop |= theirs[3] != 0;
+        if theirs[..3] != mine[..3] {
+            return Err(Error::invalid(
+                "distributed",
+                format!(
+                    "ranks diverged: rank {r} emitted {} tokens with hash {:08x}{:08x}, rank {me} emitted {} with hash {h:016x}; stopping",
+                    theirs[2], theirs[1], theirs[0], tokens.len()
+                ),
+            ));
+        }
+    }
+    Ok(any_stop)
 }
 
 fn ids_array(ids: &[u32]) -> Result<Array> {

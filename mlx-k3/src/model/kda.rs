@@ -8,6 +8,7 @@
 use super::cache::KdaCache;
 use super::config::TextConfig;
 use super::linear::{Linear, RmsNorm};
+use super::shard::{Comm, Part, Shard};
 use super::weights::WeightStore;
 use crate::ops::{stack, zeros};
 use crate::{fast, ops, Array, Dtype, Result};
@@ -36,41 +37,59 @@ pub struct Kda {
     dt_bias: Array,
     o_norm: RmsNorm,
     o_proj: Linear,
+    /// Heads split over ranks (tensor parallel): o_proj gives a partial sum.
+    tp: bool,
 }
 
 impl Kda {
     /// Loads the layer at `prefix` (`model.layers.N.self_attn`).
-    pub fn load(ws: &mut WeightStore, prefix: &str, cfg: &TextConfig) -> Result<Kda> {
+    pub fn load(ws: &mut WeightStore, prefix: &str, cfg: &TextConfig, shard: Option<Shard>) -> Result<Kda> {
         let la = cfg.linear_attn_config.as_ref().expect("validated config has linear_attn_config");
         let (h, d, k) = (la.num_heads, la.head_dim, la.short_conv_kernel_size);
         let p = h * d;
         let hidden = cfg.hidden_size;
         let p_ = |n: &str| format!("{prefix}.{n}");
+        // Tensor parallel: this rank's heads (and their channels in q/k/v, the gates and the convolution).
+        let tp = shard.is_some_and(|s| s.tp && s.size > 1);
+        let hr = match shard {
+            Some(s) if tp => s.even_range(h, &format!("{prefix}: KDA heads"))?,
+            _ => 0..h,
+        };
+        let part = |q: Part| if tp { q } else { Part::Whole };
+        let heads = part(Part::rows(hr.clone()));
+        let chans = part(Part::rows(hr.start * d..hr.end * d));
+        let qkv = part(Part::rows_in_blocks(hr.start * d..hr.end * d, p, 3));
+        let hl = hr.len();
         let gate = if la.use_full_rank_gate {
-            Gate::Full(Linear::load(ws, &p_("g_proj"), hidden, p)?)
+            Gate::Full(Linear::load_part(ws, &p_("g_proj"), hidden, p, &chans)?)
         } else {
-            Gate::LowRank(Linear::load(ws, &p_("g_a_proj"), hidden, d)?, Linear::load(ws, &p_("g_b_proj"), d, p)?)
+            Gate::LowRank(
+                Linear::load(ws, &p_("g_a_proj"), hidden, d)?,
+                Linear::load_part(ws, &p_("g_b_proj"), d, p, &chans)?,
+            )
         };
         Ok(Kda {
-            heads: h as i32,
+            heads: hl as i32,
             head_dim: d as i32,
             kernel: k as i32,
             lower_bound: la.gate_lower_bound,
-            qkv_proj: Linear::load(ws, &p_("qkv_proj"), hidden, 3 * p)?,
-            conv_weight: ws.take(&p_("qkv_conv.conv.weight"), &[3 * p as i32, k as i32, 1])?,
+            qkv_proj: Linear::load_part(ws, &p_("qkv_proj"), hidden, 3 * p, &qkv)?,
+            conv_weight: ws.take_part(&p_("qkv_conv.conv.weight"), &[3 * p as i32, k as i32, 1], &qkv)?,
             f_a: Linear::load(ws, &p_("f_a_proj"), hidden, d)?,
-            f_b: Linear::load(ws, &p_("f_b_proj"), d, p)?,
-            b_proj: Linear::load(ws, &p_("b_proj"), hidden, h)?,
+            f_b: Linear::load_part(ws, &p_("f_b_proj"), d, p, &chans)?,
+            b_proj: Linear::load_part(ws, &p_("b_proj"), hidden, h, &heads)?,
             gate,
-            a_log: ws.take(&p_("A_log"), &[h as i32])?,
-            dt_bias: ws.take(&p_("dt_bias"), &[p as i32])?,
+            a_log: ws.take_part(&p_("A_log"), &[h as i32], &heads)?,
+            dt_bias: ws.take_part(&p_("dt_bias"), &[p as i32], &chans)?,
             o_norm: RmsNorm::load(ws, &p_("o_norm"), d, cfg.rms_norm_eps)?,
-            o_proj: Linear::load(ws, &p_("o_proj"), p, hidden)?,
+            o_proj: Linear::load_part(ws, &p_("o_proj"), p, hidden, &part(Part::Cols(hr.start * d..hr.end * d)))?,
+            tp,
         })
     }
 
-    /// `x [B, T, D]` -> `[B, T, D]`, updating `cache` when given.
-    pub fn forward(&self, x: &Array, cache: Option<&mut KdaCache>) -> Result<Array> {
+    /// `x [B, T, D]` -> `[B, T, D]`, updating `cache` when given. With tensor parallel, `comm` sums the
+    /// heads' partial outputs over the ranks.
+    pub fn forward(&self, x: &Array, cache: Option<&mut KdaCache>, comm: Option<&Comm>) -> Result<Array> {
         let shape = x.shape();
         let (b, t) = (shape[0], shape[1]);
         let (h, d) = (self.heads, self.head_dim);
@@ -131,7 +150,12 @@ impl Kda {
         };
         let gate = gate.reshape(&[b, t, h, d])?.sigmoid()?;
         let out = self.o_norm.forward(&out.reshape(&[b, t, h, d])?)?.multiply(&gate)?.reshape(&[b, t, p])?;
-        self.o_proj.forward(&out)
+        let y = self.o_proj.forward(&out)?;
+        if !self.tp {
+            return Ok(y);
+        }
+        comm.ok_or_else(|| crate::Error::invalid("kda", "a tensor-parallel layer needs the group's communicator"))?
+            .all_sum_f32(&y)
     }
 
     /// Per-channel decay α in (0, 1), f32 `[B, T, H, d]` (mlx-lm `compute_g` / `compute_lower_bound_g`).

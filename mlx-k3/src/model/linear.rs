@@ -2,6 +2,7 @@
 //! MLA's `embed_q` / `unembed_out`), `SwitchLinear` (an expert stack through gather_mm / gather_qmm) and
 //! `Embedding` (lookup, or a tied output head).
 
+use super::shard::Part;
 use super::weights::{MaybeQuantized, WeightStore};
 use crate::quant;
 use crate::{codebook, kernels, tiers};
@@ -11,16 +12,24 @@ use crate::{ops, Array, Dtype, Result};
 #[derive(Clone, Debug)]
 pub struct Linear {
     w: MaybeQuantized,
+    /// Module path, for calibration taps ([`super::probe`]).
+    path: String,
 }
 
 impl Linear {
     /// Loads `{path}.weight` (+ `.scales`/`.biases`) for `in_dims -> out_dims`.
     pub fn load(ws: &mut WeightStore, path: &str, in_dims: usize, out_dims: usize) -> Result<Linear> {
-        Ok(Linear { w: ws.take_weight(path, &[out_dims as i32, in_dims as i32])? })
+        Linear::load_part(ws, path, in_dims, out_dims, &Part::Whole)
+    }
+
+    /// Loads `part` of the weight: output rows (column-parallel) or input columns (row-parallel).
+    pub fn load_part(ws: &mut WeightStore, path: &str, in_dims: usize, out_dims: usize, part: &Part) -> Result<Linear> {
+        Ok(Linear { w: ws.take_weight_part(path, &[out_dims as i32, in_dims as i32], part)?, path: path.to_string() })
     }
 
     /// Applies the layer.
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        super::probe::tap(&self.path, x)?;
         match &self.w {
             MaybeQuantized::Dense(w) => x.matmul(&w.t()?),
             // The project's CPU kernels where they apply, MLX's op otherwise (same result within fp32 rounding).
@@ -45,7 +54,19 @@ pub struct MultiLinear {
 impl MultiLinear {
     /// Loads `{path}.weight` of shape `[heads, out, in]` (dense or MLX-quantized).
     pub fn load(ws: &mut WeightStore, path: &str, in_dims: usize, out_dims: usize, heads: usize) -> Result<Self> {
-        let w = ws.take_weight(path, &[heads as i32, out_dims as i32, in_dims as i32])?;
+        MultiLinear::load_part(ws, path, in_dims, out_dims, heads, &Part::Whole)
+    }
+
+    /// Loads the heads in `part` (rows of the head axis).
+    pub fn load_part(
+        ws: &mut WeightStore,
+        path: &str,
+        in_dims: usize,
+        out_dims: usize,
+        heads: usize,
+        part: &Part,
+    ) -> Result<Self> {
+        let w = ws.take_weight_part(path, &[heads as i32, out_dims as i32, in_dims as i32], part)?;
         if matches!(w, MaybeQuantized::Codebook(_) | MaybeQuantized::Tiered(_)) {
             return Err(crate::Error::invalid(
                 "load",
@@ -80,7 +101,19 @@ pub struct SwitchLinear {
 impl SwitchLinear {
     /// Loads `{path}.weight` of shape `[experts, out, in]`.
     pub fn load(ws: &mut WeightStore, path: &str, in_dims: usize, out_dims: usize, experts: usize) -> Result<Self> {
-        Ok(SwitchLinear { w: ws.take_weight(path, &[experts as i32, out_dims as i32, in_dims as i32])? })
+        SwitchLinear::load_part(ws, path, in_dims, out_dims, experts, &Part::Whole)
+    }
+
+    /// Loads the experts in `part` (rows of the expert axis).
+    pub fn load_part(
+        ws: &mut WeightStore,
+        path: &str,
+        in_dims: usize,
+        out_dims: usize,
+        experts: usize,
+        part: &Part,
+    ) -> Result<Self> {
+        Ok(SwitchLinear { w: ws.take_weight_part(path, &[experts as i32, out_dims as i32, in_dims as i32], part)? })
     }
 
     /// `x @ W[indices]ᵀ` (gather over the expert axis); `sorted` promises non-decreasing indices.
@@ -114,6 +147,8 @@ impl SwitchLinear {
 pub struct Embedding {
     w: MaybeQuantized,
     dtype: Dtype,
+    /// Module path, for calibration taps of the tied head ([`super::probe`]).
+    path: String,
 }
 
 impl Embedding {
@@ -124,7 +159,7 @@ impl Embedding {
         if matches!(w, MaybeQuantized::Codebook(_) | MaybeQuantized::Tiered(_)) {
             return Err(crate::Error::invalid("load", format!("{path}: embeddings must be dense or MLX-quantized")));
         }
-        Ok(Embedding { w, dtype })
+        Ok(Embedding { w, dtype, path: path.to_string() })
     }
 
     /// Rows for token ids `ids` (any shape) -> `[..., hidden]`.
@@ -146,6 +181,7 @@ impl Embedding {
 
     /// The tied output head: `x @ Wᵀ`.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
+        super::probe::tap(&self.path, x)?;
         match &self.w {
             MaybeQuantized::Dense(w) => x.matmul(&w.t()?),
             MaybeQuantized::Quantized(q, spec) => kernels::quantized_matmul(x, q, *spec),

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io::Read;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -17,11 +18,59 @@ use crate::{ops, Array, Dtype, Error, Result};
 
 /// The tensors of a checkpoint under mlx-lm's sanitized names (without the `language_model.` prefix), each
 /// remembering the file it came from.
+#[derive(Default)]
 pub struct RawWeights {
     /// Tensors by sanitized name.
     pub tensors: BTreeMap<String, Array>,
     /// The file each original tensor came from (for error messages).
     pub files: BTreeMap<String, PathBuf>,
+    /// Where the bytes of each tensor that is stored as-is (not made by a sanitize step) lie, so parts of
+    /// it can be read without reading the rest.
+    pub locs: BTreeMap<String, TensorLoc>,
+    /// Expert stacks that sanitize built from a range of the per-expert tensors only (expert parallel):
+    /// they already hold just that range of rows.
+    pub presliced: BTreeMap<String, Range<usize>>,
+}
+
+/// Where one tensor's bytes lie in a safetensors file.
+#[derive(Clone, Debug)]
+pub struct TensorLoc {
+    /// The file.
+    pub path: PathBuf,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Absolute file offset of the first byte.
+    pub offset: u64,
+}
+
+impl TensorLoc {
+    /// Reads rows `ranges` (along axis 0, concatenated) into a new array, touching no other byte.
+    pub fn read_rows(&self, ranges: &[Range<usize>]) -> Result<Array> {
+        use std::os::unix::fs::FileExt;
+        let rows = *self.shape.first().unwrap_or(&1);
+        let row_bytes = self.shape.iter().skip(1).product::<usize>() * self.dtype.size_of();
+        let kept: usize = ranges.iter().map(|r| r.len()).sum();
+        let mut buf = vec![0u8; kept * row_bytes];
+        let f = fs::File::open(&self.path).map_err(|source| Error::Io { path: self.path.clone(), source })?;
+        let mut at = 0;
+        for r in ranges {
+            if r.end > rows || r.start > r.end {
+                return Err(Error::invalid("load", format!("rows {r:?} of a tensor with {rows} rows")));
+            }
+            let n = r.len() * row_bytes;
+            f.read_exact_at(&mut buf[at..at + n], self.offset + (r.start * row_bytes) as u64)
+                .map_err(|source| Error::Io { path: self.path.clone(), source })?;
+            at += n;
+        }
+        let mut shape: Vec<i32> = self.shape.iter().map(|&d| d as i32).collect();
+        if shape.is_empty() {
+            shape.push(1);
+        }
+        shape[0] = kept as i32;
+        crate::io::array_from_bytes(&buf, &shape, self.dtype)
+    }
 }
 
 /// The `model*.safetensors` files of `dir` (as mlx-lm globs them), checked against the index when present.
@@ -63,7 +112,7 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// Checks a safetensors file's header against its size before MLX maps it: a truncated or corrupt file
 /// becomes an error naming the file (and the tensor), never a read past the end.
-pub fn validate_safetensors(path: &Path) -> Result<()> {
+pub fn validate_safetensors(path: &Path) -> Result<BTreeMap<String, TensorLoc>> {
     let fmt = |message: String| Error::Format { path: path.to_path_buf(), message };
     let mut f = fs::File::open(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
     let size = f.metadata().map_err(|source| Error::Io { path: path.to_path_buf(), source })?.len();
@@ -78,16 +127,28 @@ pub fn validate_safetensors(path: &Path) -> Result<()> {
     let v: Value = serde_json::from_slice(&header).map_err(|e| fmt(format!("corrupt header: {e}")))?;
     let obj = v.as_object().ok_or_else(|| fmt("corrupt header: not a JSON object".into()))?;
     let data = size - 8 - n;
+    let mut locs = BTreeMap::new();
     for (name, t) in obj {
         if name == "__metadata__" {
             continue;
         }
         let dtype = t.get("dtype").and_then(Value::as_str).unwrap_or("");
-        let item: u64 = match dtype {
-            "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" => 1,
-            "U16" | "I16" | "F16" | "BF16" => 2,
-            "U32" | "I32" | "F32" => 4,
-            "U64" | "I64" | "F64" | "C64" => 8,
+        let (item, dt): (u64, Option<Dtype>) = match dtype {
+            "BOOL" => (1, Some(Dtype::Bool)),
+            "U8" => (1, Some(Dtype::U8)),
+            "I8" => (1, Some(Dtype::I8)),
+            "F8_E4M3" | "F8_E5M2" => (1, None),
+            "U16" => (2, Some(Dtype::U16)),
+            "I16" => (2, Some(Dtype::I16)),
+            "F16" => (2, Some(Dtype::F16)),
+            "BF16" => (2, Some(Dtype::BF16)),
+            "U32" => (4, Some(Dtype::U32)),
+            "I32" => (4, Some(Dtype::I32)),
+            "F32" => (4, Some(Dtype::F32)),
+            "U64" => (8, Some(Dtype::U64)),
+            "I64" => (8, Some(Dtype::I64)),
+            "F64" => (8, Some(Dtype::F64)),
+            "C64" => (8, None),
             other => return Err(fmt(format!("tensor '{name}': unsupported dtype '{other}'"))),
         };
         let shape: Vec<u64> = t
@@ -111,18 +172,24 @@ pub fn validate_safetensors(path: &Path) -> Result<()> {
                 offs[1]
             )));
         }
+        if let Some(dtype) = dt {
+            let shape = shape.iter().map(|&d| d as usize).collect();
+            locs.insert(name.clone(), TensorLoc { path: path.to_path_buf(), dtype, shape, offset: 8 + n + offs[0] });
+        }
     }
-    Ok(())
+    Ok(locs)
 }
 
 const SKIPPED_PREFIXES: [&str; 4] = ["vision_tower", "vision_model", "multi_modal_projector", "mm_projector"];
 
-/// Opens every shard of `dir` lazily and returns the tensors under sanitized names.
-pub fn read_weights(dir: &Path, cfg: &TextConfig) -> Result<RawWeights> {
+/// Opens every shard of `dir` lazily and returns the tensors under sanitized names. With `experts`, release
+/// checkpoints' per-expert tensors are stacked for that range of experts only (the rest are never read).
+pub fn read_weights(dir: &Path, cfg: &TextConfig, experts: Option<Range<usize>>) -> Result<RawWeights> {
     let mut tensors = BTreeMap::new();
     let mut files: BTreeMap<String, PathBuf> = BTreeMap::new();
+    let mut locs = BTreeMap::new();
     for path in weight_files(dir)? {
-        validate_safetensors(&path)?;
+        let file_locs = validate_safetensors(&path)?;
         let st = Safetensors::load(&path)?;
         for key in st.keys() {
             let name = key.strip_prefix("language_model.").unwrap_or(&key).to_string();
@@ -136,39 +203,55 @@ pub fn read_weights(dir: &Path, cfg: &TextConfig) -> Result<RawWeights> {
                 });
             }
             tensors.insert(name.clone(), st.get(&key)?);
+            if let Some(l) = file_locs.get(&key) {
+                locs.insert(name.clone(), l.clone());
+            }
             files.insert(name, path.clone());
         }
     }
-    let mut raw = RawWeights { tensors, files };
-    sanitize(&mut raw, cfg)?;
+    let mut raw = RawWeights { tensors, files, locs, presliced: BTreeMap::new() };
+    sanitize(&mut raw, cfg, experts)?;
     Ok(raw)
 }
 
 impl RawWeights {
     fn take(&mut self, name: &str) -> Option<Array> {
+        self.locs.remove(name);
         self.tensors.remove(name)
     }
 
+    /// Inserts a tensor made by a sanitize step from `from`'s.
     fn put(&mut self, name: String, a: Array, from: &str) {
         let file = self.files.get(from).cloned().unwrap_or_default();
         self.files.insert(name.clone(), file);
+        self.locs.remove(&name);
         self.tensors.insert(name, a);
     }
 
+    /// Moves a tensor to a new name; its bytes stay where they are.
     fn rename(&mut self, from: &str, to: String) {
+        let loc = self.locs.remove(from);
         if let Some(a) = self.take(from) {
-            self.put(to, a, from);
+            self.put(to.clone(), a, from);
+            if let Some(l) = loc {
+                self.locs.insert(to, l);
+            }
         }
     }
 
-    fn stack_experts(&mut self, prefix: &str, n: usize, leaf: &str) -> Result<Option<Array>> {
+    /// Stacks `{prefix}.experts.{i}.{leaf}` for the experts in `range` (of `n`); the others are dropped
+    /// unread.
+    fn stack_experts(&mut self, prefix: &str, n: usize, range: &Range<usize>, leaf: &str) -> Result<Option<Array>> {
         if !self.tensors.contains_key(&format!("{prefix}.experts.0.{leaf}")) {
             return Ok(None);
         }
-        let mut parts = Vec::with_capacity(n);
+        let mut parts = Vec::with_capacity(range.len());
         for i in 0..n {
             let key = format!("{prefix}.experts.{i}.{leaf}");
-            parts.push(self.take(&key).ok_or_else(|| Error::invalid("load", format!("missing tensor '{key}'")))?);
+            let a = self.take(&key).ok_or_else(|| Error::invalid("load", format!("missing tensor '{key}'")))?;
+            if range.contains(&i) {
+                parts.push(a);
+            }
         }
         let refs: Vec<&Array> = parts.iter().collect();
         Ok(Some(ops::stack(&refs, 0)?))
@@ -176,7 +259,7 @@ impl RawWeights {
 }
 
 /// Translates release names into mlx-lm's (a no-op on checkpoints `mlx_lm.convert` wrote).
-pub fn sanitize(w: &mut RawWeights, cfg: &TextConfig) -> Result<()> {
+pub fn sanitize(w: &mut RawWeights, cfg: &TextConfig, expert_range: Option<Range<usize>>) -> Result<()> {
     let n_layers = cfg.num_hidden_layers;
     let keys: Vec<String> = w.tensors.keys().cloned().collect();
     for k in &keys {
@@ -204,26 +287,38 @@ pub fn sanitize(w: &mut RawWeights, cfg: &TextConfig) -> Result<()> {
     }
 
     let experts = cfg.num_experts.unwrap_or(0);
+    let erange = expert_range.clone().unwrap_or(0..experts);
+    if erange.end > experts {
+        return Err(Error::invalid("load", format!("expert range {erange:?} of a model with {experts} experts")));
+    }
     for i in 0..n_layers {
         let lp = format!("model.layers.{i}");
         if cfg.is_moe(i) {
             let src = format!("{lp}.block_sparse_moe");
             let dst = format!("{lp}.mlp");
             for (s, d) in [("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")] {
-                if let Some(packed) = w.stack_experts(&src, experts, &format!("{s}.weight_packed"))? {
+                let stacked = |w: &mut RawWeights, name: String| {
+                    if expert_range.is_some() {
+                        w.presliced.insert(name, erange.clone());
+                    }
+                };
+                if let Some(packed) = w.stack_experts(&src, experts, &erange, &format!("{s}.weight_packed"))? {
                     // compressed-tensors MXFP4: uint8 codes viewed as MLX's uint32 words, E8M0 scales.
-                    let scales = w.stack_experts(&src, experts, &format!("{s}.weight_scale"))?.ok_or_else(|| {
+                    let scales = w.stack_experts(&src, experts, &erange, &format!("{s}.weight_scale"))?.ok_or_else(|| {
                         Error::invalid("load", format!("missing tensor '{src}.experts.0.{s}.weight_scale'"))
                     })?;
                     let from = format!("{src}.experts.0.{s}.weight_packed");
                     w.files.insert(from.clone(), w.files.get(&from).cloned().unwrap_or_default());
                     w.put(format!("{dst}.switch_mlp.{d}.weight"), packed.view(Dtype::U32)?, &from);
                     w.put(format!("{dst}.switch_mlp.{d}.scales"), scales, &from);
+                    stacked(w, format!("{dst}.switch_mlp.{d}.weight"));
+                    stacked(w, format!("{dst}.switch_mlp.{d}.scales"));
                 } else {
                     for suffix in ["weight", "scales", "biases"] {
-                        if let Some(a) = w.stack_experts(&src, experts, &format!("{s}.{suffix}"))? {
+                        if let Some(a) = w.stack_experts(&src, experts, &erange, &format!("{s}.{suffix}"))? {
                             let from = format!("{src}.experts.0.{s}.{suffix}");
                             w.put(format!("{dst}.switch_mlp.{d}.{suffix}"), a, &from);
+                            stacked(w, format!("{dst}.switch_mlp.{d}.{suffix}"));
                         }
                     }
                 }

@@ -9,6 +9,7 @@
 use super::cache::KvCache;
 use super::config::TextConfig;
 use super::linear::{Linear, MultiLinear, RmsNorm};
+use super::shard::{Comm, Part, Shard};
 use super::weights::WeightStore;
 use crate::fast::{self, AttentionMask};
 use crate::{ops, Array, Dtype, Result};
@@ -34,6 +35,8 @@ pub struct Mla {
     unembed_out: MultiLinear,
     o_proj: Linear,
     g_proj: Option<Linear>,
+    /// Heads split over ranks (tensor parallel): o_proj gives a partial sum.
+    tp: bool,
 }
 
 fn finfo_min(dtype: Dtype) -> f64 {
@@ -47,22 +50,33 @@ fn finfo_min(dtype: Dtype) -> f64 {
 
 impl Mla {
     /// Loads the layer at `prefix` (`model.layers.N.self_attn`).
-    pub fn load(ws: &mut WeightStore, prefix: &str, cfg: &TextConfig) -> Result<Mla> {
+    pub fn load(ws: &mut WeightStore, prefix: &str, cfg: &TextConfig, shard: Option<Shard>) -> Result<Mla> {
         let m = cfg.mla()?;
         let hidden = cfg.hidden_size;
         let qhd = m.qk_nope + m.qk_rope;
+        // Tensor parallel: this rank's heads; the latent (kv_a) path stays whole on every rank.
+        let tp = shard.is_some_and(|s| s.tp && s.size > 1);
+        let hr = match shard {
+            Some(s) if tp => s.even_range(m.heads, &format!("{prefix}: MLA heads"))?,
+            _ => 0..m.heads,
+        };
+        let part = |p: Part| if tp { p } else { Part::Whole };
+        let heads_part = part(Part::rows(hr.clone()));
+        let q_part = part(Part::rows(hr.start * qhd..hr.end * qhd));
+        let v_rows = part(Part::rows(hr.start * m.v_head..hr.end * m.v_head));
+        let o_part = part(Part::Cols(hr.start * m.v_head..hr.end * m.v_head));
         let p_ = |n: &str| format!("{prefix}.{n}");
         let q = match m.q_lora_rank {
             Some(r) => QProj::LowRank {
                 a: Linear::load(ws, &p_("q_a_proj"), hidden, r)?,
                 // mlx-lm hard-codes eps 1e-6 for the latent norms.
                 norm: RmsNorm::load(ws, &p_("q_a_layernorm"), r, 1e-6)?,
-                b: Linear::load(ws, &p_("q_b_proj"), r, m.heads * qhd)?,
+                b: Linear::load_part(ws, &p_("q_b_proj"), r, m.heads * qhd, &q_part)?,
             },
-            None => QProj::Direct(Linear::load(ws, &p_("q_proj"), hidden, m.heads * qhd)?),
+            None => QProj::Direct(Linear::load_part(ws, &p_("q_proj"), hidden, m.heads * qhd, &q_part)?),
         };
         Ok(Mla {
-            heads: m.heads as i32,
+            heads: hr.len() as i32,
             qk_nope: m.qk_nope as i32,
             qk_rope: m.qk_rope as i32,
             kv_lora: m.kv_lora_rank as i32,
@@ -70,19 +84,27 @@ impl Mla {
             q,
             kv_a: Linear::load(ws, &p_("kv_a_proj_with_mqa"), hidden, m.kv_lora_rank + m.qk_rope)?,
             kv_a_norm: RmsNorm::load(ws, &p_("kv_a_layernorm"), m.kv_lora_rank, 1e-6)?,
-            embed_q: MultiLinear::load(ws, &p_("embed_q"), m.qk_nope, m.kv_lora_rank, m.heads)?,
-            unembed_out: MultiLinear::load(ws, &p_("unembed_out"), m.kv_lora_rank, m.v_head, m.heads)?,
-            o_proj: Linear::load(ws, &p_("o_proj"), m.heads * m.v_head, hidden)?,
+            embed_q: MultiLinear::load_part(ws, &p_("embed_q"), m.qk_nope, m.kv_lora_rank, m.heads, &heads_part)?,
+            unembed_out: MultiLinear::load_part(ws, &p_("unembed_out"), m.kv_lora_rank, m.v_head, m.heads, &heads_part)?,
+            o_proj: Linear::load_part(ws, &p_("o_proj"), m.heads * m.v_head, hidden, &o_part)?,
             g_proj: if cfg.mla_use_output_gate {
-                Some(Linear::load(ws, &p_("g_proj"), hidden, m.heads * m.v_head)?)
+                Some(Linear::load_part(ws, &p_("g_proj"), hidden, m.heads * m.v_head, &v_rows)?)
             } else {
                 None
             },
+            tp,
         })
     }
 
     /// `x [B, L, D]` -> `[B, L, D]`; `mask` is the boolean causal mask `[L, S]` (None for one token).
-    pub fn forward(&self, x: &Array, mask: Option<&Array>, cache: Option<&mut KvCache>) -> Result<Array> {
+    /// With tensor parallel, `comm` sums the heads' partial outputs over the ranks.
+    pub fn forward(
+        &self,
+        x: &Array,
+        mask: Option<&Array>,
+        cache: Option<&mut KvCache>,
+        comm: Option<&Comm>,
+    ) -> Result<Array> {
         let s = x.shape();
         let (b, l) = (s[0], s[1]);
         let h = self.heads;
@@ -131,6 +153,11 @@ impl Mla {
         if let Some(g) = &self.g_proj {
             out = out.multiply(&g.forward(x)?.sigmoid()?)?;
         }
-        self.o_proj.forward(&out)
+        let y = self.o_proj.forward(&out)?;
+        if !self.tp {
+            return Ok(y);
+        }
+        comm.ok_or_else(|| crate::Error::invalid("mla", "a tensor-parallel layer needs the group's communicator"))?
+            .all_sum_f32(&y)
     }
 }

@@ -12,6 +12,8 @@ pub mod mla;
 #[allow(clippy::module_inception)]
 mod model;
 pub mod moe;
+pub mod probe;
+pub mod shard;
 pub mod weights;
 
 pub use cache::{LayerCache, ModelCache};

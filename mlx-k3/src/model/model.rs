@@ -2,6 +2,7 @@
 //! KDA or MLA attention per layer, dense or sparse FFN, optional attention residuals, final norm, head.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use super::attn_res::{load_w_eff, ResidualBlocks};
 use super::cache::{KdaCache, KvCache, LayerCache, ModelCache};
@@ -11,6 +12,7 @@ use super::linear::{Embedding, Linear, RmsNorm};
 use super::loader::read_weights;
 use super::mla::Mla;
 use super::moe::{Ffn, Mlp, SparseMoe};
+use super::shard::{Comm, Shard};
 use super::weights::{TensorRecord, WeightStore};
 use crate::{ops, Array, Device, Dtype, Error, Result};
 
@@ -37,19 +39,26 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn load(ws: &mut WeightStore, i: usize, cfg: &TextConfig) -> Result<DecoderLayer> {
+    fn load(ws: &mut WeightStore, i: usize, cfg: &TextConfig, shard: Option<Shard>) -> Result<DecoderLayer> {
         let lp = format!("model.layers.{i}");
         let d = cfg.hidden_size;
         let eps = cfg.rms_norm_eps;
         let attn = if cfg.is_kda(i) {
-            Attention::Kda(Kda::load(ws, &format!("{lp}.self_attn"), cfg)?)
+            Attention::Kda(Kda::load(ws, &format!("{lp}.self_attn"), cfg, shard)?)
         } else {
-            Attention::Mla(Mla::load(ws, &format!("{lp}.self_attn"), cfg)?)
+            Attention::Mla(Mla::load(ws, &format!("{lp}.self_attn"), cfg, shard)?)
         };
         let ffn = if cfg.is_moe(i) {
-            Ffn::Moe(SparseMoe::load(ws, &format!("{lp}.mlp"), cfg)?)
+            Ffn::Moe(SparseMoe::load(ws, &format!("{lp}.mlp"), cfg, shard)?)
         } else {
-            Ffn::Dense(Mlp::load(ws, &format!("{lp}.mlp"), cfg, cfg.intermediate_size)?)
+            // Tensor parallel splits the dense MLP's intermediate units like the shared experts'.
+            let units = match shard {
+                Some(s) if s.tp && s.size > 1 => {
+                    Some(s.even_range(cfg.intermediate_size, &format!("{lp}.mlp: intermediate units"))?)
+                }
+                _ => None,
+            };
+            Ffn::Dense(Mlp::load_split(ws, &format!("{lp}.mlp"), cfg, cfg.intermediate_size, units)?)
         };
         let res = match cfg.attn_res_block_size {
             Some(bs) => Some(AttnRes {
@@ -68,12 +77,18 @@ impl DecoderLayer {
         })
     }
 
-    fn attend(&self, x: &Array, mask: Option<&Array>, cache: Option<&mut LayerCache>) -> Result<Array> {
+    fn attend(
+        &self,
+        x: &Array,
+        mask: Option<&Array>,
+        cache: Option<&mut LayerCache>,
+        comm: Option<&Comm>,
+    ) -> Result<Array> {
         match (&self.attn, cache) {
-            (Attention::Kda(a), Some(LayerCache::Kda(c))) => a.forward(x, Some(c)),
-            (Attention::Kda(a), None) => a.forward(x, None),
-            (Attention::Mla(a), Some(LayerCache::Mla(c))) => a.forward(x, mask, Some(c)),
-            (Attention::Mla(a), None) => a.forward(x, mask, None),
+            (Attention::Kda(a), Some(LayerCache::Kda(c))) => a.forward(x, Some(c), comm),
+            (Attention::Kda(a), None) => a.forward(x, None, comm),
+            (Attention::Mla(a), Some(LayerCache::Mla(c))) => a.forward(x, mask, Some(c), comm),
+            (Attention::Mla(a), None) => a.forward(x, mask, None, comm),
             _ => Err(Error::invalid("forward", "the cache does not match the layer types (made for another model?)")),
         }
     }
@@ -84,12 +99,13 @@ impl DecoderLayer {
         mask: Option<&Array>,
         cache: Option<&mut LayerCache>,
         blocks: &mut Option<ResidualBlocks>,
+        comm: Option<&Comm>,
     ) -> Result<Array> {
         let (res, blocks) = match (&self.res, blocks.as_mut()) {
             (Some(r), Some(b)) => (r, b),
             _ => {
-                let h = x.add(&self.attend(&self.input_norm.forward(x)?, mask, cache)?)?;
-                return h.add(&self.ffn.forward(&self.post_norm.forward(&h)?)?);
+                let h = x.add(&self.attend(&self.input_norm.forward(x)?, mask, cache, comm)?)?;
+                return h.add(&self.ffn.forward(&self.post_norm.forward(&h)?, comm)?);
             }
         };
         let h = blocks.mix(x, &res.attn_w)?;
@@ -98,13 +114,13 @@ impl DecoderLayer {
             blocks.append(x)?;
             partial = None;
         }
-        let y = self.attend(&self.input_norm.forward(&h)?, mask, cache)?;
+        let y = self.attend(&self.input_norm.forward(&h)?, mask, cache, comm)?;
         let partial = match partial {
             Some(p) => p.add(&y)?,
             None => y,
         };
         let h = blocks.mix(&partial, &res.mlp_w)?;
-        partial.add(&self.ffn.forward(&self.post_norm.forward(&h)?)?)
+        partial.add(&self.ffn.forward(&self.post_norm.forward(&h)?, comm)?)
     }
 }
 
@@ -119,6 +135,8 @@ pub struct KimiK3 {
     output_res: Option<Array>,
     lm_head: Option<Linear>,
     records: Vec<TensorRecord>,
+    shard: Option<Shard>,
+    comm: Option<Arc<Comm>>,
 }
 
 /// Options of [`KimiK3::load`].
@@ -129,6 +147,9 @@ pub struct LoadOptions {
     /// Leave the weights unevaluated (read from disk at first use); by default each layer is evaluated as
     /// it is built.
     pub lazy: bool,
+    /// Load only this rank's part of a model split over several ranks (see [`super::shard`]). Such a model
+    /// runs once [`KimiK3::set_comm`] gave it the group's communicator.
+    pub shard: Option<Shard>,
 }
 
 impl KimiK3 {
@@ -164,8 +185,14 @@ impl KimiK3 {
         if !dtype.is_float() {
             return Err(Error::invalid("load", format!("activation dtype must be a float type, not {dtype}")));
         }
-        let raw = read_weights(dir, t)?;
+        let shard = opts.shard.filter(|s| s.size > 1);
+        let experts = match (shard, t.num_experts) {
+            (Some(s), Some(e)) if e >= s.size => Some(s.range_of(e)),
+            _ => None,
+        };
+        let raw = read_weights(dir, t, experts)?;
         let mut ws = WeightStore::new(raw, cfg.quantization.clone(), dtype, dir);
+        ws.set_direct_reads(!opts.lazy);
         let (d, v) = (t.hidden_size, t.vocab_size);
         let checkpoint = |ws: &mut WeightStore| if opts.lazy { Ok(ws.keep_lazy()) } else { ws.materialize() };
         let embed = Embedding::load(&mut ws, "model.embed_tokens", v, d)?;
@@ -173,7 +200,7 @@ impl KimiK3 {
         let n = t.num_hidden_layers;
         let mut layers = Vec::with_capacity(n);
         for i in 0..n {
-            let layer = DecoderLayer::load(&mut ws, i, t)?;
+            let layer = DecoderLayer::load(&mut ws, i, t, shard)?;
             checkpoint(&mut ws)?;
             layers.push(layer);
             progress(i + 1, n);
@@ -186,7 +213,7 @@ impl KimiK3 {
         let lm_head = if t.tie_word_embeddings { None } else { Some(Linear::load(&mut ws, "lm_head", d, v)?) };
         checkpoint(&mut ws)?;
         let records = ws.finish()?;
-        Ok(KimiK3 { config: t.clone(), dtype, embed, layers, norm, output_res, lm_head, records })
+        Ok(KimiK3 { config: t.clone(), dtype, embed, layers, norm, output_res, lm_head, records, shard, comm: None })
     }
 
     /// A model with random weights (seeded) for `cfg`, and the tensors it was made of under mlx-lm's names
@@ -197,7 +224,7 @@ impl KimiK3 {
         let (d, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed = Embedding::load(&mut ws, "model.embed_tokens", v, d)?;
         let layers =
-            (0..cfg.num_hidden_layers).map(|i| DecoderLayer::load(&mut ws, i, cfg)).collect::<Result<Vec<_>>>()?;
+            (0..cfg.num_hidden_layers).map(|i| DecoderLayer::load(&mut ws, i, cfg, None)).collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(&mut ws, "model.norm", d, cfg.rms_norm_eps)?;
         let output_res = match cfg.attn_res_block_size {
             Some(_) => Some(load_w_eff(&mut ws, "model.output_attn_res", d, cfg.rms_norm_eps)?),
@@ -207,7 +234,18 @@ impl KimiK3 {
         let tensors = ws.fabricated().cloned().unwrap_or_default();
         let records = ws.records().to_vec();
         Ok((
-            KimiK3 { config: cfg.clone(), dtype: Dtype::F32, embed, layers, norm, output_res, lm_head, records },
+            KimiK3 {
+                config: cfg.clone(),
+                dtype: Dtype::F32,
+                embed,
+                layers,
+                norm,
+                output_res,
+                lm_head,
+                records,
+                shard: None,
+                comm: None,
+            },
             tensors,
         ))
     }
@@ -220,6 +258,31 @@ impl KimiK3 {
     /// The activation dtype.
     pub fn dtype(&self) -> Dtype {
         self.dtype
+    }
+
+    /// The part of a split model this is (None: the whole model).
+    pub fn shard(&self) -> Option<Shard> {
+        self.shard
+    }
+
+    /// The communicator a split model runs its collectives through.
+    pub fn comm(&self) -> Option<&Arc<Comm>> {
+        self.comm.as_ref()
+    }
+
+    /// Gives a model loaded with [`LoadOptions::shard`] the group it was split over; its rank, size and
+    /// tensor-parallel setting must be the ones it was loaded for.
+    pub fn set_comm(&mut self, comm: Arc<Comm>) -> Result<()> {
+        match self.shard {
+            Some(s) if s == comm.shard() => {
+                self.comm = Some(comm);
+                Ok(())
+            }
+            s => Err(Error::invalid(
+                "distributed",
+                format!("the model was loaded as {s:?} but the group is {:?}", comm.shard()),
+            )),
+        }
     }
 
     /// Every weight of the model: path, parameters, bytes and quantization.
@@ -252,6 +315,9 @@ impl KimiK3 {
                 return Err(Error::invalid("forward", "the cache was made for a model with another layer count"));
             }
         }
+        if self.shard.is_some() && self.comm.is_none() {
+            return Err(Error::invalid("forward", "a model split over ranks needs its group (KimiK3::set_comm)"));
+        }
         let mut h = self.embed.forward(ids)?;
         let t = h.dim(1)?;
         // The causal mask for MLA layers (mlx-lm: from the first MLA layer's cache offset, None for one token).
@@ -263,7 +329,7 @@ impl KimiK3 {
         let mut blocks = self.output_res.as_ref().map(|_| ResidualBlocks::new(self.config.rms_norm_eps));
         for (i, layer) in self.layers.iter().enumerate() {
             let c = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            h = layer.forward(&h, mask.as_ref(), c, &mut blocks)?;
+            h = layer.forward(&h, mask.as_ref(), c, &mut blocks, self.comm.as_deref())?;
         }
         if let (Some(w), Some(b)) = (&self.output_res, &blocks) {
             h = b.mix(&h, w)?;

@@ -2,7 +2,10 @@
 //! `KimiK3MLP`, `KimiK3SparseMoE`, `_group_expert_select`, `SwitchGLU`).
 
 use super::config::TextConfig;
+use std::ops::Range;
+
 use super::linear::{Linear, RmsNorm, SwitchLinear};
+use super::shard::{Comm, Part, Shard};
 use super::weights::WeightStore;
 use crate::kernels::situ;
 use crate::{Array, Dtype, Result};
@@ -15,22 +18,40 @@ pub struct Mlp {
     down: Linear,
     beta: f32,
     linear_beta: Option<f32>,
+    /// Holds a slice of the intermediate units only: `forward` gives a partial sum.
+    pub split: bool,
 }
 
 impl Mlp {
     /// Loads `{prefix}.{gate,up,down}_proj` with the given intermediate size.
     pub fn load(ws: &mut WeightStore, prefix: &str, cfg: &TextConfig, intermediate: usize) -> Result<Mlp> {
+        Mlp::load_split(ws, prefix, cfg, intermediate, None)
+    }
+
+    /// Loads the intermediate units `units` only (gate/up rows, down columns), or all of them.
+    pub fn load_split(
+        ws: &mut WeightStore,
+        prefix: &str,
+        cfg: &TextConfig,
+        intermediate: usize,
+        units: Option<Range<usize>>,
+    ) -> Result<Mlp> {
         let d = cfg.hidden_size;
+        let (rows, cols) = match &units {
+            Some(r) => (Part::rows(r.clone()), Part::Cols(r.clone())),
+            None => (Part::Whole, Part::Whole),
+        };
         Ok(Mlp {
-            gate: Linear::load(ws, &format!("{prefix}.gate_proj"), d, intermediate)?,
-            up: Linear::load(ws, &format!("{prefix}.up_proj"), d, intermediate)?,
-            down: Linear::load(ws, &format!("{prefix}.down_proj"), intermediate, d)?,
+            gate: Linear::load_part(ws, &format!("{prefix}.gate_proj"), d, intermediate, &rows)?,
+            up: Linear::load_part(ws, &format!("{prefix}.up_proj"), d, intermediate, &rows)?,
+            down: Linear::load_part(ws, &format!("{prefix}.down_proj"), intermediate, d, &cols)?,
             beta: cfg.situ_beta(),
             linear_beta: cfg.activation_situ_linear_beta,
+            split: units.is_some(),
         })
     }
 
-    /// Applies the MLP.
+    /// Applies the MLP (a partial sum when `split`).
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let h = situ(&self.up.forward(x)?, &self.gate.forward(x)?, self.beta, self.linear_beta)?;
         self.down.forward(&h)
@@ -139,18 +160,44 @@ pub struct SparseMoe {
     latent_up: Option<Linear>,
     latent_norm: Option<RmsNorm>,
     shared: Option<Mlp>,
+    /// Expert parallel: the experts this rank holds (None: all of them).
+    local: Option<Range<usize>>,
+    /// Expert parallel with shared experts that do not split evenly (their units or quantization groups):
+    /// rank 0 holds them whole and the other ranks none.
+    shared_on_rank0: bool,
 }
 
 impl SparseMoe {
     /// Loads `{prefix}` (`model.layers.N.mlp`).
-    pub fn load(ws: &mut WeightStore, prefix: &str, cfg: &TextConfig) -> Result<SparseMoe> {
+    /// With more than one rank in `shard`, loads only this rank's experts and shared-expert units.
+    pub fn load(ws: &mut WeightStore, prefix: &str, cfg: &TextConfig, shard: Option<Shard>) -> Result<SparseMoe> {
         let d = cfg.hidden_size;
         let e = cfg.num_experts.unwrap_or(0);
         let inter = cfg.moe_intermediate_size.unwrap_or(0);
         let latent = cfg.routed_expert_hidden_size;
         let ed = latent.unwrap_or(d);
         let p_ = |n: &str| format!("{prefix}.{n}");
-        let sw = |ws: &mut WeightStore, n: &str, i: usize, o: usize| SwitchLinear::load(ws, &p_(n), i, o, e);
+        let units = inter * cfg.num_shared_experts;
+        let (local, shared_units, shared_on_rank0) = match shard.filter(|s| s.size > 1) {
+            Some(s) => {
+                if e < s.size {
+                    return Err(crate::Error::invalid(
+                        "shard",
+                        format!("{prefix}: {e} experts cannot be spread over {} ranks", s.size),
+                    ));
+                }
+                let align = ws.split_alignment(&p_("shared_experts.down_proj"), units).max(1);
+                let even = units > 0 && units % s.size == 0 && (units / s.size) % align == 0;
+                let u = if even { Some(s.even_range(units, "shared-expert units")?) } else { None };
+                (Some(s.range_of(e)), u, units > 0 && !even)
+            }
+            None => (None, None, false),
+        };
+        let rank = shard.map(|s| s.rank).unwrap_or(0);
+        let experts_part = local.clone().map(Part::rows).unwrap_or(Part::Whole);
+        let sw = |ws: &mut WeightStore, n: &str, i: usize, o: usize| {
+            SwitchLinear::load_part(ws, &p_(n), i, o, e, &experts_part)
+        };
         Ok(SparseMoe {
             gate: Linear::load(ws, &p_("gate"), d, e)?,
             bias: ws.take(&p_("e_score_correction_bias"), &[e as i32])?,
@@ -176,31 +223,63 @@ impl SparseMoe {
                 }
                 _ => None,
             },
-            shared: if cfg.num_shared_experts > 0 {
-                Some(Mlp::load(ws, &p_("shared_experts"), cfg, inter * cfg.num_shared_experts)?)
+            shared: if cfg.num_shared_experts > 0 && (!shared_on_rank0 || rank == 0) {
+                Some(Mlp::load_split(ws, &p_("shared_experts"), cfg, units, shared_units)?)
             } else {
+                ws.discard_prefix(&p_("shared_experts."));
                 None
             },
+            local,
+            shared_on_rank0,
         })
     }
 
-    /// `x [B, T, D]` -> `[B, T, D]`.
-    pub fn forward(&self, x: &Array) -> Result<Array> {
-        let (inds, weights) = route(&self.gate.forward(x)?, Some(&self.bias), self.router)?;
+    /// `x [B, T, D]` -> `[B, T, D]`. Expert parallel: every rank routes over all experts, computes the
+    /// weighted sum over the selected experts it holds (the others get weight 0) and its shared-expert
+    /// partial sum, and one all_sum (of the two concatenated, in f32) completes both.
+    pub fn forward(&self, x: &Array, comm: Option<&Comm>) -> Result<Array> {
+        let (mut inds, mut weights) = route(&self.gate.forward(x)?, Some(&self.bias), self.router)?;
+        if let Some(r) = &self.local {
+            let held = inds.greater_equal(r.start as u32)?.logical_and(&inds.less(r.end as u32)?)?;
+            inds = crate::ops::where_(&held, &inds.subtract(r.start as u32)?, &Array::scalar(0u32)?)?;
+            weights = weights.multiply(&held.astype(weights.dtype())?)?;
+        }
         let z = match &self.latent_down {
             Some(p) => p.forward(x)?,
             None => x.clone(),
         };
         let y = self.experts.forward(&z, &inds)?;
         let mut y = y.multiply(&weights.expand_dims(&[-1])?)?.sum(&[-2], false)?;
+        let mut shared = match &self.shared {
+            Some(s) => Some(s.forward(x)?),
+            None => None,
+        };
+        if self.local.is_some() {
+            let comm = comm.ok_or_else(|| crate::Error::invalid("moe", "an expert-parallel layer needs the communicator"))?;
+            // Ranks without shared experts (they live on rank 0) add zeros to the shared part of the sum.
+            if self.shared_on_rank0 && shared.is_none() {
+                shared = Some(crate::ops::zeros(&x.shape(), x.dtype())?);
+            }
+            match shared.take() {
+                Some(sp) if self.latent_up.is_some() => {
+                    let width = y.dim(-1)?;
+                    let both = comm.all_sum_f32(&crate::ops::concatenate(&[&y, &sp.astype(y.dtype())?], -1)?)?;
+                    let total = both.dim(-1)?;
+                    y = both.slice_axis(-1, 0, width)?;
+                    shared = Some(both.slice_axis(-1, width, total)?);
+                }
+                Some(sp) => y = comm.all_sum_f32(&y.add(&sp)?)?,
+                None => y = comm.all_sum_f32(&y)?,
+            }
+        }
         if let Some(n) = &self.latent_norm {
             y = n.forward(&y)?;
         }
         if let Some(p) = &self.latent_up {
             y = p.forward(&y)?;
         }
-        if let Some(s) = &self.shared {
-            y = y.add(&s.forward(x)?)?;
+        if let Some(s) = shared {
+            y = y.add(&s)?;
         }
         Ok(y)
     }
@@ -216,11 +295,14 @@ pub enum Ffn {
 }
 
 impl Ffn {
-    /// Applies the FFN.
-    pub fn forward(&self, x: &Array) -> Result<Array> {
+    /// Applies the FFN; `comm` completes split layers' partial sums.
+    pub fn forward(&self, x: &Array, comm: Option<&Comm>) -> Result<Array> {
         match self {
+            Ffn::Dense(m) if m.split => comm
+                .ok_or_else(|| crate::Error::invalid("mlp", "a tensor-parallel layer needs the communicator"))?
+                .all_sum_f32(&m.forward(x)?),
             Ffn::Dense(m) => m.forward(x),
-            Ffn::Moe(m) => m.forward(x),
+            Ffn::Moe(m) => m.forward(x, comm),
         }
     }
 }

@@ -4,10 +4,12 @@
 //! at the end reports any tensor nobody used.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use super::config::{PathQuant, QuantizationConfig};
-use super::loader::{infer_spec, RawWeights};
+use super::loader::{infer_spec, RawWeights, TensorLoc};
+use super::shard::Part;
 use crate::codebook::Codebook;
 use crate::quant::{QuantMode, QuantSpec, Quantized};
 use crate::tiers::TieredExperts;
@@ -38,6 +40,11 @@ pub struct TensorRecord {
 pub struct WeightStore {
     tensors: BTreeMap<String, Array>,
     files: BTreeMap<String, PathBuf>,
+    locs: BTreeMap<String, TensorLoc>,
+    presliced: BTreeMap<String, Range<usize>>,
+    /// Read row parts of stored tensors straight from their files (off for lazy loading, which reads
+    /// nothing).
+    direct_reads: bool,
     quant: QuantizationConfig,
     dtype: Dtype,
     dir: PathBuf,
@@ -99,6 +106,9 @@ impl WeightStore {
         WeightStore {
             tensors: raw.tensors,
             files: raw.files,
+            locs: raw.locs,
+            presliced: raw.presliced,
+            direct_reads: true,
             quant,
             dtype,
             dir: dir.to_path_buf(),
@@ -111,7 +121,7 @@ impl WeightStore {
     /// A store that makes up every tensor it is asked for (f32, seeded): building a model from it and then
     /// [`WeightStore::fabricated`] gives a random checkpoint that loads like a real one.
     pub fn fabricating(seed: u64, dtype: Dtype) -> Result<WeightStore> {
-        let raw = RawWeights { tensors: BTreeMap::new(), files: BTreeMap::new() };
+        let raw = RawWeights::default();
         let mut ws = WeightStore::new(raw, QuantizationConfig::default(), dtype, Path::new("<random>"));
         ws.fabricate = Some(Fabricator { key: crate::random::key(seed)?, counter: 0, made: BTreeMap::new() });
         Ok(ws)
@@ -127,10 +137,37 @@ impl WeightStore {
         self.dtype
     }
 
+    /// Whether parts of tensors are read from their files at once (the default) or sliced lazily (for lazy
+    /// loading and planning, which must read no tensor data).
+    pub fn set_direct_reads(&mut self, on: bool) {
+        self.direct_reads = on;
+    }
+
     fn where_(&self, name: &str) -> String {
         match self.files.get(name) {
             Some(f) => format!("'{name}' (from {})", f.display()),
             None => format!("'{name}'"),
+        }
+    }
+
+    /// The unquantized column multiple that a split of weight `path` (of `in_dims` inputs) along its inputs
+    /// must keep to: the quantization group, 256 for the codebook, 1 for a float weight.
+    pub fn split_alignment(&self, path: &str, in_dims: usize) -> usize {
+        if self.has(&format!("{path}.codes")) {
+            return 256;
+        }
+        match self.tensors.get(&format!("{path}.scales")).and_then(|s| s.dim(-1).ok()) {
+            Some(groups) if groups > 0 => in_dims / groups as usize,
+            _ => 1,
+        }
+    }
+
+    /// Drops every remaining tensor whose name starts with `prefix`, unread (weights another rank holds).
+    pub fn discard_prefix(&mut self, prefix: &str) {
+        let names: Vec<String> = self.tensors.keys().filter(|k| k.starts_with(prefix)).cloned().collect();
+        for n in names {
+            self.tensors.remove(&n);
+            self.locs.remove(&n);
         }
     }
 
@@ -156,19 +193,80 @@ impl WeightStore {
 
     /// Takes a raw tensor (no cast), checking its shape.
     pub fn take_raw(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
+        self.take_raw_part(name, shape, &Part::Whole, 1, 1)
+    }
+
+    /// Takes `part` of a raw tensor of full `shape`. A stored tensor dimension of `d * num / den` holds `d`
+    /// unquantized columns (packed codes, group scales), so column ranges must fall on those boundaries.
+    /// Row parts of tensors stored as-is are read straight from the file: the rest is never read.
+    fn take_raw_part(&mut self, name: &str, shape: &[i32], part: &Part, num: i32, den: i32) -> Result<Array> {
         if let Some(f) = self.fabricate.as_mut() {
-            return f.make(name, shape);
+            let a = f.make(name, shape)?;
+            return self.cut_lazy(name, a, part, num, den);
+        }
+        if let Some(r) = self.presliced.get(name).cloned() {
+            if *part != Part::rows(r.clone()) {
+                return Err(Error::Format {
+                    path: self.dir.clone(),
+                    message: format!("tensor {} holds experts {r:?} only, but {part:?} was asked for", self.where_(name)),
+                });
+            }
+            let mut local = shape.to_vec();
+            local[0] = r.len() as i32;
+            let a = self.tensors.get(name).cloned().ok_or_else(|| self.missing(name))?;
+            self.check_shape(name, &a, &local)?;
+            self.tensors.remove(name);
+            return Ok(a);
         }
         let a = self.tensors.get(name).cloned().ok_or_else(|| self.missing(name))?;
         self.check_shape(name, &a, shape)?;
         self.tensors.remove(name);
-        Ok(a)
+        let loc = self.locs.remove(name);
+        match (part, loc) {
+            (Part::Whole, _) => Ok(a),
+            (Part::Rows(rs), Some(loc)) if self.direct_reads => {
+                loc.read_rows(rs).map_err(|e| Error::Format { path: self.dir.clone(), message: format!("{name}: {e}") })
+            }
+            _ => self.cut_lazy(name, a, part, num, den),
+        }
+    }
+
+    /// `part` of `a` as a lazy slice, copied so the whole tensor can be freed once it is evaluated.
+    fn cut_lazy(&self, name: &str, a: Array, part: &Part, num: i32, den: i32) -> Result<Array> {
+        match part {
+            Part::Whole => Ok(a),
+            Part::Rows(rs) => {
+                let pieces: Vec<Array> =
+                    rs.iter().map(|r| a.slice_axis(0, r.start as i32, r.end as i32)).collect::<Result<_>>()?;
+                let refs: Vec<&Array> = pieces.iter().collect();
+                crate::ops::concatenate(&refs, 0)?.contiguous()
+            }
+            Part::Cols(r) => {
+                let (s, e) = (r.start as i32, r.end as i32);
+                if (s * num) % den != 0 || (e * num) % den != 0 {
+                    return Err(Error::Format {
+                        path: self.dir.clone(),
+                        message: format!(
+                            "cannot split {} at input columns {r:?}: its packing needs multiples of {}",
+                            self.where_(name),
+                            den / gcd(num, den)
+                        ),
+                    });
+                }
+                a.slice_axis(-1, s * num / den, e * num / den)?.contiguous()
+            }
+        }
     }
 
     /// Takes a floating-point tensor of `shape`, cast to the activation dtype (or kept f32 for the few
     /// tensors mlx-lm keeps in f32).
     pub fn take(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
-        let (a, stored) = self.take_float(name, shape)?;
+        self.take_part(name, shape, &Part::Whole)
+    }
+
+    /// [`WeightStore::take`] of `part` of the tensor.
+    pub fn take_part(&mut self, name: &str, shape: &[i32], part: &Part) -> Result<Array> {
+        let (a, stored) = self.take_float(name, shape, part, 1, 1)?;
         let params = a.size() as u64;
         self.records.push(TensorRecord {
             path: name.to_string(),
@@ -182,8 +280,8 @@ impl WeightStore {
     }
 
     /// A float tensor cast to the activation dtype, with its dtype and bytes as stored in the checkpoint.
-    fn take_float(&mut self, name: &str, shape: &[i32]) -> Result<(Array, (Dtype, u64))> {
-        let a = self.take_raw(name, shape)?;
+    fn take_float(&mut self, name: &str, shape: &[i32], part: &Part, num: i32, den: i32) -> Result<(Array, (Dtype, u64))> {
+        let a = self.take_raw_part(name, shape, part, num, den)?;
         let stored = (a.dtype(), a.nbytes() as u64);
         if !a.dtype().is_float() {
             return Err(Error::Format {
@@ -202,11 +300,16 @@ impl WeightStore {
     /// Takes `{path}.weight` (and `.scales`/`.biases` when quantized) of a weight whose unquantized shape is
     /// `[...batch, out, in]`.
     pub fn take_weight(&mut self, path: &str, shape: &[i32]) -> Result<MaybeQuantized> {
+        self.take_weight_part(path, shape, &Part::Whole)
+    }
+
+    /// [`WeightStore::take_weight`] of `part` of the weight (rows of axis 0, or input columns).
+    pub fn take_weight_part(&mut self, path: &str, shape: &[i32], part: &Part) -> Result<MaybeQuantized> {
         if self.has(&format!("{path}.tier")) {
-            return self.take_tiered(path, shape);
+            return self.take_tiered(path, shape, part);
         }
         if self.has(&format!("{path}.codes")) {
-            return Ok(MaybeQuantized::Codebook(self.take_codebook(path, path, shape, true)?));
+            return Ok(MaybeQuantized::Codebook(self.take_codebook(path, path, shape, true, part)?));
         }
         if let Some(PathQuant::Codebook | PathQuant::Tiered { .. }) = self.quant.for_path(path) {
             return Err(Error::Format {
@@ -224,7 +327,7 @@ impl WeightStore {
                     message: format!("config.json quantizes '{path}' but the checkpoint has no '{sname}'"),
                 });
             }
-            let (w, stored) = self.take_float(&wname, shape)?;
+            let (w, stored) = self.take_float(&wname, shape, part, 1, 1)?;
             self.records.push(TensorRecord {
                 path: path.to_string(),
                 params: w.size() as u64,
@@ -262,7 +365,7 @@ impl WeightStore {
         wshape.push(in_dims * spec.bits / 32);
         let mut sshape = batch.to_vec();
         sshape.push(in_dims / spec.group_size);
-        let weight = self.take_raw(&wname, &wshape)?;
+        let weight = self.take_raw_part(&wname, &wshape, part, spec.bits, 32)?;
         if weight.dtype() != Dtype::U32 {
             return Err(Error::Format {
                 path: self.dir.clone(),
@@ -272,12 +375,12 @@ impl WeightStore {
         let bname = format!("{path}.biases");
         let stored_extra;
         let (scales, biases) = if spec.mode.has_biases() {
-            let (scales, s_stored) = self.take_float(&sname, &sshape)?;
-            let (biases, b_stored) = self.take_float(&bname, &sshape)?;
+            let (scales, s_stored) = self.take_float(&sname, &sshape, part, 1, spec.group_size)?;
+            let (biases, b_stored) = self.take_float(&bname, &sshape, part, 1, spec.group_size)?;
             stored_extra = s_stored.1 + b_stored.1;
             (scales, Some(biases))
         } else {
-            let scales = self.take_raw(&sname, &sshape)?;
+            let scales = self.take_raw_part(&sname, &sshape, part, 1, spec.group_size)?;
             stored_extra = scales.nbytes() as u64;
             (scales, None)
         };
@@ -289,7 +392,7 @@ impl WeightStore {
         }
         self.records.push(TensorRecord {
             path: path.to_string(),
-            params: shape.iter().map(|&d| d as u64).product(),
+            params: part.shape(shape).iter().map(|&d| d as u64).product(),
             bytes: weight.nbytes() as u64 + stored_extra,
             spec: Some(spec),
             dtype: Dtype::U32,
@@ -300,7 +403,7 @@ impl WeightStore {
     }
 
     /// Takes a codebook matrix or stack stored as `{stem}.codes/qh/scales` for a weight of unquantized `shape`.
-    fn take_codebook(&mut self, path: &str, stem: &str, shape: &[i32], record: bool) -> Result<Codebook> {
+    fn take_codebook(&mut self, path: &str, stem: &str, shape: &[i32], record: bool, part: &Part) -> Result<Codebook> {
         let n = shape.len();
         let k = shape[n - 1];
         if k % 256 != 0 {
@@ -315,15 +418,15 @@ impl WeightStore {
             s
         };
         let cb = Codebook {
-            codes: self.take_typed(&format!("{stem}.codes"), &with(k / 8), Dtype::U8)?,
-            qh: self.take_typed(&format!("{stem}.qh"), &with(k / 32), Dtype::U16)?,
-            scales: self.take_typed(&format!("{stem}.scales"), &with(k / 256), Dtype::F16)?,
+            codes: self.take_typed(&format!("{stem}.codes"), &with(k / 8), Dtype::U8, part, 1, 8)?,
+            qh: self.take_typed(&format!("{stem}.qh"), &with(k / 32), Dtype::U16, part, 1, 32)?,
+            scales: self.take_typed(&format!("{stem}.scales"), &with(k / 256), Dtype::F16, part, 1, 256)?,
         };
         let bytes = (cb.codes.nbytes() + cb.qh.nbytes() + cb.scales.nbytes()) as u64;
         if record {
             self.records.push(TensorRecord {
                 path: path.to_string(),
-                params: shape.iter().map(|&d| d as u64).product(),
+                params: part.shape(shape).iter().map(|&d| d as u64).product(),
                 bytes,
                 spec: None,
                 dtype: Dtype::U8,
@@ -334,8 +437,8 @@ impl WeightStore {
     }
 
     /// Takes a raw tensor of a given shape and dtype.
-    fn take_typed(&mut self, name: &str, shape: &[i32], dtype: Dtype) -> Result<Array> {
-        let a = self.take_raw(name, shape)?;
+    fn take_typed(&mut self, name: &str, shape: &[i32], dtype: Dtype, part: &Part, num: i32, den: i32) -> Result<Array> {
+        let a = self.take_raw_part(name, shape, part, num, den)?;
         if a.dtype() != dtype {
             return Err(Error::Format {
                 path: self.dir.clone(),
@@ -346,7 +449,7 @@ impl WeightStore {
     }
 
     /// Takes a mixed-format expert stack (see [`crate::tiers`]) of unquantized shape `[E, N, K]`.
-    fn take_tiered(&mut self, path: &str, shape: &[i32]) -> Result<MaybeQuantized> {
+    fn take_tiered(&mut self, path: &str, shape: &[i32], part: &Part) -> Result<MaybeQuantized> {
         if shape.len() != 3 {
             return Err(Error::Format {
                 path: self.dir.clone(),
@@ -354,11 +457,61 @@ impl WeightStore {
             });
         }
         let (e, n, k) = (shape[0], shape[1], shape[2]);
-        let tier = self.take_typed(&format!("{path}.tier"), &[e], Dtype::U8)?;
-        let slot = self.take_typed(&format!("{path}.slot"), &[e], Dtype::U32)?;
+        let whole = Part::Whole;
+        let mut tier = self.take_typed(&format!("{path}.tier"), &[e], Dtype::U8, &whole, 1, 1)?;
+        let mut slot = self.take_typed(&format!("{path}.slot"), &[e], Dtype::U32, &whole, 1, 1)?;
+        // A part of the experts: the tables are read (a few bytes per expert) to find which rows of each
+        // tier's stack this part needs; those rows are taken and the slots renumbered.
+        let mut sub = [Part::Whole, Part::Whole, Part::Whole];
+        if let Part::Rows(rs) = part {
+            let (t_all, s_all) = (tier.to_vec::<u8>()?, slot.to_vec::<u32>()?);
+            let mut rows: [Vec<Range<usize>>; 3] = Default::default();
+            let (mut t_loc, mut s_loc) = (Vec::new(), Vec::new());
+            for ex in rs.iter().flat_map(|r| r.clone()) {
+                let (t, sl) = (*t_all.get(ex).unwrap_or(&u8::MAX), *s_all.get(ex).unwrap_or(&0) as usize);
+                let ti = t as usize;
+                if ti > 2 {
+                    return Err(Error::Format {
+                        path: self.dir.clone(),
+                        message: format!("'{path}.tier': expert {ex} has unknown tier {t}"),
+                    });
+                }
+                t_loc.push(t);
+                s_loc.push(rows[ti].iter().map(|r| r.len()).sum::<usize>() as u32);
+                match rows[ti].last_mut() {
+                    Some(r) if r.end == sl => r.end += 1,
+                    _ => rows[ti].push(sl..sl + 1),
+                }
+            }
+            let m = t_loc.len() as i32;
+            tier = Array::from_slice(&t_loc, &[m])?;
+            slot = Array::from_slice(&s_loc, &[m])?;
+            for (i, r) in rows.into_iter().enumerate() {
+                sub[i] = Part::Rows(r);
+            }
+        } else if !matches!(part, Part::Whole) {
+            return Err(Error::Format {
+                path: self.dir.clone(),
+                message: format!("'{path}': a tiered expert stack can only be split by experts"),
+            });
+        }
+        // A tier none of this part's experts use is dropped unread.
+        for (i, (stem, leaves)) in
+            [("codebook", &["codes", "qh", "scales"][..]), ("mxfp4", &["weight", "scales"]), ("affine", &["weight", "scales", "biases"])]
+                .into_iter()
+                .enumerate()
+        {
+            if matches!(&sub[i], Part::Rows(r) if r.is_empty()) {
+                for leaf in leaves {
+                    let name = format!("{path}.{stem}.{leaf}");
+                    self.tensors.remove(&name);
+                    self.locs.remove(&name);
+                }
+            }
+        }
         let count = |ws: &WeightStore, name: String| ws.tensors.get(&name).map(|a| a.dim(0)).transpose();
         let codebook = match count(self, format!("{path}.codebook.codes"))? {
-            Some(ec) => Some(self.take_codebook(path, &format!("{path}.codebook"), &[ec, n, k], false)?),
+            Some(ec) => Some(self.take_codebook(path, &format!("{path}.codebook"), &[ec, n, k], false, &sub[0])?),
             None => None,
         };
         let mxfp4 = match count(self, format!("{path}.mxfp4.weight"))? {
@@ -369,8 +522,10 @@ impl WeightStore {
                         message: format!("'{path}': K {k} % 32 != 0"),
                     });
                 }
-                let weight = self.take_typed(&format!("{path}.mxfp4.weight"), &[em, n, k / 8], Dtype::U32)?;
-                let scales = self.take_typed(&format!("{path}.mxfp4.scales"), &[em, n, k / 32], Dtype::U8)?;
+                let weight =
+                    self.take_typed(&format!("{path}.mxfp4.weight"), &[em, n, k / 8], Dtype::U32, &sub[1], 1, 1)?;
+                let scales =
+                    self.take_typed(&format!("{path}.mxfp4.scales"), &[em, n, k / 32], Dtype::U8, &sub[1], 1, 1)?;
                 self.pending.extend([weight.clone(), scales.clone()]);
                 Some(Quantized { weight, scales, biases: None })
             }
@@ -391,10 +546,11 @@ impl WeightStore {
                         message: format!("'{path}': affine tier spec {spec:?} does not fit K = {k}"),
                     });
                 }
-                let weight =
-                    self.take_typed(&format!("{path}.affine.weight"), &[ea, n, k * spec.bits / 32], Dtype::U32)?;
-                let (scales, _) = self.take_float(&format!("{path}.affine.scales"), &[ea, n, k / spec.group_size])?;
-                let (biases, _) = self.take_float(&format!("{path}.affine.biases"), &[ea, n, k / spec.group_size])?;
+                let wshape = [ea, n, k * spec.bits / 32];
+                let sshape = [ea, n, k / spec.group_size];
+                let weight = self.take_typed(&format!("{path}.affine.weight"), &wshape, Dtype::U32, &sub[2], 1, 1)?;
+                let (scales, _) = self.take_float(&format!("{path}.affine.scales"), &sshape, &sub[2], 1, 1)?;
+                let (biases, _) = self.take_float(&format!("{path}.affine.biases"), &sshape, &sub[2], 1, 1)?;
                 self.pending.extend([weight.clone(), scales.clone(), biases.clone()]);
                 Some((Quantized { weight, scales, biases: Some(biases) }, spec))
             }
@@ -404,7 +560,7 @@ impl WeightStore {
         t.validate(path).map_err(|e| Error::Format { path: self.dir.clone(), message: e.to_string() })?;
         self.records.push(TensorRecord {
             path: path.to_string(),
-            params: shape.iter().map(|&d| d as u64).product(),
+            params: part.shape(shape).iter().map(|&d| d as u64).product(),
             bytes: t.nbytes() as u64,
             spec: None,
             dtype: Dtype::U8,
@@ -452,5 +608,13 @@ impl WeightStore {
     /// Every tensor still in the store (for `inspect`).
     pub fn remaining(&self) -> impl Iterator<Item = (&String, &Array)> {
         self.tensors.iter()
+    }
+}
+
+fn gcd(a: i32, b: i32) -> i32 {
+    if b == 0 {
+        a.abs().max(1)
+    } else {
+        gcd(b, a % b)
     }
 }

@@ -1,0 +1,302 @@
+//! One model over two ranks on localhost (real processes of the `mlx-k3` binary over MLX's ring back-end,
+//! set up exactly as `mlx.launch` does: `MLX_RANK` and a `MLX_HOSTFILE`): expert parallel and expert +
+//! tensor parallel give mlx-lm's greedy tokens and the one-rank logits; each rank holds about half of the
+//! experts; a killed rank makes the other exit with an error.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use mlx_k3::io::Safetensors;
+use mlx_k3::model::{KimiK3, LoadOptions};
+use mlx_k3::{Array, Dtype};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/k3")
+}
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_mlx-k3")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("dist-model-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A hostfile for `n` ranks on free localhost ports, as `mlx.launch` writes it.
+fn hostfile(dir: &Path, n: usize) -> PathBuf {
+    let listeners: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let hosts: Vec<Vec<String>> =
+        listeners.iter().map(|l| vec![format!("127.0.0.1:{}", l.local_addr().unwrap().port())]).collect();
+    drop(listeners);
+    let path = dir.join("hosts.json");
+    std::fs::write(&path, serde_json::to_string(&hosts).unwrap()).unwrap();
+    path
+}
+
+fn spawn_ranks(dir: &Path, n: usize, args: &[String]) -> Vec<Child> {
+    let hosts = hostfile(dir, n);
+    (0..n)
+        .map(|r| {
+            Command::new(bin())
+                .args(args)
+                .env("MLX_RANK", r.to_string())
+                .env("MLX_HOSTFILE", &hosts)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// Waits for every rank (at most `limit`), killing them all if one hangs.
+fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
+    let start = Instant::now();
+    let mut children = children;
+    loop {
+        if children.iter_mut().all(|c| c.try_wait().unwrap().is_some()) {
+            break;
+        }
+        if start.elapsed() > limit {
+            for c in children.iter_mut() {
+                let _ = c.kill();
+            }
+            panic!("ranks did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    children.into_iter().map(|c| c.wait_with_output().unwrap()).collect()
+}
+
+struct Fixture {
+    prompt: Vec<i32>,
+    generated: Vec<u32>,
+    /// mlx-lm's logits over the prompt.
+    prefill: Array,
+}
+
+fn fixture(name: &str) -> Fixture {
+    let st = Safetensors::load(fixtures().join(name).join("expected.safetensors")).unwrap();
+    let prompt = st.get("prompt").unwrap().astype(Dtype::I32).unwrap().to_vec::<i32>().unwrap();
+    let generated = st.get("generate_tokens").unwrap().astype(Dtype::U32).unwrap().to_vec::<u32>().unwrap();
+    let prefill = st.get("prefill_logits").unwrap();
+    prefill.eval().unwrap();
+    Fixture { prompt, generated, prefill }
+}
+
+/// Runs `logits --generate` for `name` on `ranks` ranks (1: no --distributed); returns rank 0's logits and
+/// tokens and every rank's stderr.
+fn run_logits(name: &str, ranks: usize, tp: bool, gen: usize) -> (Array, Vec<u32>, Vec<String>) {
+    let f = fixture(name);
+    let dir = scratch(&format!("{name}-{ranks}-{tp}"));
+    let out = dir.join("logits.safetensors");
+    let tokens: Vec<String> = f.prompt.iter().map(|t| t.to_string()).collect();
+    let mut args: Vec<String> = vec![
+        "logits".into(),
+        "--model".into(),
+        fixtures().join(name).display().to_string(),
+        "--tokens".into(),
+        tokens.join(","),
+        "--out".into(),
+        out.display().to_string(),
+        "--dtype".into(),
+        "float32".into(),
+        "--generate".into(),
+        gen.to_string(),
+    ];
+    let outputs = if ranks == 1 {
+        let o = Command::new(bin()).args(&args).output().unwrap();
+        vec![o]
+    } else {
+        args.extend(["--distributed".into(), "ring".into()]);
+        if tp {
+            args.push("--tp".into());
+        }
+        wait_all(spawn_ranks(&dir, ranks, &args), Duration::from_secs(180))
+    };
+    let stderr: Vec<String> = outputs.iter().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()).collect();
+    for (r, o) in outputs.iter().enumerate() {
+        assert!(o.status.success(), "{name}: rank {r} failed: {}", stderr[r]);
+    }
+    let st = Safetensors::load(&out).unwrap();
+    let logits = st.get("logits").unwrap();
+    logits.eval().unwrap();
+    let generated = st.get("generated").unwrap().to_vec::<u32>().unwrap();
+    (logits, generated, stderr)
+}
+
+fn max_rel_err(a: &Array, b: &Array) -> f32 {
+    let (a, b) = (a.to_vec_f32().unwrap(), b.to_vec_f32().unwrap());
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// f32 partial sums added over ranks in another order than one rank's single reduction: differences are
+/// rounding only. 1e-5 of the largest logit is ~100 f32 ulps, far below any real graph difference (a
+/// missing expert or a wrong head moves logits by percent).
+const TOL: f32 = 1e-5;
+
+#[test]
+fn expert_parallel_matches_one_rank_and_mlx_lm() {
+    // Every fixture family: latent + norm + attention residuals (shared experts on rank 0: their 32 units
+    // do not split into quantization groups of 32 on the q4 fixture), full-rank gates, grouped routing,
+    // untied head, release names and compressed-tensors MXFP4 experts stacked per rank.
+    for name in [
+        "a_latent_norm_attnres",
+        "a_latent_norm_attnres_q4",
+        "a_latent_norm_attnres_mxfp4_release",
+        "b_latent_fullrank_every2",
+        "c_hidden_experts_grouped",
+        "d_latent_norm_attnres_untied_release",
+    ] {
+        let f = fixture(name);
+        let (one, one_gen, _) = run_logits(name, 1, false, f.generated.len());
+        let (two, two_gen, _) = run_logits(name, 2, false, f.generated.len());
+        assert_eq!(one_gen, f.generated, "{name}: one rank vs mlx-lm");
+        assert_eq!(two_gen, f.generated, "{name}: two ranks (EP) vs mlx-lm");
+        let err = max_rel_err(&two, &one);
+        assert!(err <= TOL, "{name}: EP logits differ from one rank by {err}");
+        // The same bound as the one-rank model test against mlx-lm (tests/model.rs).
+        let err = max_rel_err(&two, &f.prefill);
+        assert!(err <= 2e-5, "{name}: EP logits differ from mlx-lm by {err}");
+    }
+}
+
+#[test]
+fn expert_and_tensor_parallel_match_one_rank_and_mlx_lm() {
+    for name in ["b_latent_fullrank_every2", "c_hidden_experts_grouped", "d_latent_norm_attnres_untied"] {
+        let f = fixture(name);
+        let (one, _, _) = run_logits(name, 1, false, 0);
+        let (two, two_gen, _) = run_logits(name, 2, true, f.generated.len());
+        assert_eq!(two_gen, f.generated, "{name}: two ranks (EP+TP) vs mlx-lm");
+        let err = max_rel_err(&two, &one);
+        assert!(err <= TOL, "{name}: EP+TP logits differ from one rank by {err}");
+    }
+}
+
+/// "rank r/n: resident weights ... routed experts X (N bytes)" -> N.
+fn expert_bytes(stderr: &str) -> u64 {
+    let line = stderr.lines().find(|l| l.contains("resident weights")).unwrap_or_else(|| panic!("no report: {stderr}"));
+    let start = line.find("routed experts").unwrap();
+    let open = line[start..].find('(').unwrap() + start + 1;
+    let close = line[open..].find(' ').unwrap() + open;
+    line[open..close].parse().unwrap()
+}
+
+#[test]
+fn each_rank_holds_about_half_of_the_experts() {
+    let name = "d_latent_norm_attnres_untied";
+    let whole = KimiK3::load(&fixtures().join(name), LoadOptions { dtype: Some(Dtype::F32), lazy: true, shard: None })
+        .unwrap();
+    let all: u64 = whole.tensor_records().iter().filter(|r| r.path.contains("switch_mlp")).map(|r| r.bytes).sum();
+    assert!(all > 0);
+    let (_, _, stderr) = run_logits(name, 2, false, 0);
+    let per: Vec<u64> = stderr.iter().map(|s| expert_bytes(s)).collect();
+    assert_eq!(per.iter().sum::<u64>(), all, "the ranks' experts add up to the model's");
+    for (r, b) in per.iter().enumerate() {
+        assert_eq!(*b * 2, all, "rank {r} holds {b} of {all} expert bytes (16 experts split 8 + 8)");
+    }
+
+    // `plan` reports the same split without loading any data.
+    let o = Command::new(bin())
+        .args(["plan", "--model", &fixtures().join(name).display().to_string(), "--ranks", "2"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let row = text.lines().find(|l| l.starts_with("routed experts")).unwrap_or_else(|| panic!("{text}"));
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    // "routed experts <unsplit> <unit> <rank0> <unit> <rank1> <unit>": the rank columns are halves.
+    let num = |i: usize| cols[i].parse::<f64>().unwrap();
+    assert!((num(4) - num(2) / 2.0).abs() < 0.01 * num(2), "{row}");
+    assert!((num(6) - num(2) / 2.0).abs() < 0.01 * num(2), "{row}");
+}
+
+#[test]
+fn tensor_parallel_rejects_heads_that_do_not_split() {
+    // The `a` fixtures have one KDA head: two ranks cannot split it, and the error says so on every rank.
+    let name = "a_latent_norm_attnres";
+    let dir = scratch("tp-reject");
+    let args: Vec<String> = [
+        "logits",
+        "--model",
+        &fixtures().join(name).display().to_string(),
+        "--tokens",
+        "1,2,3",
+        "--out",
+        &dir.join("x.safetensors").display().to_string(),
+        "--distributed",
+        "ring",
+        "--tp",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for (r, o) in wait_all(spawn_ranks(&dir, 2, &args), Duration::from_secs(60)).iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "rank {r} should fail");
+        assert!(err.contains("KDA heads") && err.contains("2 ranks"), "rank {r}: {err}");
+    }
+    assert!(!dir.join("x.safetensors").exists());
+}
+
+#[test]
+fn a_killed_rank_makes_the_other_exit_with_an_error() {
+    let nano = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/k3-nano");
+    let dir = scratch("kill");
+    let args: Vec<String> = [
+        "logits",
+        "--model",
+        &nano.display().to_string(),
+        "--tokens",
+        "1,2,3,4",
+        "--out",
+        &dir.join("x.safetensors").display().to_string(),
+        "--generate",
+        "100000",
+        "--distributed",
+        "ring",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut ranks = spawn_ranks(&dir, 2, &args);
+    // Wait until rank 1 has loaded its part (it reports), let generation run, then kill it.
+    let mut err1 = ranks[1].stderr.take().unwrap();
+    let mut seen = String::new();
+    let start = Instant::now();
+    let mut buf = [0u8; 256];
+    while !seen.contains("resident weights") {
+        let n = err1.read(&mut buf).unwrap();
+        assert!(n > 0 && start.elapsed() < Duration::from_secs(60), "rank 1 never reported: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(ranks[0].try_wait().unwrap().is_none(), "rank 0 ended before the kill");
+    ranks[1].kill().unwrap();
+    ranks[1].wait().unwrap();
+    let killed_at = Instant::now();
+    let mut r0 = ranks.remove(0);
+    let status = loop {
+        if let Some(s) = r0.try_wait().unwrap() {
+            break s;
+        }
+        if killed_at.elapsed() > Duration::from_secs(30) {
+            r0.kill().unwrap();
+            panic!("rank 0 still running 30 s after rank 1 was killed");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err0 = String::new();
+    r0.stderr.take().unwrap().read_to_string(&mut err0).unwrap();
+    assert!(!status.success(), "rank 0 must exit non-zero");
+    assert!(err0.contains("mlx-k3: error:") && err0.contains("lost"), "rank 0 said: {err0}");
+    eprintln!("rank 0 exited {:?} after {:?}: {}", status.code(), killed_at.elapsed(), err0.trim());
+}
