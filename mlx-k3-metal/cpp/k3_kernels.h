@@ -58,17 +58,6 @@ int k3_kernels_force_scalar(bool on);
 int k3_kernels_set_num_threads(int n);
 int k3_kernels_num_threads(void);
 
-/* Fused MoE router (mlx-lm `_group_expert_select`): sigmoid of logits [..., E] (f32/f16/bf16), plus the
- * correction bias [E] for selection only (none = no bias), grouped top-k (n_group > 1: groups ranked by the
- * sum of their top-2 scores, the n_group - topk_group lowest set to 0), top_k, weights = sigmoid at the
- * chosen experts, renormalized if renormalize and top_k > 1, times routed_scaling_factor. Writes 2 arrays
- * (inds uint32 [..., k], weights [..., k] in the logits' dtype) or, with protected_mask [E] (nonzero =
- * protected tier), 3 (plus bool [..., k]). CPU: bit-identical to MLX's CPU ops, index order included; GPU:
- * one custom kernel per call (E <= 1024, k <= 32; larger shapes use plain ops). */
-int k3_moe_router(k3_array* res, size_t cap, size_t* n_out, const k3_array logits, const k3_array bias,
-                  const k3_array protected_mask, int top_k, int n_group, int topk_group, float routed_scaling_factor,
-                  bool renormalize, const k3_stream s);
-
 #ifdef __cplusplus
 }
 #endif
