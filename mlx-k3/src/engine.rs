@@ -15,6 +15,7 @@ use serde_json::Value;
 
 use crate::chat::{ChatFormat, ChatMessage, ParsedOutput, ThinkingEffort};
 use crate::generate::{GenerateOptions, Pipeline, PromptCache, TextGeneration};
+use crate::model::shard::Comm;
 use crate::model::LoadOptions;
 use crate::{Error, Result};
 
@@ -118,6 +119,64 @@ pub struct EngineConfig {
     pub max_queue: usize,
     /// Bytes of session caches kept before least-recently-used sessions are dropped.
     pub session_cache_bytes: usize,
+    /// A model split over ranks: this process is rank 0 of `comm` (it takes the requests; [`run_worker`]
+    /// runs on the other ranks), and `load.shard` must be `comm`'s.
+    pub comm: Option<Arc<Comm>>,
+}
+
+/// What rank 0 sends the other ranks of a split model for each request: everything that decides what the
+/// model computes (prompt ids, resolved options, session) and the sessions rank 0 evicted, so that every rank
+/// keeps the same caches and runs the same steps.
+#[derive(serde::Serialize, serde::Deserialize, Debug)]
+struct WorkOrder {
+    ids: Vec<u32>,
+    options: GenerateOptions,
+    session: Option<String>,
+    evict: Vec<String>,
+}
+
+fn load_pipeline(cfg: &EngineConfig) -> Result<Pipeline> {
+    let mut load = cfg.load;
+    if let Some(c) = &cfg.comm {
+        load.shard = Some(c.shard());
+    }
+    let mut p = Pipeline::load(&cfg.model_dir, load, &mut |_, _| {})?;
+    if let Some(c) = &cfg.comm {
+        p.model.set_comm(c.clone())?;
+    }
+    Ok(p)
+}
+
+/// The loop of ranks 1.. of a split model served by `mlx-k3 serve --distributed`: loads this rank's part of
+/// the model, then runs every request rank 0 announces, until rank 0 announces the end (its server stopped).
+/// Returns an error (the process should exit with it) when a step fails or a rank is lost.
+pub fn run_worker(cfg: EngineConfig) -> Result<()> {
+    let comm = cfg.comm.clone().ok_or_else(|| Error::invalid("engine", "run_worker needs a communicator"))?;
+    if comm.shard().rank == 0 {
+        return Err(Error::invalid("engine", "rank 0 runs the engine, not a worker"));
+    }
+    let p = load_pipeline(&cfg)?;
+    crate::cli::dist::report_rank(&p.model);
+    let mut sessions = Sessions::new(usize::MAX);
+    loop {
+        let bytes = comm.broadcast_bytes(None)?;
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let order: WorkOrder = serde_json::from_slice(&bytes)
+            .map_err(|e| Error::invalid("distributed", format!("a work order from rank 0 does not parse: {e}")))?;
+        for s in &order.evict {
+            sessions.map.remove(s);
+        }
+        let mut cache = match &order.session {
+            Some(s) => sessions.take(s).unwrap_or_default(),
+            None => PromptCache::new(),
+        };
+        p.generate(&mut cache, &order.ids, &order.options, |_| true)?;
+        if let Some(s) = order.session {
+            sessions.put(s, cache);
+        }
+    }
 }
 
 /// Counters the engine keeps (for `/metrics`).
@@ -176,7 +235,7 @@ impl EngineHandle {
         let thread = std::thread::Builder::new()
             .name("mlx-k3-engine".into())
             .spawn(move || {
-                let pipeline = match Pipeline::load(&cfg.model_dir, cfg.load, &mut |_, _| {}) {
+                let pipeline = match load_pipeline(&cfg) {
                     Ok(p) => p,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e.to_string()));
@@ -197,10 +256,19 @@ impl EngineHandle {
                 if ready_tx.send(Ok(info)).is_err() {
                     return;
                 }
-                let mut sessions = Sessions { map: HashMap::new(), budget: cfg.session_cache_bytes, clock: 0 };
+                if cfg.comm.is_some() {
+                    crate::cli::dist::report_rank(&pipeline.model);
+                }
+                let mut sessions = Sessions::new(cfg.session_cache_bytes);
                 while let Ok(job) = rx.recv() {
-                    serve(&pipeline, &mut sessions, job, &thread_stats);
+                    serve(&pipeline, &mut sessions, job, &thread_stats, cfg.comm.as_deref());
                     thread_stats.queued.fetch_sub(1, Ordering::SeqCst);
+                }
+                if let Some(c) = &cfg.comm {
+                    // The server stopped: an empty order ends the other ranks' loops.
+                    if let Err(e) = c.broadcast_bytes(Some(&[])) {
+                        eprintln!("mlx-k3: error: telling the other ranks to stop: {e}");
+                    }
                 }
             })
             .map_err(|e| Error::invalid("engine", format!("cannot start the engine thread: {e}")))?;
@@ -260,9 +328,15 @@ struct Sessions {
     map: HashMap<String, (PromptCache, u64)>,
     budget: usize,
     clock: u64,
+    /// Sessions dropped since the last work order (a split model's other ranks drop them too).
+    evicted: Vec<String>,
 }
 
 impl Sessions {
+    fn new(budget: usize) -> Sessions {
+        Sessions { map: HashMap::new(), budget, clock: 0, evicted: Vec::new() }
+    }
+
     fn take(&mut self, id: &str) -> Option<PromptCache> {
         self.map.remove(id).map(|(c, _)| c)
     }
@@ -280,6 +354,7 @@ impl Sessions {
             match oldest {
                 Some(k) => {
                     self.map.remove(&k);
+                    self.evicted.push(k);
                 }
                 None => break,
             }
@@ -287,7 +362,7 @@ impl Sessions {
     }
 }
 
-fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats) {
+fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats, comm: Option<&Comm>) {
     let Job { request, events } = job;
     let fail = |kind, message: String| {
         stats.failures.fetch_add(1, Ordering::Relaxed);
@@ -314,6 +389,20 @@ fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats) {
             format!("the prompt has {} tokens; the model's context is {max_ctx}", ids.len()),
         );
     }
+    if comm.is_some() {
+        // What generation would refuse is refused here, before the other ranks are involved: once they have
+        // the order, any failure leaves the ranks out of step.
+        let vocab = p.model.config().vocab_size;
+        if ids.is_empty() {
+            return fail(FailureKind::BadRequest, "the prompt is empty".into());
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return fail(FailureKind::BadRequest, format!("prompt token {bad} is outside the vocabulary (0..{vocab})"));
+        }
+        if let Err(e) = request.options.sampler.validate(vocab) {
+            return fail(FailureKind::BadRequest, e.to_string());
+        }
+    }
     if events.send(Event::Started { prompt_tokens: ids.len() }).is_err() {
         return;
     }
@@ -324,6 +413,17 @@ fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats) {
     // Generation ends at the context length: a request may ask for more (OpenAI's default is "as many as fit").
     let mut options = request.options.clone();
     options.max_tokens = options.max_tokens.min(max_ctx.saturating_sub(ids.len()));
+    let evict = std::mem::take(&mut sessions.evicted);
+    if let Some(c) = comm {
+        let order = WorkOrder { ids: ids.clone(), options: options.clone(), session: request.session.clone(), evict };
+        let sent = serde_json::to_vec(&order)
+            .map_err(|e| Error::invalid("distributed", format!("cannot encode a work order: {e}")))
+            .and_then(|b| c.broadcast_bytes(Some(&b)));
+        if let Err(e) = sent {
+            fail(FailureKind::Internal, e.to_string());
+            ranks_out_of_step(&e);
+        }
+    }
     let cancel = request.cancel.clone();
     let result = p.generate(&mut cache, &ids, &options, |piece| {
         !cancel.load(Ordering::SeqCst) && events.send(Event::Text(piece.to_string())).is_ok()
@@ -350,9 +450,21 @@ fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats) {
             // A failed step may leave the cache half-updated: never keep it.
             cache.clear();
             fail(kind, e.to_string());
+            if comm.is_some() {
+                ranks_out_of_step(&e);
+            }
         }
     }
     if let Some(s) = request.session {
         sessions.put(s, cache);
     }
+}
+
+/// A split model whose step failed on rank 0 cannot tell how far the other ranks got: the process ends
+/// (they see the lost connection and end too) rather than serve from ranks out of step.
+fn ranks_out_of_step(e: &Error) -> ! {
+    eprintln!("mlx-k3: error: a generation over the ranks failed, so they may be out of step; stopping: {e}");
+    // Give the failed request's client a moment to receive its error event.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    std::process::exit(1);
 }

@@ -12,6 +12,14 @@ use std::time::{Duration, Instant};
 use mlx_k3::io::Safetensors;
 use mlx_k3::model::{KimiK3, LoadOptions};
 use mlx_k3::{Array, Dtype};
+use serde_json::{json, Value};
+
+mod server_support;
+use server_support::Server;
+
+fn nano() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/k3-nano")
+}
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/k3")
@@ -40,11 +48,16 @@ fn hostfile(dir: &Path, n: usize) -> PathBuf {
 }
 
 fn spawn_ranks(dir: &Path, n: usize, args: &[String]) -> Vec<Child> {
+    spawn_ranks_with(dir, n, |_| args.to_vec())
+}
+
+/// Like [`spawn_ranks`], with each rank's own arguments.
+fn spawn_ranks_with(dir: &Path, n: usize, args: impl Fn(usize) -> Vec<String>) -> Vec<Child> {
     let hosts = hostfile(dir, n);
     (0..n)
         .map(|r| {
             Command::new(bin())
-                .args(args)
+                .args(args(r))
                 .env("MLX_RANK", r.to_string())
                 .env("MLX_HOSTFILE", &hosts)
                 .stdout(Stdio::piped())
@@ -193,8 +206,8 @@ fn expert_bytes(stderr: &str) -> u64 {
 #[test]
 fn each_rank_holds_about_half_of_the_experts() {
     let name = "d_latent_norm_attnres_untied";
-    let whole = KimiK3::load(&fixtures().join(name), LoadOptions { dtype: Some(Dtype::F32), lazy: true, shard: None })
-        .unwrap();
+    let whole =
+        KimiK3::load(&fixtures().join(name), LoadOptions { dtype: Some(Dtype::F32), lazy: true, shard: None }).unwrap();
     let all: u64 = whole.tensor_records().iter().filter(|r| r.path.contains("switch_mlp")).map(|r| r.bytes).sum();
     assert!(all > 0);
     let (_, _, stderr) = run_logits(name, 2, false, 0);
@@ -299,4 +312,169 @@ fn a_killed_rank_makes_the_other_exit_with_an_error() {
     assert!(!status.success(), "rank 0 must exit non-zero");
     assert!(err0.contains("mlx-k3: error:") && err0.contains("lost"), "rank 0 said: {err0}");
     eprintln!("rank 0 exited {:?} after {:?}: {}", status.code(), killed_at.elapsed(), err0.trim());
+}
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+fn generate_args(extra: &[&str]) -> Vec<String> {
+    let mut a = strings(&["generate", "--model", &nano().display().to_string(), "--prompt", "def main():", "--raw"]);
+    a.extend(strings(extra));
+    a
+}
+
+#[test]
+fn generate_over_two_ranks_prints_what_one_rank_prints() {
+    let dir = scratch("generate");
+    // Greedy, and sampled: every rank draws from its own copy of the logits with the same seeded sampler,
+    // so the ranks agree without sending tokens, and agree with one rank (the logits differ by rounding only).
+    for extra in [&["--max-tokens", "40", "--temp", "0"][..], &["--max-tokens", "40", "--temp", "0.8", "--seed", "11"]]
+    {
+        let args = generate_args(extra);
+        let one = Command::new(bin()).args(&args).output().unwrap();
+        assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
+        let want = String::from_utf8_lossy(&one.stdout).into_owned();
+        assert!(want.len() > "def main():".len() + 10, "one rank printed {want:?}");
+        for tp in [false, true] {
+            let mut args = args.clone();
+            args.extend(strings(&["--distributed", "ring"]));
+            if tp {
+                args.push("--tp".into());
+            }
+            let outs = wait_all(spawn_ranks(&dir, 2, &args), Duration::from_secs(180));
+            for (r, o) in outs.iter().enumerate() {
+                assert!(o.status.success(), "{extra:?} tp {tp}: rank {r}: {}", String::from_utf8_lossy(&o.stderr));
+            }
+            assert_eq!(String::from_utf8_lossy(&outs[0].stdout), want, "{extra:?} tp {tp}: rank 0 vs one rank");
+            assert!(outs[1].stdout.is_empty(), "rank 1 prints nothing: {:?}", String::from_utf8_lossy(&outs[1].stdout));
+        }
+    }
+}
+
+#[test]
+fn ranks_that_sample_differently_stop_with_a_divergence_error() {
+    // Each rank given its own seed draws different tokens; the tripwire (a hash of the tokens, compared every
+    // 16 tokens) must catch it and every rank must say so and exit non-zero.
+    let dir = scratch("diverge");
+    let outs = wait_all(
+        spawn_ranks_with(&dir, 2, |r| {
+            let seed = (r + 1).to_string();
+            let mut a = generate_args(&["--max-tokens", "64", "--temp", "1.5", "--seed", &seed]);
+            a.extend(strings(&["--distributed", "ring"]));
+            a
+        }),
+        Duration::from_secs(120),
+    );
+    for (r, o) in outs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "rank {r} must fail: {err}");
+        assert!(err.contains("ranks diverged"), "rank {r} said: {err}");
+    }
+}
+
+/// A web-chat turn: (answer, the `done` event).
+fn web_turn(s: &Server, messages: &Value, session: &str) -> (String, Value) {
+    let events = s.stream_all(
+        "/api/chat",
+        &json!({"messages": messages, "session": session, "max_tokens": 12, "temperature": 0, "thinking_effort": "off"}),
+    );
+    let mut answer = String::new();
+    for e in &events {
+        if e.event == "answer" || e.event == "thinking" {
+            answer += e.json()["text"].as_str().unwrap();
+        }
+    }
+    let done = events.last().unwrap();
+    assert_eq!(done.event, "done", "{events:?}");
+    (answer, done.json())
+}
+
+/// Greedy completion text of `prompt`.
+fn complete(s: &Server, prompt: &str, max_tokens: usize) -> String {
+    let (status, v) = s.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}));
+    assert_eq!(status, 200, "{v}");
+    v["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn the_server_runs_over_two_ranks() {
+    let turn1 = json!([{"role": "user", "content": "Write a function that reverses a list."}]);
+    let turn2 = |answer: &str| {
+        json!([{"role": "user", "content": "Write a function that reverses a list."},
+               {"role": "assistant", "content": answer},
+               {"role": "user", "content": "Now make it recursive."}])
+    };
+    // What one rank answers.
+    let one = Server::start_with(&nano(), &[]);
+    let want = complete(&one, "def main():", 24);
+    let (a1, _) = web_turn(&one, &turn1, "conv");
+    let (a2, _) = web_turn(&one, &turn2(&a1), "conv");
+    drop(one);
+
+    // Rank 0 serves HTTP; rank 1 computes its half of the experts (and heads: --tp) for every request.
+    let dir = scratch("serve");
+    let hosts = hostfile(&dir, 2);
+    let args =
+        strings(&["serve", "--port", "0", "--model", &nano().display().to_string(), "--distributed", "ring", "--tp"]);
+    let mut rank1 = Command::new(bin())
+        .args(&args)
+        .env("MLX_RANK", "1")
+        .env("MLX_HOSTFILE", &hosts)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let rank0 = Command::new(bin())
+        .args(&args)
+        .env("MLX_RANK", "0")
+        .env("MLX_HOSTFILE", &hosts)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let s = Server::attach(rank0, None);
+    assert_eq!(complete(&s, "def main():", 24), want, "completion over two ranks");
+
+    // A request refused on rank 0 never reaches rank 1; the ranks stay in step.
+    let (status, v) = s.post("/v1/completions", &json!({"prompt": [1, 2, 999999], "max_tokens": 4}));
+    assert_eq!(status, 400, "{v}");
+
+    // A client that hangs up mid-stream: rank 0 stops, and tells rank 1 at the next check.
+    let mut seen = 0;
+    let status = s.stream(
+        "/v1/completions",
+        &json!({"prompt": "def f():", "max_tokens": 300, "temperature": 0, "stream": true}),
+        |_| {
+            seen += 1;
+            seen < 3
+        },
+    );
+    assert_eq!(status, 200);
+
+    // Sessions: the second turn reuses the first turn's caches on both ranks, and answers as one rank does.
+    let (b1, _) = web_turn(&s, &turn1, "conv");
+    assert_eq!(b1, a1, "turn 1 over two ranks");
+    let (b2, done) = web_turn(&s, &turn2(&b1), "conv");
+    assert!(done["usage"]["cached_tokens"].as_u64().unwrap() > 0, "turn 2 reuses the session: {done}");
+    assert_eq!(b2, a2, "turn 2 over two ranks");
+    assert_eq!(complete(&s, "def main():", 24), want, "still in step");
+
+    // Rank 0 going away ends rank 1 with an error, not a hang.
+    drop(s);
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = rank1.try_wait().unwrap() {
+            break st;
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            rank1.kill().unwrap();
+            panic!("rank 1 still running 30 s after rank 0 was killed");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    rank1.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(!status.success(), "rank 1 must exit non-zero: {err}");
+    assert!(err.contains("mlx-k3: error:"), "rank 1 said: {err}");
 }

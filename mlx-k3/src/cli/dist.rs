@@ -31,7 +31,10 @@ impl DistArgs {
     pub fn join(&self) -> Result<Option<Arc<Comm>>> {
         let Some(name) = &self.distributed else { return Ok(None) };
         let backend = Backend::from_name(name).ok_or_else(|| {
-            Error::invalid("distributed", format!("--distributed: unknown back-end '{name}' (ring, jaccl, nccl, mpi, any)"))
+            Error::invalid(
+                "distributed",
+                format!("--distributed: unknown back-end '{name}' (ring, jaccl, nccl, mpi, any)"),
+            )
         })?;
         if backend != Backend::Any && !backend.is_available() {
             return Err(Error::invalid(

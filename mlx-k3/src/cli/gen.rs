@@ -58,6 +58,9 @@ pub struct ModelArgs {
     /// A system message for chat prompts.
     #[arg(long)]
     pub system: Option<String>,
+    #[command(flatten)]
+    /// Running over several ranks (`--distributed`, `--tp`).
+    pub dist: super::dist::DistArgs,
 }
 
 impl ModelArgs {
@@ -70,7 +73,14 @@ impl ModelArgs {
                     .ok_or_else(|| Error::invalid("cli", format!("--dtype: '{n}' is not a float dtype")))?,
             ),
         };
-        load_with_progress(&self.model, LoadOptions { dtype, lazy: false, shard: None })
+        let comm = self.dist.join()?;
+        let opts = super::dist::shard_options(LoadOptions { dtype, lazy: false, shard: None }, comm.as_ref());
+        let mut p = load_with_progress(&self.model, opts)?;
+        if let Some(c) = comm {
+            p.model.set_comm(c)?;
+            super::dist::report_rank(&p.model);
+        }
+        Ok(p)
     }
 
     fn options(&self) -> GenerateOptions {
@@ -149,6 +159,8 @@ pub(super) struct GenerateArgs {
 
 pub(super) fn generate(args: GenerateArgs) -> Result<()> {
     let p = args.model.load()?;
+    // A split model: every rank runs the same generation; rank 0 prints it.
+    let speak = p.model.shard().is_none_or(|s| s.rank == 0);
     let thinking = args.model.thinking()?;
     let use_chat = args.chat || (!args.raw && p.chat_by_default());
     let ids = if use_chat {
@@ -162,14 +174,20 @@ pub(super) fn generate(args: GenerateArgs) -> Result<()> {
         p.encode_raw(&args.prompt)?
     };
     let mut out = std::io::stdout();
-    if !use_chat {
+    if !use_chat && speak {
         // A raw prompt is continued: show it, then the continuation.
         print!("{}", args.prompt);
     }
     let r = p.generate(&mut PromptCache::new(), &ids, &args.model.options(), |piece| {
+        if !speak {
+            return true;
+        }
         print!("{piece}");
         out.flush().is_ok()
     })?;
+    if !speak {
+        return Ok(());
+    }
     println!();
     if use_chat {
         let parsed = p.parse_reply(&r.text, thinking);
@@ -197,14 +215,33 @@ pub(super) fn chat(args: ChatArgs) -> Result<()> {
         history.push(ChatMessage::new("system", s));
     }
     let mut cache = PromptCache::new();
-    eprintln!("chatting with {} (/clear resets the conversation, /exit or end of input quits)", p.dir.display());
+    // A split model: rank 0 reads the terminal and sends each line to the other ranks, which follow the same
+    // conversation silently.
+    let comm = p.model.comm().cloned();
+    let speak = comm.as_ref().is_none_or(|c| c.shard().rank == 0);
+    if speak {
+        eprintln!("chatting with {} (/clear resets the conversation, /exit or end of input quits)", p.dir.display());
+    }
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
     loop {
-        print!("> ");
-        out.flush().ok();
         let mut line = String::new();
-        if stdin.lock().read_line(&mut line).map_err(|e| Error::invalid("chat", e.to_string()))? == 0 {
+        if speak {
+            print!("> ");
+            out.flush().ok();
+            if stdin.lock().read_line(&mut line).map_err(|e| Error::invalid("chat", e.to_string()))? == 0 {
+                line.clear();
+            } else if line.trim().is_empty() {
+                continue;
+            }
+        }
+        if let Some(c) = &comm {
+            // An empty message is the end of input.
+            let bytes = c.broadcast_bytes(speak.then_some(line.as_bytes()))?;
+            line =
+                String::from_utf8(bytes).map_err(|_| Error::invalid("chat", "rank 0 sent a line that is not UTF-8"))?;
+        }
+        if line.is_empty() {
             break;
         }
         let line = line.trim_end_matches(['\n', '\r']);
@@ -221,15 +258,27 @@ pub(super) fn chat(args: ChatArgs) -> Result<()> {
         history.push(ChatMessage::new("user", line));
         let ids = p.encode_chat(&history, None, thinking)?;
         let r = p.generate(&mut cache, &ids, &opts, |piece| {
-            print!("{piece}");
-            out.flush().is_ok()
+            if speak {
+                print!("{piece}");
+                out.flush().is_ok()
+            } else {
+                true
+            }
         })?;
-        println!();
-        let parsed = p.parse_reply(&r.text, thinking);
+        // The reply as rank 0 saw it (its output may have been cut short) goes into every rank's history.
+        let text = match &comm {
+            Some(c) => String::from_utf8(c.broadcast_bytes(speak.then_some(r.text.as_bytes()))?)
+                .map_err(|_| Error::invalid("chat", "rank 0 sent a reply that is not UTF-8"))?,
+            None => r.text.clone(),
+        };
+        let parsed = p.parse_reply(&text, thinking);
         let mut reply = ChatMessage::new("assistant", &parsed.content);
         reply.tool_calls = parsed.tool_calls;
         history.push(reply);
-        print_stats(&r.stats);
+        if speak {
+            println!();
+            print_stats(&r.stats);
+        }
     }
     Ok(())
 }

@@ -74,7 +74,12 @@ pub(super) fn run(args: Args) -> Result<()> {
     let cfg = ModelConfig::load(&args.dir)?;
     let t = &cfg.text;
     // Lazy: shapes, dtypes and quantization only; no tensor data is read.
-    let model = KimiK3::load_with_config(&args.dir, &cfg, LoadOptions { dtype: None, lazy: true, shard: None }, &mut |_, _| {})?;
+    let model = KimiK3::load_with_config(
+        &args.dir,
+        &cfg,
+        LoadOptions { dtype: None, lazy: true, shard: None },
+        &mut |_, _| {},
+    )?;
     let kda = (0..t.num_hidden_layers).filter(|&i| t.is_kda(i)).count();
     let moe = (0..t.num_hidden_layers).filter(|&i| t.is_moe(i)).count();
     println!("{}: {}", args.dir.display(), cfg.model_type);

@@ -33,6 +33,8 @@ pub(super) struct Args {
     /// MiB of KV state kept for sessions; least-recently-used sessions are dropped beyond it.
     #[arg(long, default_value_t = 2048)]
     session_cache_mib: usize,
+    #[command(flatten)]
+    dist: super::dist::DistArgs,
 }
 
 pub(super) fn run(args: Args) -> Result<()> {
@@ -47,13 +49,20 @@ pub(super) fn run(args: Args) -> Result<()> {
     if args.max_queue == 0 {
         return Err(Error::invalid("cli", "--max-queue must be at least 1"));
     }
+    let comm = args.dist.join()?;
+    let engine = EngineConfig {
+        model_dir: args.model,
+        load: LoadOptions { dtype, lazy: false, shard: None },
+        max_queue: args.max_queue,
+        session_cache_bytes: args.session_cache_mib.saturating_mul(1 << 20),
+        comm: comm.clone(),
+    };
+    if comm.as_ref().is_some_and(|c| c.shard().rank != 0) {
+        // Rank 0 serves HTTP and sends every request to the other ranks, which compute their part of it.
+        return crate::engine::run_worker(engine);
+    }
     server::run(ServerConfig {
-        engine: EngineConfig {
-            model_dir: args.model,
-            load: LoadOptions { dtype, lazy: false, shard: None },
-            max_queue: args.max_queue,
-            session_cache_bytes: args.session_cache_mib.saturating_mul(1 << 20),
-        },
+        engine,
         host: args.host,
         port: args.port,
         api_key: args.api_key.filter(|k| !k.is_empty()),

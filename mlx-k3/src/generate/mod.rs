@@ -17,7 +17,7 @@ pub use pipeline::Pipeline;
 pub use sample::{Sampler, SamplerConfig};
 
 /// Settings of one generation.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct GenerateOptions {
     /// Stop after this many new tokens.
     pub max_tokens: usize,

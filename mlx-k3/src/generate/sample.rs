@@ -7,7 +7,7 @@
 use crate::{random, Array, Dtype, Error, Result};
 
 /// Sampling settings.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplerConfig {
     /// Temperature; 0 means greedy.
     pub temperature: f32,

@@ -304,9 +304,10 @@ pub fn sanitize(w: &mut RawWeights, cfg: &TextConfig, expert_range: Option<Range
                 };
                 if let Some(packed) = w.stack_experts(&src, experts, &erange, &format!("{s}.weight_packed"))? {
                     // compressed-tensors MXFP4: uint8 codes viewed as MLX's uint32 words, E8M0 scales.
-                    let scales = w.stack_experts(&src, experts, &erange, &format!("{s}.weight_scale"))?.ok_or_else(|| {
-                        Error::invalid("load", format!("missing tensor '{src}.experts.0.{s}.weight_scale'"))
-                    })?;
+                    let scales =
+                        w.stack_experts(&src, experts, &erange, &format!("{s}.weight_scale"))?.ok_or_else(|| {
+                            Error::invalid("load", format!("missing tensor '{src}.experts.0.{s}.weight_scale'"))
+                        })?;
                     let from = format!("{src}.experts.0.{s}.weight_packed");
                     w.files.insert(from.clone(), w.files.get(&from).cloned().unwrap_or_default());
                     w.put(format!("{dst}.switch_mlp.{d}.weight"), packed.view(Dtype::U32)?, &from);

@@ -85,7 +85,14 @@ impl Mla {
             kv_a: Linear::load(ws, &p_("kv_a_proj_with_mqa"), hidden, m.kv_lora_rank + m.qk_rope)?,
             kv_a_norm: RmsNorm::load(ws, &p_("kv_a_layernorm"), m.kv_lora_rank, 1e-6)?,
             embed_q: MultiLinear::load_part(ws, &p_("embed_q"), m.qk_nope, m.kv_lora_rank, m.heads, &heads_part)?,
-            unembed_out: MultiLinear::load_part(ws, &p_("unembed_out"), m.kv_lora_rank, m.v_head, m.heads, &heads_part)?,
+            unembed_out: MultiLinear::load_part(
+                ws,
+                &p_("unembed_out"),
+                m.kv_lora_rank,
+                m.v_head,
+                m.heads,
+                &heads_part,
+            )?,
             o_proj: Linear::load_part(ws, &p_("o_proj"), m.heads * m.v_head, hidden, &o_part)?,
             g_proj: if cfg.mla_use_output_gate {
                 Some(Linear::load_part(ws, &p_("g_proj"), hidden, m.heads * m.v_head, &v_rows)?)

@@ -223,8 +223,9 @@ impl KimiK3 {
         let mut ws = WeightStore::fabricating(seed, Dtype::F32)?;
         let (d, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed = Embedding::load(&mut ws, "model.embed_tokens", v, d)?;
-        let layers =
-            (0..cfg.num_hidden_layers).map(|i| DecoderLayer::load(&mut ws, i, cfg, None)).collect::<Result<Vec<_>>>()?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::load(&mut ws, i, cfg, None))
+            .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(&mut ws, "model.norm", d, cfg.rms_norm_eps)?;
         let output_res = match cfg.attn_res_block_size {
             Some(_) => Some(load_w_eff(&mut ws, "model.output_attn_res", d, cfg.rms_norm_eps)?),

@@ -255,7 +255,8 @@ impl SparseMoe {
             None => None,
         };
         if self.local.is_some() {
-            let comm = comm.ok_or_else(|| crate::Error::invalid("moe", "an expert-parallel layer needs the communicator"))?;
+            let comm =
+                comm.ok_or_else(|| crate::Error::invalid("moe", "an expert-parallel layer needs the communicator"))?;
             // Ranks without shared experts (they live on rank 0) add zeros to the shared part of the sum.
             if self.shared_on_rank0 && shared.is_none() {
                 shared = Some(crate::ops::zeros(&x.shape(), x.dtype())?);

@@ -148,6 +148,34 @@ impl Comm {
         &self.group
     }
 
+    /// Rank 0's `data` on every rank (the others pass `None`): its length, then its bytes, each as one
+    /// all_sum in which the other ranks add zeros (MLX's collectives have no broadcast). Blocks until rank 0
+    /// sends.
+    pub fn broadcast_bytes(&self, data: Option<&[u8]>) -> Result<Vec<u8>> {
+        let mine = if self.shard.rank == 0 {
+            data.ok_or_else(|| Error::invalid("distributed", "rank 0 must give the bytes it broadcasts"))?
+        } else {
+            &[]
+        };
+        let len = i32::try_from(mine.len())
+            .map_err(|_| Error::invalid("distributed", format!("{} bytes are too many to broadcast", mine.len())))?;
+        let n = self.group.all_sum(&Array::from_slice(&[len], &[1])?)?.to_vec::<i32>()?[0];
+        if n < 0 {
+            return Err(Error::invalid("distributed", format!("a broadcast announced {n} bytes")));
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let words: Vec<i32> =
+            if self.shard.rank == 0 { mine.iter().map(|&b| b as i32).collect() } else { vec![0; n as usize] };
+        let got = self.group.all_sum(&Array::from_slice(&words, &[n])?)?.to_vec::<i32>()?;
+        got.into_iter()
+            .map(|v| {
+                u8::try_from(v).map_err(|_| Error::invalid("distributed", format!("a broadcast byte summed to {v}")))
+            })
+            .collect()
+    }
+
     /// Sum over ranks, accumulated in f32 whatever `x`'s dtype, returned in `x`'s dtype.
     pub fn all_sum_f32(&self, x: &Array) -> Result<Array> {
         let dt = x.dtype();

@@ -208,7 +208,10 @@ impl WeightStore {
             if *part != Part::rows(r.clone()) {
                 return Err(Error::Format {
                     path: self.dir.clone(),
-                    message: format!("tensor {} holds experts {r:?} only, but {part:?} was asked for", self.where_(name)),
+                    message: format!(
+                        "tensor {} holds experts {r:?} only, but {part:?} was asked for",
+                        self.where_(name)
+                    ),
                 });
             }
             let mut local = shape.to_vec();
@@ -280,7 +283,14 @@ impl WeightStore {
     }
 
     /// A float tensor cast to the activation dtype, with its dtype and bytes as stored in the checkpoint.
-    fn take_float(&mut self, name: &str, shape: &[i32], part: &Part, num: i32, den: i32) -> Result<(Array, (Dtype, u64))> {
+    fn take_float(
+        &mut self,
+        name: &str,
+        shape: &[i32],
+        part: &Part,
+        num: i32,
+        den: i32,
+    ) -> Result<(Array, (Dtype, u64))> {
         let a = self.take_raw_part(name, shape, part, num, den)?;
         let stored = (a.dtype(), a.nbytes() as u64);
         if !a.dtype().is_float() {
@@ -437,7 +447,15 @@ impl WeightStore {
     }
 
     /// Takes a raw tensor of a given shape and dtype.
-    fn take_typed(&mut self, name: &str, shape: &[i32], dtype: Dtype, part: &Part, num: i32, den: i32) -> Result<Array> {
+    fn take_typed(
+        &mut self,
+        name: &str,
+        shape: &[i32],
+        dtype: Dtype,
+        part: &Part,
+        num: i32,
+        den: i32,
+    ) -> Result<Array> {
         let a = self.take_raw_part(name, shape, part, num, den)?;
         if a.dtype() != dtype {
             return Err(Error::Format {
@@ -496,10 +514,13 @@ impl WeightStore {
             });
         }
         // A tier none of this part's experts use is dropped unread.
-        for (i, (stem, leaves)) in
-            [("codebook", &["codes", "qh", "scales"][..]), ("mxfp4", &["weight", "scales"]), ("affine", &["weight", "scales", "biases"])]
-                .into_iter()
-                .enumerate()
+        for (i, (stem, leaves)) in [
+            ("codebook", &["codes", "qh", "scales"][..]),
+            ("mxfp4", &["weight", "scales"]),
+            ("affine", &["weight", "scales", "biases"]),
+        ]
+        .into_iter()
+        .enumerate()
         {
             if matches!(&sub[i], Part::Rows(r) if r.is_empty()) {
                 for leaf in leaves {

@@ -70,7 +70,7 @@ impl Server {
 
     /// Starts the server with the checkpoint at `model`.
     pub fn start_with(model: &std::path::Path, extra: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_mlx-k3"))
+        let child = Command::new(env!("CARGO_BIN_EXE_mlx-k3"))
             .args(["serve", "--port", "0", "--model"])
             .arg(model)
             .args(extra)
@@ -78,6 +78,12 @@ impl Server {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("cannot start mlx-k3 serve");
+        let key = extra.iter().position(|a| *a == "--api-key").map(|i| extra[i + 1].to_string());
+        Server::attach(child, key)
+    }
+
+    /// Waits for an already started `mlx-k3 serve --port 0` (stdout piped) to print its address.
+    pub fn attach(mut child: Child, key: Option<String>) -> Server {
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -96,7 +102,6 @@ impl Server {
         };
         let url = line.rsplit(' ').next().unwrap().to_string();
         assert!(url.starts_with("http://"), "unexpected first line from serve: {line}");
-        let key = extra.iter().position(|a| *a == "--api-key").map(|i| extra[i + 1].to_string());
         Server { child, url, agent: agent(), key }
     }
 
