@@ -554,7 +554,15 @@ pub fn convert(job: &ConvertJob) -> Result<ConvertSummary> {
     let fingerprint = store::fingerprint(&fp_job);
 
     // Tier plan: a scoring pass over the routed experts (low-band Hessian-weighted error x activation mass).
-    let tier_plan = if tiered { Some(score_tiers(job, &src, &plan)?) } else { None };
+    // The scoring pass reads every routed expert stack once (released layer by layer); the conversion then
+    // starts from a freshly opened source, so neither pass holds more than about one layer.
+    let tier_plan = if tiered {
+        let p = score_tiers(job, &mut src, &plan)?;
+        src = Source::open(job.from)?;
+        Some(p)
+    } else {
+        None
+    };
 
     let (mut out, resume) = Output::open(job.to, &fingerprint, job.overwrite)?;
     if resume == Resume::Complete {
@@ -595,12 +603,12 @@ fn profile_of<'a>(job: &'a ConvertJob) -> Option<&'a Calibration> {
     job.profile.or(job.calib)
 }
 
-fn score_tiers(job: &ConvertJob, src: &Source, plan: &Plan) -> Result<TierPlan> {
+fn score_tiers(job: &ConvertJob, src: &mut Source, plan: &Plan) -> Result<TierPlan> {
     let t = job.recipe.tiers.as_ref().ok_or_else(|| Error::invalid("convert", "no [tiers]"))?;
     let prof = profile_of(job).ok_or_else(|| Error::invalid("convert", "tiers need calibration"))?;
     let pb = progress_bar(src.units.len(), job.progress, "scoring");
     let mut layer_scores = BTreeMap::new();
-    for unit in &src.units {
+    for unit in src.units.clone() {
         pb.inc(1);
         let Some(l) = unit.layer else { continue };
         let mut herr: Option<Vec<f64>> = None;
@@ -619,7 +627,10 @@ fn score_tiers(job: &ConvertJob, src: &Source, plan: &Plan) -> Result<TierPlan> 
                 let rows = [imp[if imp.len() == 1 { 0 } else { x }].clone()];
                 *hx += measure(&w[r.clone()], &enc.decoded[r], k, n * k, Some(&rows)).1;
             }
+            drop(w);
+            crate::memory::clear_cache();
         }
+        src.release(&unit);
         let Some(herr) = herr else { continue };
         let r = prof.routing.get(&l).ok_or_else(|| {
             Error::invalid("convert", format!("the calibration has no routing statistics for layer {l}"))
@@ -706,6 +717,10 @@ fn convert_unit(
         for (suffix, t) in enc.tensors {
             tensors.push((format!("language_model.{}.{suffix}", m.path), t));
         }
+        // The f32 working copies of this module are gone; hand MLX's cached buffers back before the next
+        // one, so the peak is one module's working set, not a whole layer's.
+        drop(w);
+        crate::memory::clear_cache();
     }
     for name in &unit.plain {
         let a = src.plain(name)?;

@@ -123,23 +123,29 @@ fn load(dir: &Path) -> Result<KimiK3> {
     KimiK3::load(dir, LoadOptions { dtype: Some(Dtype::F32), ..Default::default() })
 }
 
-/// Bits per weight and bytes of a loaded model: in all, and for the routed experts.
+/// Bits per weight and bytes of a checkpoint: in all, and for the routed experts. Bytes are the tensors as
+/// stored (from the shards' headers), so they do not depend on the dtype the model was loaded in; parameter
+/// counts are the loaded model's unquantized shapes.
 pub fn size_report(model: &KimiK3, dir: &Path) -> Result<Value> {
     let cfg = model.config();
-    let (mut p, mut b, mut pe, mut be) = (0u64, 0u64, 0u64, 0u64);
+    let (mut p, mut pe) = (0u64, 0u64);
     for r in model.tensor_records() {
         p += r.params;
-        b += r.bytes;
         if crate::cli::inspect::tensor_class(&r.path, cfg) == "routed experts" {
             pe += r.params;
-            be += r.bytes;
         }
     }
-    let files: u64 = crate::model::loader::weight_files(dir)?
-        .iter()
-        .filter_map(|f| std::fs::metadata(f).ok())
-        .map(|m| m.len())
-        .sum();
+    let (mut b, mut be, mut files) = (0u64, 0u64, 0u64);
+    for f in crate::model::loader::weight_files(dir)? {
+        files += std::fs::metadata(&f).map_err(|source| Error::Io { path: f.clone(), source })?.len();
+        for (name, loc) in crate::model::loader::validate_safetensors(&f)? {
+            let n = loc.shape.iter().product::<usize>() as u64 * loc.dtype.size_of() as u64;
+            b += n;
+            if name.contains(".mlp.switch_mlp.") {
+                be += n;
+            }
+        }
+    }
     Ok(json!({
         "params": p,
         "bytes": b,
