@@ -751,3 +751,47 @@ fn calibration_routing_statistics_and_reap_saliency_match_a_direct_computation()
         println!("layer {l}: counts {counts:?}");
     }
 }
+
+#[test]
+fn calibration_killed_after_a_checkpoint_resumes_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = |out: &Path| -> Vec<String> {
+        let n = nano();
+        [
+            "calibrate",
+            "--model",
+            n.to_str().unwrap(),
+            "--data",
+            &heldout(),
+            "--ctx",
+            "64",
+            "--windows",
+            "12",
+            "--skip",
+            "300",
+            "--checkpoint-every",
+            "3",
+            "--out",
+            out.to_str().unwrap(),
+            "--quiet",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let reference = tmp.path().join("reference.safetensors");
+    run_ok(&args(&reference).iter().map(String::as_str).collect::<Vec<_>>());
+    let out = tmp.path().join("killed.safetensors");
+    let partial = tmp.path().join("killed.safetensors.partial");
+    let mut child = Command::new(bin()).args(args(&out)).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    // Kill it as soon as its first saved checkpoint appears (the saves are atomic: the file is complete).
+    while !partial.exists() && child.try_wait().unwrap().is_none() {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().ok();
+    child.wait().unwrap();
+    assert!(partial.exists() && !out.exists(), "the run finished before it could be killed mid-way");
+    run_ok(&args(&out).iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(std::fs::read(&out).unwrap() == std::fs::read(&reference).unwrap(), "resumed calibration differs");
+    assert!(!partial.exists(), "the checkpoint file is left behind");
+}
