@@ -795,3 +795,37 @@ fn calibration_killed_after_a_checkpoint_resumes_byte_identical() {
     assert!(std::fs::read(&out).unwrap() == std::fs::read(&reference).unwrap(), "resumed calibration differs");
     assert!(!partial.exists(), "the checkpoint file is left behind");
 }
+
+#[test]
+fn release_named_checkpoint_converts_to_mlx_names_with_the_same_logits() {
+    // Fixture d under the release's tensor names (per-expert w1/w2/w3, fused kv_b_proj): converted with every
+    // tensor kept float32, the output is in mlx-lm's names (stacked experts, split kv_b) and computes what the
+    // source computes, and what mlx-lm computed for it (expected.safetensors).
+    let tmp = tempfile::tempdir().unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/k3/d_latent_norm_attnres_untied_release");
+    let recipe = write_recipe(tmp.path(), "f32.toml", "dtype = \"float32\"\n");
+    let out = tmp.path().join("out");
+    run_ok(&[
+        "convert",
+        "--from",
+        src.to_str().unwrap(),
+        "--to",
+        out.to_str().unwrap(),
+        "--recipe",
+        &recipe,
+        "--quiet",
+    ]);
+    let index: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap()).unwrap();
+    let names: Vec<&String> = index["weight_map"].as_object().unwrap().keys().collect();
+    assert!(names.iter().any(|n| n.ends_with(".mlp.switch_mlp.up_proj.weight")), "{names:?}");
+    assert!(!names.iter().any(|n| n.contains(".experts.0.") || n.contains("kv_b_proj")), "{names:?}");
+    let expected = Safetensors::load(src.join("expected.safetensors")).unwrap();
+    let prompt = expected.get("prompt").unwrap().to_vec::<i32>().unwrap();
+    let want = expected.get("prefill_logits").unwrap().to_vec::<f32>().unwrap();
+    let (a, b) = (logits(&load(&src), &prompt), logits(&load(&out), &prompt));
+    assert_eq!(a, b, "converted float32 checkpoint computes other logits than its source");
+    let e = rel(&b, &want);
+    println!("release fixture d converted: rel err vs mlx-lm {e:.2e}");
+    assert!(e < 1e-5, "rel err {e}");
+}
