@@ -1,12 +1,13 @@
 //! Compression tools end to end (`convert`, `calibrate`, `prune`, `retier`, `eval`): the host affine
 //! quantizer reproduces MLX's `quantize` bit for bit and its clip search beats min-max on real weights;
-//! converted checkpoints load (here and in mlx-lm) and run; a conversion killed with SIGKILL at random points
-//! and rerun is byte-identical to an uninterrupted one; bad input fails before anything is written; a
-//! REAP-pruned model computes what the original computes with the dropped experts unreachable; evaluation
-//! repeats exactly.
+//! converted checkpoints load and run (and mlx-lm reads the MLX-format ones); conversions and calibrations
+//! killed with SIGKILL resume byte-identical; bad input fails before anything is written; a REAP-pruned model
+//! computes what the original computes with the dropped experts unreachable; calibration statistics and
+//! evaluation numbers match direct computations and repeat exactly.
 //!
-//! References are independent of the code under test: MLX's own quantize/dequantize, mlx-lm's loader and
-//! forward, and the original model with its router biases masked.
+//! References are independent of the code under test: MLX's own quantize/dequantize, mlx-lm's logits (a
+//! committed fixture, `scripts/compress/mlx_lm_logits.py`), the original model with its router biases
+//! masked, and f64 recomputations here from the checkpoint's weights and both models' logits.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
