@@ -29,6 +29,7 @@ mod error;
 pub mod chat;
 pub mod cli;
 pub mod codebook;
+pub mod compress;
 pub mod distributed;
 pub mod engine;
 pub mod eval;

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod compress;
 pub mod dist;
 mod dist_check;
 pub mod gen;
@@ -39,6 +40,19 @@ enum Command {
     /// Per-rank weight bytes by tensor class for a model split over N ranks (expert parallel, optionally
     /// tensor parallel), as `--distributed` would load it; reads only headers.
     Plan(dist::PlanArgs),
+    /// Re-encode a checkpoint per a recipe (format per tensor class, clip search, codebook/MXFP4 tiers), one
+    /// decoder layer at a time, into a resumable output folder.
+    Convert(compress::ConvertArgs),
+    /// Run calibration text through a model: importance (mean x^2 per input column, per expert), routing
+    /// statistics and REAP saliency, saved as safetensors.
+    Calibrate(compress::CalibrateArgs),
+    /// Re-select a tiered checkpoint's MXFP4 experts for a language/domain profile, same count per layer.
+    Retier(compress::RetierArgs),
+    /// REAP expert pruning: keep the N most salient experts per MoE layer, rewrite router rows and biases.
+    Prune(compress::PruneArgs),
+    /// Perplexity, or KL(teacher || build) with top-1 flips, on identical windows.
+    #[command(subcommand)]
+    Eval(compress::EvalCommand),
     /// Serve the model over HTTP: OpenAI-compatible API, /api/chat (SSE, sessions), metrics, web chat page.
     Serve(serve::Args),
 }
@@ -55,6 +69,11 @@ pub fn main() -> ExitCode {
         Command::Logits(args) => logits::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Plan(args) => dist::plan(args),
+        Command::Convert(args) => compress::run_convert(args),
+        Command::Calibrate(args) => compress::run_calibrate(args),
+        Command::Retier(args) => compress::run_retier(args),
+        Command::Prune(args) => compress::run_prune(args),
+        Command::Eval(cmd) => compress::run_eval(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,420 @@
+//! `convert`, `calibrate`, `retier`, `prune` and `eval`: building compressed checkpoints and measuring them
+//! (library code in [`crate::compress`]).
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::{Args as ClapArgs, Subcommand};
+use serde_json::{json, Value};
+
+use crate::compress::calibrate::{calibrate, CalibrateJob};
+use crate::compress::convert::{convert, peak_rss, ConvertJob, Selection};
+use crate::compress::evalkl::{evaluate, Teacher, TeacherCache};
+use crate::compress::prune::{prune, PruneJob};
+use crate::compress::recipe::RecipeFile;
+use crate::compress::{data, store, Calibration, Recipe};
+use crate::{Error, Result};
+
+fn show_progress(quiet: bool) -> bool {
+    !quiet && std::io::stderr().is_terminal()
+}
+
+fn print(value: &Value, as_json: bool, human: impl FnOnce()) {
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(value).unwrap_or_default());
+    } else {
+        human();
+    }
+}
+
+fn with_run_info(mut v: Value, t0: Instant) -> Value {
+    if let Some(o) = v.as_object_mut() {
+        o.insert("seconds".into(), json!((t0.elapsed().as_secs_f64() * 1000.0).round() / 1000.0));
+        o.insert("peak_rss_bytes".into(), json!(peak_rss()));
+    }
+    v
+}
+
+/// Options of `convert`.
+#[derive(ClapArgs, Debug)]
+pub(super) struct ConvertArgs {
+    /// Source checkpoint (mlx-lm or release layout, float or quantized).
+    #[arg(long)]
+    from: PathBuf,
+    /// Output folder (created; a partial output of the same job is resumed).
+    #[arg(long)]
+    to: PathBuf,
+    /// Recipe file (.toml or .json).
+    #[arg(long)]
+    recipe: PathBuf,
+    /// Calibration statistics from `mlx-k3 calibrate` (importance weighting, tier scores).
+    #[arg(long)]
+    calib: Option<PathBuf>,
+    /// Remove whatever is in --to first.
+    #[arg(long)]
+    overwrite: bool,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+fn summary_table(manifest: &Value) {
+    if let Some(classes) = manifest.get("classes").and_then(Value::as_object) {
+        println!("{:<16} {:>10} {:>10} {:>7} {:>10} {:>10}", "class", "params", "bytes", "bpw", "rel err", "min-max");
+        for (k, v) in classes {
+            let f = |key: &str| v.get(key).and_then(Value::as_f64);
+            println!(
+                "{k:<16} {:>10} {:>10} {:>7.3} {:>10.3e} {:>10}",
+                f("params").unwrap_or(0.0),
+                f("bytes").unwrap_or(0.0),
+                f("bpw").unwrap_or(0.0),
+                f("rel_err").unwrap_or(0.0),
+                f("minmax_rel_err").map(|x| format!("{x:.3e}")).unwrap_or_else(|| "-".into())
+            );
+        }
+    }
+    if let Some(plan) = manifest.get("tier_plan").and_then(|p| p.get("promoted")).and_then(Value::as_object) {
+        let counts: Vec<String> =
+            plan.iter().map(|(l, v)| format!("{l}:{}", v.as_array().map_or(0, Vec::len))).collect();
+        println!("promoted experts per layer: {}", counts.join(" "));
+    }
+}
+
+pub(super) fn run_convert(args: ConvertArgs) -> Result<()> {
+    let t0 = Instant::now();
+    let recipe = Recipe::load(&args.recipe)?;
+    let calib = args.calib.as_deref().map(Calibration::load).transpose()?;
+    let job = ConvertJob {
+        from: &args.from,
+        to: &args.to,
+        recipe: &recipe,
+        calib: calib.as_ref(),
+        profile: None,
+        selection: Selection::Budget,
+        overwrite: args.overwrite,
+        progress: show_progress(args.quiet),
+        tool: "convert",
+    };
+    let s = convert(&job)?;
+    let out = with_run_info(
+        json!({"to": args.to.display().to_string(), "resume": format!("{:?}", s.resume), "units_written": s.written,
+               "units": s.units, "classes": s.manifest.get("classes"), "tier_plan": s.manifest.get("tier_plan"),
+               "fingerprint": s.manifest.get("fingerprint")}),
+        t0,
+    );
+    print(&out, args.json, || {
+        println!("{}: {} of {} units written ({:?})", args.to.display(), s.written, s.units, s.resume);
+        summary_table(&s.manifest);
+        if let Some(r) = peak_rss() {
+            println!("peak RSS {:.1} MiB, {:.1} s", r as f64 / 1048576.0, t0.elapsed().as_secs_f64());
+        }
+    });
+    Ok(())
+}
+
+/// Where calibration / evaluation windows come from.
+#[derive(ClapArgs, Debug)]
+pub(super) struct DataArgs {
+    /// Token ids (.safetensors with a `tokens` tensor) or UTF-8 text (encoded with the model's tokenizer).
+    #[arg(long)]
+    data: PathBuf,
+    /// Windows to use.
+    #[arg(long, default_value_t = 16)]
+    windows: usize,
+    /// Tokens per window.
+    #[arg(long, default_value_t = 2048)]
+    ctx: usize,
+    /// Windows to skip at the start of the data (to keep calibration and evaluation windows apart).
+    #[arg(long, default_value_t = 0)]
+    skip: usize,
+}
+
+impl DataArgs {
+    fn windows(&self, model: &Path) -> Result<Vec<Vec<u32>>> {
+        let tokens = data::load_tokens(&self.data, model)?;
+        data::windows(&tokens, self.ctx, self.windows, self.skip, &self.data)
+    }
+}
+
+/// Options of `calibrate`.
+#[derive(ClapArgs, Debug)]
+pub(super) struct CalibrateArgs {
+    /// The model folder.
+    #[arg(long)]
+    model: PathBuf,
+    #[command(flatten)]
+    data: DataArgs,
+    /// Output statistics file (.safetensors).
+    #[arg(long)]
+    out: PathBuf,
+    /// Save the running sums every this many windows (resume point).
+    #[arg(long, default_value_t = 8)]
+    checkpoint_every: usize,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+pub(super) fn run_calibrate(args: CalibrateArgs) -> Result<()> {
+    let t0 = Instant::now();
+    let windows = args.data.windows(&args.model)?;
+    let s = calibrate(&CalibrateJob {
+        model: &args.model,
+        windows: &windows,
+        out: &args.out,
+        checkpoint_every: args.checkpoint_every,
+        progress: show_progress(args.quiet),
+    })?;
+    let s = with_run_info(s, t0);
+    print(&s, args.json, || {
+        println!(
+            "{}: {} tokens in {} windows of {}; importance for {} modules, routing for {} MoE layers",
+            args.out.display(),
+            s["tokens"],
+            s["windows"],
+            s["ctx"],
+            s["modules"],
+            s["moe_layers"]
+        )
+    });
+    Ok(())
+}
+
+/// Options of `retier`.
+#[derive(ClapArgs, Debug)]
+pub(super) struct RetierArgs {
+    /// A tiered checkpoint made by `convert` (its manifest gives the recipe and the count per layer).
+    #[arg(long)]
+    model: PathBuf,
+    /// The source checkpoint it was converted from.
+    #[arg(long)]
+    from: PathBuf,
+    /// Calibration statistics of the target language/domain (from `calibrate`).
+    #[arg(long)]
+    profile: PathBuf,
+    /// Output folder.
+    #[arg(long)]
+    to: PathBuf,
+    /// Calibration for the encoders' importance weighting (default: the profile).
+    #[arg(long)]
+    calib: Option<PathBuf>,
+    /// Remove whatever is in --to first.
+    #[arg(long)]
+    overwrite: bool,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+pub(super) fn run_retier(args: RetierArgs) -> Result<()> {
+    let t0 = Instant::now();
+    let mpath = args.model.join(store::MANIFEST);
+    let fmt = |m: String| Error::Format { path: mpath.clone(), message: m };
+    let text = std::fs::read_to_string(&mpath).map_err(|source| Error::Io { path: mpath.clone(), source })?;
+    let manifest: Value = serde_json::from_str(&text).map_err(|e| fmt(format!("not valid JSON: {e}")))?;
+    let file: RecipeFile = serde_json::from_value(manifest.get("recipe").cloned().unwrap_or(Value::Null))
+        .map_err(|e| fmt(format!("recipe: {e}")))?;
+    let recipe = Recipe::check(file).map_err(|e| fmt(e.to_string()))?;
+    let plan: crate::compress::tier::TierPlan =
+        serde_json::from_value(manifest.get("tier_plan").cloned().unwrap_or(Value::Null))
+            .map_err(|_| fmt("has no tier plan: not a tiered conversion".into()))?;
+    let profile = Calibration::load(&args.profile)?;
+    let calib = args.calib.as_deref().map(Calibration::load).transpose()?;
+    let job = ConvertJob {
+        from: &args.from,
+        to: &args.to,
+        recipe: &recipe,
+        calib: calib.as_ref().or(Some(&profile)),
+        profile: Some(&profile),
+        selection: Selection::Counts(plan.counts()),
+        overwrite: args.overwrite,
+        progress: show_progress(args.quiet),
+        tool: "retier",
+    };
+    let s = convert(&job)?;
+    let new_plan: crate::compress::tier::TierPlan =
+        serde_json::from_value(s.manifest.get("tier_plan").cloned().unwrap_or(Value::Null)).unwrap_or_default();
+    let changed: usize =
+        plan.promoted.iter().map(|(l, ids)| ids.iter().filter(|e| !new_plan.is_promoted(*l, **e)).count()).sum();
+    let out = with_run_info(
+        json!({"to": args.to.display().to_string(), "units_written": s.written, "promoted": new_plan.total(),
+               "swapped": changed, "tier_plan": new_plan, "classes": s.manifest.get("classes")}),
+        t0,
+    );
+    print(&out, args.json, || {
+        println!(
+            "{}: re-tiered, {} promoted experts ({} swapped in, same count per layer)",
+            args.to.display(),
+            new_plan.total(),
+            changed
+        );
+        summary_table(&s.manifest);
+    });
+    Ok(())
+}
+
+/// Options of `prune`.
+#[derive(ClapArgs, Debug)]
+pub(super) struct PruneArgs {
+    /// The checkpoint to prune.
+    #[arg(long)]
+    model: PathBuf,
+    /// Experts kept per MoE layer.
+    #[arg(long)]
+    keep: usize,
+    /// Calibration statistics with REAP saliency (from `calibrate`).
+    #[arg(long)]
+    stats: PathBuf,
+    /// Output folder.
+    #[arg(long)]
+    to: PathBuf,
+    /// Remove whatever is in --to first.
+    #[arg(long)]
+    overwrite: bool,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+pub(super) fn run_prune(args: PruneArgs) -> Result<()> {
+    let t0 = Instant::now();
+    let stats = Calibration::load(&args.stats)?;
+    let m = prune(&PruneJob {
+        model: &args.model,
+        to: &args.to,
+        keep: args.keep,
+        stats: &stats,
+        overwrite: args.overwrite,
+        progress: show_progress(args.quiet),
+    })?;
+    let out = with_run_info(m.clone(), t0);
+    print(&out, args.json, || {
+        println!("{}: kept {} of {} experts per MoE layer", args.to.display(), args.keep, m["experts"]);
+        println!("{:>5} {:>8} {:>8} {:>8}", "layer", "REAP", "ideal", "random");
+        for l in m["layers"].as_array().into_iter().flatten() {
+            let r = &l["retained_mass"];
+            println!(
+                "{:>5} {:>7.1}% {:>7.1}% {:>7.1}%",
+                l["layer"],
+                r["reap"].as_f64().unwrap_or(0.0) * 100.0,
+                r["ideal"].as_f64().unwrap_or(0.0) * 100.0,
+                r["random"].as_f64().unwrap_or(0.0) * 100.0
+            );
+        }
+        let s = &m["retained_mass_mean"];
+        println!(
+            " mean {:>7.1}% {:>7.1}% {:>7.1}%",
+            s["reap"].as_f64().unwrap_or(0.0) * 100.0,
+            s["ideal"].as_f64().unwrap_or(0.0) * 100.0,
+            s["random"].as_f64().unwrap_or(0.0) * 100.0
+        );
+    });
+    Ok(())
+}
+
+/// `eval ppl|kl`.
+#[derive(Subcommand, Debug)]
+pub(super) enum EvalCommand {
+    /// Perplexity of a model on identical windows.
+    Ppl(EvalArgs),
+    /// KL(teacher || build), top-1 flips and perplexity on identical windows.
+    Kl(EvalArgs),
+}
+
+/// Options of `eval`.
+#[derive(ClapArgs, Debug)]
+pub(super) struct EvalArgs {
+    /// The build to measure.
+    #[arg(long)]
+    model: PathBuf,
+    #[command(flatten)]
+    data: DataArgs,
+    /// Teacher checkpoint (exact KL).
+    #[arg(long)]
+    teacher: Option<PathBuf>,
+    /// Cached teacher logits (top-k + log-sum-exp) from `--save-teacher-logits`.
+    #[arg(long)]
+    teacher_logits: Option<PathBuf>,
+    /// Save the teacher's top-k logits here (needs --teacher).
+    #[arg(long)]
+    save_teacher_logits: Option<PathBuf>,
+    /// k of a new teacher cache.
+    #[arg(long, default_value_t = 64)]
+    top_k: usize,
+    /// Also write the JSON report to this file (atomically).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+pub(super) fn run_eval(cmd: EvalCommand) -> Result<()> {
+    let (kl, args) = match cmd {
+        EvalCommand::Ppl(a) => (false, a),
+        EvalCommand::Kl(a) => (true, a),
+    };
+    if kl && args.teacher.is_none() && args.teacher_logits.is_none() {
+        return Err(Error::invalid("eval", "kl needs --teacher DIR or --teacher-logits FILE"));
+    }
+    if args.save_teacher_logits.is_some() && args.teacher.is_none() {
+        return Err(Error::invalid("eval", "--save-teacher-logits needs --teacher DIR"));
+    }
+    if args.top_k == 0 {
+        return Err(Error::invalid("eval", "--top-k must be positive"));
+    }
+    let windows = args.data.windows(&args.model)?;
+    let cache = args.teacher_logits.as_deref().map(TeacherCache::load).transpose()?;
+    let teacher = Teacher {
+        model: if kl { args.teacher.as_deref() } else { None },
+        cache: if kl { cache.as_ref() } else { None },
+        save: args.save_teacher_logits.as_deref(),
+        top_k: args.top_k,
+    };
+    let r = evaluate(&args.model, &windows, &teacher, show_progress(args.quiet))?;
+    if let Some(p) = &args.out {
+        let dir = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        store::write_atomic(dir, &name, (serde_json::to_string_pretty(&r).unwrap_or_default() + "\n").as_bytes())?;
+    }
+    print(&r, args.json, || {
+        let s = &r["size"];
+        println!(
+            "{}: {} windows x {} tokens: ppl {:.4}, {:.3} bits/weight ({} bytes; routed experts {:.3})",
+            args.model.display(),
+            r["windows"],
+            r["ctx"],
+            r["ppl"].as_f64().unwrap_or(0.0),
+            s["bits_per_weight"].as_f64().unwrap_or(0.0),
+            s["bytes"],
+            s["routed_expert_bpw"].as_f64().unwrap_or(0.0)
+        );
+        if r.get("kl_mean").is_some() {
+            println!(
+                "  KL mean {:.5} p99 {:.5} ({}), top-1 flips {:.2}%, teacher ppl {:.4}",
+                r["kl_mean"].as_f64().unwrap_or(0.0),
+                r["kl_p99"].as_f64().unwrap_or(0.0),
+                r["kl_method"].as_str().unwrap_or(""),
+                r["top1_flip_rate"].as_f64().unwrap_or(0.0) * 100.0,
+                r["teacher_ppl"].as_f64().unwrap_or(0.0)
+            );
+        }
+    });
+    Ok(())
+}
