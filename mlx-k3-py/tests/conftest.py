@@ -1,5 +1,6 @@
 """Fixtures of the mlx_k3 tests: the test checkpoints (built once per session from k3-nano, see
-checkpoints.py) and the Rust CLI (``MLX_K3_CLI``, else ``target/release/mlx-k3``, built if missing)."""
+checkpoints.py) and the Rust CLI (``MLX_K3_CLI``, else the release or debug ``mlx-k3`` in the Cargo target
+folder, else a release build of it)."""
 
 import os
 import subprocess
@@ -39,9 +40,13 @@ def tiered_ckpts(ckpt_dir):
 
 @pytest.fixture(scope="session")
 def rust_cli():
-    path = Path(os.environ.get("MLX_K3_CLI", ROOT / "target" / "release" / "mlx-k3"))
-    if not path.exists():
-        subprocess.run(
-            ["cargo", "build", "--release", "--bin", "mlx-k3"], cwd=ROOT, check=True, timeout=1800
-        )
-    return path
+    if "MLX_K3_CLI" in os.environ:
+        path = Path(os.environ["MLX_K3_CLI"])
+        assert path.exists(), f"MLX_K3_CLI={path} does not exist"
+        return path
+    target = ROOT / os.environ.get("CARGO_TARGET_DIR", "target")
+    for profile in ("release", "debug"):
+        if (target / profile / "mlx-k3").exists():
+            return target / profile / "mlx-k3"
+    subprocess.run(["cargo", "build", "--release", "--bin", "mlx-k3"], cwd=ROOT, check=True, timeout=1800)
+    return target / "release" / "mlx-k3"

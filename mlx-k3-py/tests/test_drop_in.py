@@ -128,6 +128,8 @@ def test_mlx_lm_alone_cannot_load_the_codebook_checkpoint(codebook_ckpts):
     code = f"import mlx_lm\nmlx_lm.load({str(codebook_ckpts[0])!r})"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
+    # mlx-lm reads the checkpoint's `quantization` as its own format and fails on it (no group size).
+    assert "KeyError: 'group_size'" in r.stderr, r.stderr[-2000:]
 
 
 def test_drop_in_installs_when_mlx_lm_came_first():
