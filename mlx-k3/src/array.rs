@@ -53,6 +53,16 @@ impl Array {
         self.raw
     }
 
+    /// Takes ownership of a handle made outside this crate, e.g. by the Python module's bridge, which wraps
+    /// the `mlx::core::array` of an `mx.array` without copying it. Dropping the `Array` frees the handle.
+    ///
+    /// # Safety
+    /// `raw.ctx` must point to a live `mlx::core::array` allocated with `new` (as the shim allocates its
+    /// handles) that nothing else frees.
+    pub unsafe fn from_raw_handle(raw: sys::k3_array) -> Array {
+        Array { raw }
+    }
+
     /// The null handle the shim reads as "no array" for optional arguments.
     pub(crate) fn raw_opt(a: Option<&Array>) -> sys::k3_array {
         a.map(|a| a.raw).unwrap_or(sys::k3_array { ctx: ptr::null_mut() })

@@ -1,0 +1,44 @@
+"""mlx_k3: mlx-k3's kernels on ``mx.array`` and a drop-in Kimi K3 model for mlx-lm.
+
+The compiled part (``mlx_k3._native``, Rust over mlx-k3) links the very ``libmlx`` that Python's ``mlx``
+loaded: one MLX runtime in the process, so arrays pass between Python and Rust without copies, lazy graphs
+included. The kernels are ordinary MLX ops for Python code::
+
+    import mlx.core as mx
+    import mlx_k3
+
+    y = mlx_k3.situ(up, gate, beta=2.0, linear_beta=4.0)          # lazy, like any mx op
+    z = mlx_k3.gather_codebook_qmm(x, codes, qh, scales, rhs_indices=experts)
+
+and ``import mlx_k3`` teaches ``mlx_lm.load`` the project's checkpoint formats (codebook and tiered expert
+stacks, recorded in ``config.json``'s ``quantization`` as ``{"mode": "k3_codebook"}`` / ``"k3_tiered"``):
+such checkpoints load as :class:`mlx_k3.models.kimi_k3.Model`, which ``mlx_lm.generate``,
+``stream_generate``, the server and perplexity use unchanged. Everything else keeps loading through
+mlx-lm's own classes. ``python -m mlx_k3 <mlx_lm command> ...`` runs any mlx-lm command with the drop-in.
+"""
+
+import mlx.core as mx  # loads libmlx first: the extension below binds to this same copy
+
+MLX_VERSION = "0.32.4"
+
+if mx.__version__ != MLX_VERSION:
+    raise ImportError(
+        f"mlx_k3 needs mlx {MLX_VERSION} exactly (it is compiled against that version and shares its libmlx), "
+        f"but this environment has mlx {mx.__version__}. "
+        f"Install the pinned version: pip install 'mlx=={MLX_VERSION}' (on Linux with 'mlx[cpu]=={MLX_VERSION}' "
+        f"or 'mlx[cuda13]=={MLX_VERSION}')."
+    )
+
+from . import _native  # noqa: E402
+from ._hook import install_drop_in  # noqa: E402
+from .kernels import *  # noqa: E402,F401,F403
+from .kernels import __all__ as _kernel_names  # noqa: E402
+
+__version__ = _native.__version__
+
+num_threads = _native.num_threads
+set_num_threads = _native.set_num_threads
+
+install_drop_in()
+
+__all__ = ["MLX_VERSION", "install_drop_in", "num_threads", "set_num_threads", *_kernel_names]

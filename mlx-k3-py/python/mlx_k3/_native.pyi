@@ -1,0 +1,91 @@
+"""Type stubs of ``mlx_k3._native`` (src/lib.rs, src/kernels/). The public functions are re-exported by
+``mlx_k3.kernels`` with an extra ``stream=`` keyword (see kernels.pyi)."""
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+__version__: str
+MLX_VERSION: str
+NANOBIND_VERSION: str
+
+def mlx_version() -> str: ...
+def num_threads() -> int: ...
+def set_num_threads(n: int) -> None: ...
+def rust_view(a: mx.array) -> Tuple[int, bool]: ...
+def roundtrip(a: mx.array) -> mx.array: ...
+def situ(up: mx.array, gate: mx.array, beta: float = 1.0, linear_beta: Optional[float] = None) -> mx.array: ...
+def codebook_qmm(x: mx.array, codes: mx.array, qh: mx.array, scales: mx.array) -> mx.array: ...
+def gather_codebook_qmm(
+    x: mx.array,
+    codes: mx.array,
+    qh: mx.array,
+    scales: mx.array,
+    lhs_indices: Optional[mx.array] = None,
+    rhs_indices: Optional[mx.array] = None,
+    sorted_indices: bool = False,
+) -> mx.array: ...
+def codebook_dequantize(codes: mx.array, qh: mx.array, scales: mx.array) -> mx.array: ...
+def codebook_quantize(
+    w: mx.array, importance: Optional[mx.array] = None
+) -> Tuple[mx.array, mx.array, mx.array]: ...
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: Optional[mx.array] = None,
+    group_size: Optional[int] = None,
+    bits: Optional[int] = None,
+    mode: str = "affine",
+) -> mx.array: ...
+def gather_qmm(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: Optional[mx.array] = None,
+    lhs_indices: Optional[mx.array] = None,
+    rhs_indices: Optional[mx.array] = None,
+    group_size: Optional[int] = None,
+    bits: Optional[int] = None,
+    mode: str = "affine",
+    sorted_indices: bool = False,
+) -> mx.array: ...
+def gather_tiered_qmm(
+    x: mx.array,
+    tier: mx.array,
+    slot: mx.array,
+    codes: Optional[mx.array] = None,
+    qh: Optional[mx.array] = None,
+    scales: Optional[mx.array] = None,
+    mxfp4_weight: Optional[mx.array] = None,
+    mxfp4_scales: Optional[mx.array] = None,
+    affine_weight: Optional[mx.array] = None,
+    affine_scales: Optional[mx.array] = None,
+    affine_biases: Optional[mx.array] = None,
+    affine_group_size: int = 64,
+    affine_bits: int = 4,
+    lhs_indices: Optional[mx.array] = None,
+    rhs_indices: Optional[mx.array] = None,
+    sorted_indices: bool = False,
+) -> mx.array: ...
+def tiered_dequantize(
+    tier: mx.array,
+    slot: mx.array,
+    codes: Optional[mx.array] = None,
+    qh: Optional[mx.array] = None,
+    scales: Optional[mx.array] = None,
+    mxfp4_weight: Optional[mx.array] = None,
+    mxfp4_scales: Optional[mx.array] = None,
+    affine_weight: Optional[mx.array] = None,
+    affine_scales: Optional[mx.array] = None,
+    affine_biases: Optional[mx.array] = None,
+    affine_group_size: int = 64,
+    affine_bits: int = 4,
+) -> mx.array: ...
+def tiered_quantize(
+    w: mx.array,
+    tiers: Sequence[int],
+    affine_group_size: int = 64,
+    affine_bits: int = 4,
+    importance: Optional[mx.array] = None,
+) -> Dict[str, mx.array]: ...
