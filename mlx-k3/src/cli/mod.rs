@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 pub mod dist;
 mod dist_check;
 pub mod gen;
@@ -39,6 +40,9 @@ enum Command {
     /// Per-rank weight bytes by tensor class for a model split over N ranks (expert parallel, optionally
     /// tensor parallel), as `--distributed` would load it; reads only headers.
     Plan(dist::PlanArgs),
+    /// Benchmarks: decode/prefill tok/s, time to first token, peak memory and bytes read per token of a
+    /// checkpoint (--model), the memory read bandwidth (--bandwidth), the fused router (--router).
+    Bench(bench::Args),
     /// Serve the model over HTTP: OpenAI-compatible API, /api/chat (SSE, sessions), metrics, web chat page.
     Serve(serve::Args),
 }
@@ -55,6 +59,7 @@ pub fn main() -> ExitCode {
         Command::Logits(args) => logits::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Plan(args) => dist::plan(args),
+        Command::Bench(args) => bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
