@@ -2,7 +2,7 @@
 //! written with MLX ops: sigmoid, bias add, negate, argpartition, slice, take_along_axis, sum, divide,
 //! scale, cast), at Kimi K3's shape (896 experts, top-16, ungrouped, with the correction bias) for one
 //! decode token and a 512-token prefill chunk, plus a grouped configuration (256 experts, 8 groups, top-4
-//! groups, top-8). mlx-lm's compiled function is timed by `scripts/bench_e2e.py --router` (Python), if present.
+//! groups, top-8). mlx-lm's compiled function is timed by `scripts/bench_router_mlx_lm.py` (Python).
 //!
 //! Graph building and evaluation are inside the timer. Run: `cargo bench -p mlx-k3 --bench router`.
 

@@ -17,7 +17,8 @@ same machine, in one run.
 5. Prints a table and the ratios; writes them to DIR/results.json.
 
 Run: .venv/bin/python scripts/bench_e2e.py [--gen-tokens 32] [--prompt-tokens 512] [--out target/bench-k3-mid]
-(builds mlx-k3 in release mode first).
+(builds mlx-k3 in release mode first; --no-build uses $MLX_K3_EXE or $CARGO_TARGET_DIR/release/mlx-k3;
+--model DIR benchmarks an existing checkpoint, e.g. models/k3-nano, instead of the mid-size one).
 """
 
 import argparse
@@ -144,8 +145,14 @@ def bench_mlx_lm(model_dir: Path, prompt_tokens: int, gen_tokens: int) -> dict:
     from mlx_lm.utils import load_model
 
     model, _ = load_model(model_dir)
+    # MLX's CPU GatherMM takes float32 only, so half-precision checkpoints (e.g. k3-nano, bf16) run in f32
+    # under mlx-lm on the CPU (mlx-k3 casts just the expert matmuls; noted in the result).
+    cast = any(v.dtype in (mx.bfloat16, mx.float16) for _, v in tree_flatten(model.parameters()))
+    if cast:
+        model.set_dtype(mx.float32)
     rng = np.random.default_rng(7)
-    vocab = TEXT["vocab_size"]
+    cfg = json.loads((model_dir / "config.json").read_text())
+    vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or TEXT["vocab_size"]
     # Warm-up: a short prompt and a few steps (graph compilation, allocator).
     warm = mx.array(rng.integers(0, vocab, 16), dtype=mx.int32)
     for _, _ in zip(range(4), generate_step(warm, model, max_tokens=4)):
@@ -164,6 +171,7 @@ def bench_mlx_lm(model_dir: Path, prompt_tokens: int, gen_tokens: int) -> dict:
     ttft = t_first - tic
     return {
         "engine": "mlx-lm",
+        "cast_to_float32": cast,
         "prompt_tokens": prompt_tokens,
         "generated_tokens": n,
         "time_to_first_token_s": ttft,
@@ -174,7 +182,7 @@ def bench_mlx_lm(model_dir: Path, prompt_tokens: int, gen_tokens: int) -> dict:
 
 
 def run_k3(args: list) -> dict:
-    exe = ROOT / "target" / "release" / "mlx-k3"
+    exe = Path(os.environ.get("MLX_K3_EXE") or Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "mlx-k3")
     out = subprocess.run([str(exe), "bench", *args, "--json"], check=True, capture_output=True, text=True)
     sys.stderr.write(out.stderr)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -186,9 +194,12 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--model", help="benchmark this existing checkpoint instead of building the mid-size one")
+    ap.add_argument("--no-build", action="store_true",
+                    help="use the mlx-k3 binary already built ($MLX_K3_EXE, else $CARGO_TARGET_DIR/release/mlx-k3)")
     args = ap.parse_args()
-    out = Path(args.out)
-    if not (out / "BUILT").exists():
+    out = Path(args.model or args.out)
+    if not args.model and not (out / "BUILT").exists():
         print(f"building the mid-size checkpoint in {out} ...", flush=True)
         t = time.time()
         build(out)
@@ -196,7 +207,8 @@ def main():
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"checkpoint: {out} ({size / 1e9:.2f} GB)", flush=True)
 
-    subprocess.run(["cargo", "build", "--release", "-j2", "-p", "mlx-k3", "--bin", "mlx-k3"], cwd=ROOT, check=True)
+    if not args.no_build:
+        subprocess.run(["cargo", "build", "--release", "-j2", "-p", "mlx-k3", "--bin", "mlx-k3"], cwd=ROOT, check=True)
     bw = run_k3(["--bandwidth"])
     print(f"memory read bandwidth: {bw['read_bandwidth_gb_s']:.2f} GB/s ({bw['threads']} threads)", flush=True)
     k3 = run_k3(["--model", str(out), "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens)])
@@ -220,7 +232,8 @@ def main():
           f"mlx-k3 reaches {100 * k3['decode_tok_s'] / limit:.0f}% of it")
     result = {"bandwidth": bw, "mlx_k3": k3, "mlx_lm": lm, "bandwidth_limit_tok_s": limit,
               "machine": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()}}
-    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (Path(args.out) / "results.json").parent.mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "results.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
