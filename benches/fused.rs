@@ -1,7 +1,8 @@
 //! The fused decode primitives against the MLX op compositions they replace, in the same run: the KDA
 //! one-token step (`kda_step` vs `kda_step_reference`), the attention-residual mix (`attn_res_mix` vs
 //! `attn_res_mix_reference`), and the routed experts' gate/up + SiTU (`gather_gate_up_situ` vs the project's
-//! two gathered kernels + the SiTU primitive, and vs MLX's stock `gather_qmm` twice + plain-ops SiTU).
+//! two gathered kernels + the SiTU primitive, and vs MLX's stock `gather_qmm` twice + plain-ops SiTU), and
+//! MLX's dense f32 matmul through the project's SGEMM vs the wheel's reference BLAS.
 //! Shapes are the mid-size K3 configuration of scripts/bench_e2e.py (16 KDA heads of 128, hidden 2048,
 //! 3 block snapshots, 128 experts 1024 -> 512 at 2-bit, top-8). Graph building and evaluation are inside
 //! the timer (MLX is lazy).
@@ -114,5 +115,23 @@ fn bench_gate_up(c: &mut Criterion) {
     grp.finish();
 }
 
-criterion_group!(benches, bench_kda, bench_attn_res, bench_gate_up);
+/// MLX's dense f32 matmul through the project's SGEMM (exported `cblas_sgemm`) against the wheel's reference
+/// BLAS (`set_reference_blas(true)`): 1024^3 and the mid-size prefill's 512 x 2048 @ 2048 x 2048.
+fn bench_dense(c: &mut Criterion) {
+    let mut grp = c.benchmark_group("dense_sgemm");
+    for (m, k, n) in [(1024, 1024, 1024), (512, 2048, 2048)] {
+        let a = randn(&[m, k], 1.0, 31);
+        let b = randn(&[k, n], 1.0, 32);
+        for (name, reference) in [("project", false), ("reference_blas", true)] {
+            grp.bench_function(format!("{name}/{m}x{k}x{n}"), |bn| {
+                kernels::set_reference_blas(reference);
+                bn.iter(|| a.matmul(&b).unwrap().eval().unwrap());
+                kernels::set_reference_blas(false);
+            });
+        }
+    }
+    grp.finish();
+}
+
+criterion_group!(benches, bench_kda, bench_attn_res, bench_gate_up, bench_dense);
 criterion_main!(benches);
