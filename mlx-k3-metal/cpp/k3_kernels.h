@@ -58,6 +58,60 @@ int k3_kernels_force_scalar(bool on);
 int k3_kernels_set_num_threads(int n);
 int k3_kernels_num_threads(void);
 
+/* Fused MoE router (mlx-lm `_group_expert_select`): sigmoid of logits [..., E] (f32/f16/bf16), plus the
+ * correction bias [E] for selection only (none = no bias), grouped top-k (n_group > 1: groups ranked by the
+ * sum of their top-2 scores, the n_group - topk_group lowest set to 0), top_k, weights = sigmoid at the
+ * chosen experts, renormalized if renormalize and top_k > 1, times routed_scaling_factor. Writes 2 arrays
+ * (inds uint32 [..., k], weights [..., k] in the logits' dtype) or, with protected_mask [E] (nonzero =
+ * protected tier), 3 (plus bool [..., k]). CPU: bit-identical to MLX's CPU ops, index order included; GPU:
+ * one custom kernel per call (E <= 1024, k <= 32; larger shapes use plain ops). */
+int k3_moe_router(k3_array* res, size_t cap, size_t* n_out, const k3_array logits, const k3_array bias,
+                  const k3_array protected_mask, int top_k, int n_group, int topk_group, float routed_scaling_factor,
+                  bool renormalize, const k3_stream s);
+
+/* One-token KDA decode step (SPEC_NOTES 3): short conv + SiLU over [conv_state; qkv], L2-normalized q/k,
+ * beta = sigmoid(b), the per-channel decay from a (with gate_lower_bound when has_lower_bound), the gated
+ * delta update of the f32 state, and RMSNorm(y; norm_weight, norm_eps) * sigmoid(gate). qkv [B, 1, 3P],
+ * a [B, 1, H, d], b [B, 1, H], gate [B, 1, H, d] (activation dtype), conv_weight [3P, Kc, 1], a_log [H],
+ * dt_bias [P], norm_weight [d]; conv_state [B, Kc-1, 3P] and ssm_state [B, H, d, d] f32 may be none
+ * (zeros). Writes 3 arrays: out [B, 1, P], the new conv state, the new ssm state. CPU and CUDA. */
+int k3_kda_step(k3_array* res, size_t cap, size_t* n_out, const k3_array qkv, const k3_array a, const k3_array b,
+                const k3_array gate, const k3_array conv_weight, const k3_array a_log, const k3_array dt_bias,
+                const k3_array norm_weight, const k3_array conv_state, const k3_array ssm_state, int heads,
+                int head_dim, bool has_lower_bound, float lower_bound, float norm_eps, const k3_stream s);
+/* Whether k3_kda_step has a kernel for the stream's device (CPU, CUDA: yes; Metal: not yet). */
+int k3_kda_step_supported(bool* res, const k3_stream s);
+
+/* Attention-residual mix (SPEC_NOTES 4.2): softmax over the K snapshots raw [K, ..., D] (logits
+ * (b.w_eff) * inv_rms, inv_rms [K, ...] f32) and the partial sum [..., D] (logit (p.w_eff) * rsqrt(mean(p^2)
+ * + eps)), then the weighted sum; fp32 math, output in partial's dtype. CPU and CUDA. */
+int k3_attn_res_mix(k3_array* res, const k3_array raw, const k3_array inv_rms, const k3_array partial,
+                    const k3_array w_eff, float eps, const k3_stream s);
+/* Whether k3_attn_res_mix has a kernel for the stream's device (CPU, CUDA: yes; Metal: not yet). */
+int k3_attn_res_supported(bool* res, const k3_stream s);
+
+/* The routed experts' gate and up projections with SiTU applied at store: out = SiTU(x @ up[e]^T, x @ gate[e]^T)
+ * per gathered pair (gather_qmm semantics for x, lhs, rhs; transpose = true), without the two intermediate
+ * tensors. mode "affine" (2/4/8-bit, group a multiple of 32; biases required) or "mxfp4" (biases none);
+ * SiTU as k3_situ. CPU f32 with AVX2+FMA: one fused primitive; otherwise MLX's gather_qmm twice + SiTU. */
+int k3_gather_gate_up_situ(k3_array* res, const k3_array x, const k3_array gate_w, const k3_array gate_scales,
+                           const k3_array gate_biases, const k3_array up_w, const k3_array up_scales,
+                           const k3_array up_biases, const k3_array lhs, const k3_array rhs, int group_size, int bits,
+                           const char* mode, float beta, bool has_linear_beta, float linear_beta, const k3_stream s);
+/* The same for ternary codebook expert stacks (codes [E, N, K/8], qh [E, N, K/32], scales f16 [E, N, K/256]).
+ * CPU only, f32 activations. */
+int k3_gather_codebook_gate_up_situ(k3_array* res, const k3_array x, const k3_array gate_codes, const k3_array gate_qh,
+                                    const k3_array gate_scales, const k3_array up_codes, const k3_array up_qh,
+                                    const k3_array up_scales, const k3_array lhs, const k3_array rhs, float beta,
+                                    bool has_linear_beta, float linear_beta, const k3_stream s);
+
+/* Dense f32 matmul: every program of this project exports `cblas_sgemm` (mlx-k3's build.rs), so MLX's CPU
+ * float32 matmuls run the project's AVX2/FMA SGEMM (cpp/dense_sgemm.cpp) instead of the wheel's reference
+ * BLAS. k3_dense_set_reference(true) (or K3_BLAS=reference in the environment) sends them back to the
+ * wheel's BLAS; k3_dense_sgemm_calls counts the calls that reached the project's entry point. */
+int k3_dense_set_reference(bool on);
+uint64_t k3_dense_sgemm_calls(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -98,3 +98,104 @@ unsafe extern "C" {
 unsafe extern "C" {
     pub fn k3_kernels_num_threads() -> ::std::os::raw::c_int;
 }
+unsafe extern "C" {
+    pub fn k3_moe_router(
+        res: *mut k3_array,
+        cap: usize,
+        n_out: *mut usize,
+        logits: k3_array,
+        bias: k3_array,
+        protected_mask: k3_array,
+        top_k: ::std::os::raw::c_int,
+        n_group: ::std::os::raw::c_int,
+        topk_group: ::std::os::raw::c_int,
+        routed_scaling_factor: f32,
+        renormalize: bool,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_kda_step(
+        res: *mut k3_array,
+        cap: usize,
+        n_out: *mut usize,
+        qkv: k3_array,
+        a: k3_array,
+        b: k3_array,
+        gate: k3_array,
+        conv_weight: k3_array,
+        a_log: k3_array,
+        dt_bias: k3_array,
+        norm_weight: k3_array,
+        conv_state: k3_array,
+        ssm_state: k3_array,
+        heads: ::std::os::raw::c_int,
+        head_dim: ::std::os::raw::c_int,
+        has_lower_bound: bool,
+        lower_bound: f32,
+        norm_eps: f32,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_kda_step_supported(res: *mut bool, s: k3_stream) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_attn_res_mix(
+        res: *mut k3_array,
+        raw: k3_array,
+        inv_rms: k3_array,
+        partial: k3_array,
+        w_eff: k3_array,
+        eps: f32,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_attn_res_supported(res: *mut bool, s: k3_stream) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_gather_gate_up_situ(
+        res: *mut k3_array,
+        x: k3_array,
+        gate_w: k3_array,
+        gate_scales: k3_array,
+        gate_biases: k3_array,
+        up_w: k3_array,
+        up_scales: k3_array,
+        up_biases: k3_array,
+        lhs: k3_array,
+        rhs: k3_array,
+        group_size: ::std::os::raw::c_int,
+        bits: ::std::os::raw::c_int,
+        mode: *const ::std::os::raw::c_char,
+        beta: f32,
+        has_linear_beta: bool,
+        linear_beta: f32,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_gather_codebook_gate_up_situ(
+        res: *mut k3_array,
+        x: k3_array,
+        gate_codes: k3_array,
+        gate_qh: k3_array,
+        gate_scales: k3_array,
+        up_codes: k3_array,
+        up_qh: k3_array,
+        up_scales: k3_array,
+        lhs: k3_array,
+        rhs: k3_array,
+        beta: f32,
+        has_linear_beta: bool,
+        linear_beta: f32,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_dense_set_reference(on: bool) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_dense_sgemm_calls() -> u64;
+}

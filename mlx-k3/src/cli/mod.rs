@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod compress;
 pub mod dist;
 mod dist_check;
@@ -40,6 +41,9 @@ enum Command {
     /// Per-rank weight bytes by tensor class for a model split over N ranks (expert parallel, optionally
     /// tensor parallel), as `--distributed` would load it; reads only headers.
     Plan(dist::PlanArgs),
+    /// Benchmarks: decode/prefill tok/s, time to first token, peak memory and bytes read per token of a
+    /// checkpoint (--model), the memory read bandwidth (--bandwidth), the fused router (--router).
+    Bench(bench::Args),
     /// Re-encode a checkpoint per a recipe (format per tensor class, clip search, codebook/MXFP4 tiers), one
     /// decoder layer at a time, into a resumable output folder.
     Convert(compress::ConvertArgs),
@@ -69,6 +73,7 @@ pub fn main() -> ExitCode {
         Command::Logits(args) => logits::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Plan(args) => dist::plan(args),
+        Command::Bench(args) => bench::run(args),
         Command::Convert(args) => compress::run_convert(args),
         Command::Calibrate(args) => compress::run_calibrate(args),
         Command::Retier(args) => compress::run_retier(args),

@@ -1,8 +1,18 @@
 //! mlx-k3's custom kernels (the primitives of `mlx-k3-metal`), each next to the plain-ops reference it is
 //! tested against.
 
+mod attn_res;
+mod dense;
+mod gate_up;
+mod kda_step;
+mod router;
 mod situ;
 
+pub use attn_res::{attn_res_mix, attn_res_mix_reference, attn_res_supported};
+pub use dense::{set_reference_blas, sgemm_calls};
+pub use gate_up::{gate_up_fusable, gather_codebook_gate_up_situ, gather_gate_up_situ, Situ};
+pub use kda_step::{kda_step, kda_step_reference, kda_step_supported, KdaStepInputs, KdaWeights};
+pub use router::{moe_router, route_reference, RouterParams, Routing};
 pub use situ::{situ, situ_reference};
 
 /// Threads the CPU kernels split their work over (default: `K3_NUM_THREADS` or all hardware threads).

@@ -40,6 +40,10 @@ impl ResidualBlocks {
             (Some(r), Some(i)) => (r, i),
             _ => return Ok(partial.clone()),
         };
+        if crate::kernels::attn_res_supported() {
+            // One fused primitive (fp32 math, the same formula; tests/attn_res.rs).
+            return crate::kernels::attn_res_mix(raw, inv, partial, w_eff, self.eps);
+        }
         let pf = partial.astype(Dtype::F32)?;
         let p_logit = pf.matmul(w_eff)?.multiply(&pf.multiply(&pf)?.mean(&[-1], false)?.add(self.eps)?.rsqrt()?)?;
         let logits =

@@ -3,7 +3,8 @@
 //! gate, and the gated delta rule on an fp32 state, followed by a gated RMSNorm and the output projection.
 //!
 //! The recurrence is written with plain MLX ops, one step per token, exactly as mlx-lm's ops reference
-//! (which is what mlx-lm itself runs off Metal); a fused decode primitive is separate work.
+//! (which is what mlx-lm itself runs off Metal) for prefill; a one-token decode step runs the fused
+//! `kernels::kda_step` primitive where the device has it (CPU, CUDA).
 
 use super::cache::KdaCache;
 use super::config::TextConfig;
@@ -99,13 +100,45 @@ impl Kda {
             Some(c) => (c.conv.clone(), c.ssm.clone()),
             None => (None, None),
         };
+        let qkv = self.qkv_proj.forward(x)?;
+        if t == 1 && crate::kernels::kda_step_supported() {
+            // Decode: conv, q/k norm, gates, the state update, o_norm and the gate in one fused primitive
+            // (tests/kda_step.rs checks it against this function's plain-ops path).
+            let a = self.f_b.forward(&self.f_a.forward(x)?)?.reshape(&[b, 1, h, d])?;
+            let bl = self.b_proj.forward(x)?.reshape(&[b, 1, h])?;
+            let gate = self.gate_logits(x)?.reshape(&[b, 1, h, d])?;
+            let w = crate::kernels::KdaWeights {
+                conv_weight: &self.conv_weight,
+                a_log: &self.a_log,
+                dt_bias: &self.dt_bias,
+                norm_weight: self.o_norm.weight(),
+                heads: h,
+                head_dim: d,
+                lower_bound: self.lower_bound,
+                norm_eps: self.o_norm.eps(),
+            };
+            let inputs = crate::kernels::KdaStepInputs {
+                qkv: &qkv,
+                a: &a,
+                b: &bl,
+                gate: &gate,
+                conv_state: conv_state.as_ref(),
+                ssm_state: ssm_state.as_ref(),
+            };
+            let (out, new_conv, state) = crate::kernels::kda_step(inputs, w)?;
+            if let Some(c) = cache {
+                c.conv = Some(new_conv);
+                c.ssm = Some(state);
+                c.advance(1);
+            }
+            return self.project_out(&out, comm);
+        }
         let conv_state = match conv_state {
             Some(s) => s,
             None => zeros(&[b, self.kernel - 1, 3 * p], dtype)?,
         };
 
         // Short causal depthwise conv over [state, new inputs], then SiLU.
-        let qkv = self.qkv_proj.forward(x)?;
         let conv_in = ops::concatenate(&[&conv_state, &qkv], 1)?;
         let conv = conv_in.conv1d(&self.conv_weight, 1, 0, 1, 3 * p)?.silu()?;
         let total = conv_in.dim(1)?;
@@ -144,13 +177,22 @@ impl Kda {
             c.advance(t as usize);
         }
 
-        let gate = match &self.gate {
-            Gate::Full(g) => g.forward(x)?,
-            Gate::LowRank(ga, gb) => gb.forward(&ga.forward(x)?)?,
-        };
-        let gate = gate.reshape(&[b, t, h, d])?.sigmoid()?;
+        let gate = self.gate_logits(x)?.reshape(&[b, t, h, d])?.sigmoid()?;
         let out = self.o_norm.forward(&out.reshape(&[b, t, h, d])?)?.multiply(&gate)?.reshape(&[b, t, p])?;
-        let y = self.o_proj.forward(&out)?;
+        self.project_out(&out, comm)
+    }
+
+    /// The output gate's logits `[B, T, P]`.
+    fn gate_logits(&self, x: &Array) -> Result<Array> {
+        match &self.gate {
+            Gate::Full(g) => g.forward(x),
+            Gate::LowRank(ga, gb) => gb.forward(&ga.forward(x)?),
+        }
+    }
+
+    /// o_proj, then (tensor parallel) the sum of the heads' partial outputs over the ranks.
+    fn project_out(&self, out: &Array, comm: Option<&Comm>) -> Result<Array> {
+        let y = self.o_proj.forward(out)?;
         if !self.tp {
             return Ok(y);
         }

@@ -116,6 +116,32 @@ impl SwitchLinear {
         Ok(SwitchLinear { w: ws.take_weight_part(path, &[experts as i32, out_dims as i32, in_dims as i32], part)? })
     }
 
+    /// `SiTU(x @ up[indices]ᵀ, x @ gate[indices]ᵀ)` in one fused primitive (no intermediate gate/up tensors)
+    /// when both stacks are MLX affine/mxfp4 with one spec, or both ternary codebooks, and the activations
+    /// are f32 on the CPU (where the fused kernels run); None otherwise (the caller runs the unfused path).
+    pub fn gate_up_situ(
+        gate: &SwitchLinear,
+        up: &SwitchLinear,
+        x: &Array,
+        indices: &Array,
+        act: kernels::Situ,
+    ) -> Result<Option<Array>> {
+        if x.dtype() != Dtype::F32 || crate::current_stream()?.device() != crate::Device::Cpu {
+            return Ok(None);
+        }
+        match (&gate.w, &up.w) {
+            (MaybeQuantized::Quantized(g, gs), MaybeQuantized::Quantized(u, us))
+                if gs == us && kernels::gate_up_fusable(*gs) =>
+            {
+                Ok(Some(kernels::gather_gate_up_situ(x, g, u, *gs, None, indices, act)?))
+            }
+            (MaybeQuantized::Codebook(g), MaybeQuantized::Codebook(u)) => {
+                Ok(Some(kernels::gather_codebook_gate_up_situ(x, g, u, None, indices, act)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// `x @ W[indices]ᵀ` (gather over the expert axis); `sorted` promises non-decreasing indices.
     pub fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
         match &self.w {
@@ -211,5 +237,10 @@ impl RmsNorm {
     /// The scale vector.
     pub fn weight(&self) -> &Array {
         &self.weight
+    }
+
+    /// The epsilon.
+    pub fn eps(&self) -> f32 {
+        self.eps
     }
 }

@@ -7,7 +7,7 @@ use std::ops::Range;
 use super::linear::{Linear, RmsNorm, SwitchLinear};
 use super::shard::{Comm, Part, Shard};
 use super::weights::WeightStore;
-use crate::kernels::situ;
+use crate::kernels::{self, situ};
 use crate::{Array, Dtype, Result};
 
 /// `down(SiTU(up(x), gate(x)))`.
@@ -104,6 +104,20 @@ pub fn route(logits: &Array, bias: Option<&Array>, p: RouterParams) -> Result<(A
     Ok((inds, w.multiply(p.routed_scaling_factor)?.astype(in_type)?))
 }
 
+/// [`route`] through the fused router primitive (one dispatch; on the CPU the indices, their order and the
+/// weights are bit-identical to [`route`], tests/router.rs).
+fn route_fused(logits: &Array, bias: &Array, p: RouterParams) -> Result<(Array, Array)> {
+    let kp = kernels::RouterParams {
+        top_k: p.top_k,
+        n_group: p.n_group,
+        topk_group: p.topk_group,
+        routed_scaling_factor: p.routed_scaling_factor,
+        renormalize: p.renormalize,
+    };
+    let r = kernels::moe_router(logits, Some(bias), None, kp)?;
+    Ok((r.indices, r.weights))
+}
+
 /// Experts as one SwiGLU-shaped stack with SiTU (mlx-lm `SwitchGLU`).
 #[derive(Debug)]
 pub struct SwitchGlu {
@@ -133,9 +147,16 @@ impl SwitchGlu {
         } else {
             (x, indices.clone(), None)
         };
-        let up = self.up.forward(&xs, &idx, do_sort)?;
-        let gate = self.gate.forward(&xs, &idx, do_sort)?;
-        let y = self.down.forward(&situ(&up, &gate, self.beta, self.linear_beta)?, &idx, do_sort)?;
+        let act = kernels::Situ { beta: self.beta, linear_beta: self.linear_beta };
+        let h = match SwitchLinear::gate_up_situ(&self.gate, &self.up, &xs, &idx, act)? {
+            Some(h) => h,
+            None => {
+                let up = self.up.forward(&xs, &idx, do_sort)?;
+                let gate = self.gate.forward(&xs, &idx, do_sort)?;
+                situ(&up, &gate, self.beta, self.linear_beta)?
+            }
+        };
+        let y = self.down.forward(&h, &idx, do_sort)?;
         let y = match inv {
             Some(inv) => {
                 let y = y.take(&inv, 0)?;
@@ -238,7 +259,7 @@ impl SparseMoe {
     /// weighted sum over the selected experts it holds (the others get weight 0) and its shared-expert
     /// partial sum, and one all_sum (of the two concatenated, in f32) completes both.
     pub fn forward(&self, x: &Array, comm: Option<&Comm>) -> Result<Array> {
-        let (mut inds, mut weights) = route(&self.gate.forward(x)?, Some(&self.bias), self.router)?;
+        let (mut inds, mut weights) = route_fused(&self.gate.forward(x)?, &self.bias, self.router)?;
         if let Some(r) = &self.local {
             let held = inds.greater_equal(r.start as u32)?.logical_and(&inds.less(r.end as u32)?)?;
             inds = crate::ops::where_(&held, &inds.subtract(r.start as u32)?, &Array::scalar(0u32)?)?;

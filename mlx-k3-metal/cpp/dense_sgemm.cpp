@@ -1,0 +1,326 @@
+// Dense f32 matmul for the CPU: MLX's CPU back-end calls `cblas_sgemm` for every float32 matmul (matmul,
+// addmm, the attention and convolution paths), and the Linux CPU wheel links the reference BLAS (netlib,
+// ~3 GFLOP/s on 1024^3 here). Programs of this project export their own `cblas_sgemm` (mlx-k3's build.rs
+// exports the symbol from every binary), which the dynamic linker binds MLX's calls to ahead of the wheel's
+// libblas: a register-blocked AVX2/FMA SGEMM (6x16 micro-kernel over packed panels, KC x MC blocks sized for
+// L2) whose work is split over the kernel thread pool, with dedicated matrix-vector paths. Anything it does
+// not take (CPUs without AVX2+FMA, `K3_BLAS=reference`, `k3_dense_set_reference(true)`) goes to the next
+// `cblas_sgemm` in the search order (the wheel's), found with dlsym(RTLD_NEXT).
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define K3_X86 1
+#endif
+
+#include "k3_kernels.h"
+#include "parallel.hpp"
+#include "qmm_cpu.hpp"
+
+namespace k3::kernels {
+namespace {
+
+constexpr int MR = 6, NR = 16;
+constexpr int KC = 256, MC = 120;  // A block 120 x 256 x 4 B = 120 KiB; a B panel 256 x 16 x 4 B = 16 KiB
+
+std::atomic<bool> use_reference{false};
+std::atomic<uint64_t> calls{0};
+
+bool reference_from_env() {
+  const char* v = std::getenv("K3_BLAS");
+  return v && std::strcmp(v, "reference") == 0;
+}
+
+// Row-major view of op(X): element (r, c).
+struct Mat {
+  const float* p;
+  int ld;
+  bool t;
+  float at(int r, int c) const { return t ? p[(size_t)c * ld + r] : p[(size_t)r * ld + c]; }
+};
+
+#ifdef K3_X86
+// C[0:mr, 0:nr] (ldc) = alpha * (Ap panel x Bp panel) + beta * C, for kc steps; Ap is kc x MR, Bp kc x NR.
+__attribute__((target("avx2,fma"))) void micro_6x16(int kc, const float* Ap, const float* Bp, float* C, int ldc,
+                                                     int mr, int nr, float alpha, float beta) {
+  __m256 c[MR][2];
+  for (int r = 0; r < MR; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
+  for (int k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(Bp + k * NR), b1 = _mm256_load_ps(Bp + k * NR + 8);
+    const float* a = Ap + k * MR;
+    for (int r = 0; r < MR; ++r) {
+      const __m256 av = _mm256_broadcast_ss(a + r);
+      c[r][0] = _mm256_fmadd_ps(av, b0, c[r][0]);
+      c[r][1] = _mm256_fmadd_ps(av, b1, c[r][1]);
+    }
+  }
+  const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
+  if (mr == MR && nr == NR) {
+    for (int r = 0; r < MR; ++r) {
+      float* cr = C + (size_t)r * ldc;
+      for (int h = 0; h < 2; ++h) {
+        __m256 v = _mm256_mul_ps(c[r][h], va);
+        if (beta != 0.0f) v = _mm256_fmadd_ps(_mm256_loadu_ps(cr + 8 * h), vb, v);
+        _mm256_storeu_ps(cr + 8 * h, v);
+      }
+    }
+    return;
+  }
+  alignas(32) float tmp[MR][NR];
+  for (int r = 0; r < MR; ++r) {
+    _mm256_store_ps(tmp[r], c[r][0]);
+    _mm256_store_ps(tmp[r] + 8, c[r][1]);
+  }
+  for (int r = 0; r < mr; ++r) {
+    float* cr = C + (size_t)r * ldc;
+    for (int j = 0; j < nr; ++j) cr[j] = alpha * tmp[r][j] + (beta != 0.0f ? beta * cr[j] : 0.0f);
+  }
+}
+
+// Packs op(A)[i0:i0+mc, k0:k0+kc] into MR-row panels (zero-padded), k-major within a panel.
+void pack_a(const Mat& A, int i0, int mc, int k0, int kc, float* dst) {
+  for (int ip = 0; ip < mc; ip += MR) {
+    const int rows = std::min(MR, mc - ip);
+    float* d = dst + (size_t)ip * kc;
+    if (!A.t && rows == MR) {
+      const float* src[MR];
+      for (int r = 0; r < MR; ++r) src[r] = A.p + (size_t)(i0 + ip + r) * A.ld + k0;
+      for (int k = 0; k < kc; ++k) {
+        for (int r = 0; r < MR; ++r) d[k * MR + r] = src[r][k];
+      }
+      continue;
+    }
+    for (int k = 0; k < kc; ++k) {
+      for (int r = 0; r < MR; ++r) d[k * MR + r] = r < rows ? A.at(i0 + ip + r, k0 + k) : 0.0f;
+    }
+  }
+}
+
+// Packs op(B)[k0:k0+kc, j0:j0+nc] into NR-column panels (zero-padded), k-major within a panel.
+void pack_b(const Mat& B, int k0, int kc, int j0, int nc, float* dst) {
+  for (int jp = 0; jp < nc; jp += NR) {
+    const int cols = std::min(NR, nc - jp);
+    float* d = dst + (size_t)jp * kc;
+    if (!B.t && cols == NR) {
+      for (int k = 0; k < kc; ++k) std::memcpy(d + k * NR, B.p + (size_t)(k0 + k) * B.ld + j0 + jp, NR * sizeof(float));
+      continue;
+    }
+    if (B.t && cols == NR) {
+      for (int j = 0; j < NR; ++j) {
+        const float* src = B.p + (size_t)(j0 + jp + j) * B.ld + k0;
+        for (int k = 0; k < kc; ++k) d[k * NR + j] = src[k];
+      }
+      continue;
+    }
+    for (int k = 0; k < kc; ++k) {
+      for (int j = 0; j < NR; ++j) d[k * NR + j] = j < cols ? B.at(k0 + k, j0 + jp + j) : 0.0f;
+    }
+  }
+}
+
+// One thread's share: C[i0:i1, j0:j1] = alpha op(A) op(B) + beta C, blocked.
+void gemm_block(const Mat& A, const Mat& B, float* C, int ldc, int i0, int i1, int j0, int j1, int K, float alpha,
+                float beta) {
+  const int nc = j1 - j0;
+  if (nc <= 0 || i1 <= i0) return;
+  const int ncp = (nc + NR - 1) / NR * NR;
+  std::vector<float, std::allocator<float>> bbuf((size_t)KC * ncp + 16), abuf((size_t)KC * (MC + MR) + 16);
+  float* bp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(bbuf.data()) + 31) & ~uintptr_t(31));
+  float* ap = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(abuf.data()) + 31) & ~uintptr_t(31));
+  for (int k0 = 0; k0 < K; k0 += KC) {
+    const int kc = std::min(KC, K - k0);
+    const float b = k0 == 0 ? beta : 1.0f;
+    pack_b(B, k0, kc, j0, nc, bp);
+    for (int ic = i0; ic < i1; ic += MC) {
+      const int mc = std::min(MC, i1 - ic);
+      pack_a(A, ic, mc, k0, kc, ap);
+      for (int jr = 0; jr < nc; jr += NR) {
+        for (int ir = 0; ir < mc; ir += MR) {
+          micro_6x16(kc, ap + (size_t)ir * kc, bp + (size_t)jr * kc, C + (size_t)(ic + ir) * ldc + j0 + jr, ldc,
+                     std::min(MR, mc - ir), std::min(NR, nc - jr), alpha, b);
+        }
+      }
+    }
+  }
+  if (K == 0) {
+    for (int i = i0; i < i1; ++i) {
+      for (int j = j0; j < j1; ++j) C[(size_t)i * ldc + j] = beta != 0.0f ? beta * C[(size_t)i * ldc + j] : 0.0f;
+    }
+  }
+}
+
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  int k = 0;
+  for (; k + 32 <= n; k += 32) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
+    s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16), _mm256_loadu_ps(b + k + 16), s2);
+    s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), s3);
+  }
+  for (; k + 8 <= n; k += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
+  __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  float r = _mm_cvtss_f32(lo);
+  for (; k < n; ++k) r += a[k] * b[k];
+  return r;
+}
+
+// y[j] (stride incy) = alpha * sum_k x[k] * W[k, j] + beta * y, W row-major [K, n] (ld) over columns [j0, j1).
+__attribute__((target("avx2,fma"))) void axpy_rows(const float* x, const float* W, int ld, int K, int j0, int j1,
+                                                   float* y, float alpha, float beta) {
+  constexpr int CW = 64;
+  for (int jb = j0; jb < j1; jb += CW) {
+    const int w = std::min(CW, j1 - jb);
+    alignas(32) float acc[CW] = {};
+    if (w == CW) {
+      __m256 a[CW / 8];
+      for (int q = 0; q < CW / 8; ++q) a[q] = _mm256_setzero_ps();
+      for (int k = 0; k < K; ++k) {
+        const __m256 xv = _mm256_set1_ps(x[k]);
+        const float* row = W + (size_t)k * ld + jb;
+        for (int q = 0; q < CW / 8; ++q) a[q] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(row + 8 * q), a[q]);
+      }
+      for (int q = 0; q < CW / 8; ++q) _mm256_store_ps(acc + 8 * q, a[q]);
+    } else {
+      for (int k = 0; k < K; ++k) {
+        const float* row = W + (size_t)k * ld + jb;
+        for (int j = 0; j < w; ++j) acc[j] += x[k] * row[j];
+      }
+    }
+    for (int j = 0; j < w; ++j) y[jb + j] = alpha * acc[j] + (beta != 0.0f ? beta * y[jb + j] : 0.0f);
+  }
+}
+
+// Row-major C[M, N] = alpha op(A) op(B) + beta C with the AVX2 kernels, split over the pool.
+void sgemm_avx2(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+                float beta, float* C, int ldc) {
+  const Mat a{A, lda, ta}, b{B, ldb, tb};
+  const double flops = 2.0 * M * N * (double)K;
+  const int threads = flops < 2e6 ? 1 : num_threads();
+  if (M == 1 && K > 0) {
+    std::vector<float> xs;
+    const float* x = A;
+    if (ta && lda != 1) {  // op(A) is a column of a row-major matrix: gather it
+      xs.resize(K);
+      for (int k = 0; k < K; ++k) xs[k] = A[(size_t)k * lda];
+      x = xs.data();
+    }
+    if (tb) {  // C[0, j] = x . B[j, :]
+      parallel_range(N, threads > 1 ? 64 : N, [&](size_t j0, size_t j1) {
+        for (size_t j = j0; j < j1; ++j) {
+          float v = alpha * dot_avx2(x, B + j * (size_t)ldb, K);
+          C[j] = beta != 0.0f ? v + beta * C[j] : v;
+        }
+      });
+    } else {
+      parallel_range(N, threads > 1 ? 256 : N, [&](size_t j0, size_t j1) {
+        axpy_rows(x, B, ldb, K, (int)j0, (int)j1, C, alpha, beta);
+      });
+    }
+    return;
+  }
+  if (N == 1 && K > 0 && !ta) {
+    std::vector<float> xs(K);
+    for (int k = 0; k < K; ++k) xs[k] = b.at(k, 0);
+    parallel_range(M, threads > 1 ? 64 : M, [&](size_t i0, size_t i1) {
+      for (size_t i = i0; i < i1; ++i) {
+        float v = alpha * dot_avx2(A + i * (size_t)lda, xs.data(), K);
+        float* c = C + i * (size_t)ldc;
+        *c = beta != 0.0f ? v + beta * *c : v;
+      }
+    });
+    return;
+  }
+  // Split the larger dimension over the threads (whole NR / MR multiples).
+  if (threads <= 1) return gemm_block(a, b, C, ldc, 0, M, 0, N, K, alpha, beta);
+  if (N >= M) {
+    const int per = ((N + threads - 1) / threads + NR - 1) / NR * NR;
+    parallel_for(threads, [&](size_t t) {
+      const int j0 = (int)t * per, j1 = std::min(N, j0 + per);
+      gemm_block(a, b, C, ldc, 0, M, j0, j1, K, alpha, beta);
+    });
+  } else {
+    const int per = ((M + threads - 1) / threads + MR - 1) / MR * MR;
+    parallel_for(threads, [&](size_t t) {
+      const int i0 = (int)t * per, i1 = std::min(M, i0 + per);
+      gemm_block(a, b, C, ldc, i0, i1, 0, N, K, alpha, beta);
+    });
+  }
+}
+#endif
+
+using CblasSgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
+                            int);
+
+CblasSgemm next_sgemm() {
+  static CblasSgemm f = reinterpret_cast<CblasSgemm>(dlsym(RTLD_NEXT, "cblas_sgemm"));
+  return f;
+}
+
+constexpr int kRowMajor = 101, kColMajor = 102, kNoTrans = 111;
+
+}  // namespace
+
+// Row-major sgemm through the project's kernel (false: not taken, the caller must use another BLAS).
+bool dense_sgemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+                 float beta, float* C, int ldc) {
+#ifdef K3_X86
+  if (!cpu_has_avx2_fma() || use_reference.load(std::memory_order_relaxed)) return false;
+  if (M <= 0 || N <= 0) return true;
+  sgemm_avx2(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace k3::kernels
+
+namespace kk = k3::kernels;
+
+// The CBLAS entry point MLX's CPU matmul calls (enums passed as ints, as the C ABI does).
+extern "C" __attribute__((visibility("default"))) void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N,
+                                                                    int K, float alpha, const float* A, int lda,
+                                                                    const float* B, int ldb, float beta, float* C,
+                                                                    int ldc) {
+  static const bool env_reference = [] {
+    if (kk::reference_from_env()) kk::use_reference.store(true);
+    return true;
+  }();
+  (void)env_reference;
+  kk::calls.fetch_add(1, std::memory_order_relaxed);
+  bool ta = trans_a != kk::kNoTrans, tb = trans_b != kk::kNoTrans;
+  bool done = false;
+  if (order == kk::kRowMajor) {
+    done = kk::dense_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  } else if (order == kk::kColMajor) {
+    // Column-major C = op(A) op(B) is row-major C^T = op(B)^T op(A)^T.
+    done = kk::dense_sgemm(tb, ta, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc);
+  }
+  if (done) return;
+  auto next = kk::next_sgemm();
+  if (!next) {
+    // Only possible when nothing else in the process defines cblas_sgemm (and then MLX was not the caller).
+    std::abort();
+  }
+  next(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+extern "C" int k3_dense_set_reference(bool on) {
+  kk::use_reference.store(on);
+  return 0;
+}
+
+extern "C" uint64_t k3_dense_sgemm_calls(void) {
+  return kk::calls.load();
+}

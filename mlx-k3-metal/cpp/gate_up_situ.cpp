@@ -1,0 +1,348 @@
+// The routed experts' gate and up projections with SiTU applied where the kernel stores (SPEC_NOTES 4.4-4.5):
+// out = SiTU(x @ W_up[e]^T, x @ W_gate[e]^T) for each gathered (token, expert) pair, in one primitive and
+// without the two intermediate tensors. gather_qmm semantics for x, lhs and rhs (x (*Bx, M, K), out
+// (*broadcast(lhs, rhs), M, N)).
+//
+// CPU (f32 activations, AVX2+FMA for the MLX formats): pairs are grouped by expert (a stable sort, as the
+// plain gathered kernel does), each run's activations are prepared once for both projections, and tasks
+// over (run, slice of N) compute the gate and up rows of their slice with the row kernels of qmm_cpu.hpp,
+// then apply SiTU and store. Formats: MLX affine 2/4/8-bit (group a multiple of 32), mxfp4, and the
+// project's ternary codebook (which has a scalar path too). Anything else (GPU streams, other bit widths,
+// half-precision activations, CPUs without AVX2) runs the unfused composition: MLX's gather_qmm twice and
+// SiTU from MLX ops.
+#include <algorithm>
+#include <memory>
+#include <numeric>
+
+#include "k3_internal.hpp"
+#include "k3_kernels.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "parallel.hpp"
+#include "qmm_cpu.hpp"
+#include "vmath.hpp"
+
+namespace mx = mlx::core;
+
+namespace k3::kernels {
+namespace {
+
+struct GateUpFormat {
+  char kind;  // 'c' codebook, 'a' affine, 'm' mxfp4
+  int bits;
+  int group;
+  bool simd;
+  float beta;
+  bool has_linear_beta;
+  float linear_beta;
+  bool operator==(const GateUpFormat&) const = default;
+};
+
+
+int n_weights(char kind) {
+  return kind == 'm' ? 2 : 3;
+}
+
+// Row kernels of expert e of one projection whose arrays start at w[0].
+void proj_rows(const GateUpFormat& f, const mx::array* w, int e, int N, int K, const Activations& a, int n0, int n1,
+               float* out, int ldo) {
+  switch (f.kind) {
+    case 'c': {
+      CodebookRows r{w[0].data<uint8_t>() + (size_t)e * N * (K / 8), w[1].data<uint16_t>() + (size_t)e * N * (K / 32),
+                     reinterpret_cast<const uint16_t*>(w[2].data<mx::float16_t>()) + (size_t)e * N * (K / 256), K};
+      return codebook_rows(r, a, n0, n1, out, ldo, f.simd);
+    }
+    case 'a': {
+      int ng = K / f.group;
+      AffineRows r{w[0].data<uint32_t>() + (size_t)e * N * (K * f.bits / 32), w[1].data<float>() + (size_t)e * N * ng,
+                   w[2].data<float>() + (size_t)e * N * ng, K, f.group, f.bits};
+      return affine_rows(r, a, n0, n1, out, ldo, f.simd);
+    }
+    default: {
+      Mxfp4Rows r{w[0].data<uint32_t>() + (size_t)e * N * (K / 8), w[1].data<uint8_t>() + (size_t)e * N * (K / 32), K};
+      return mxfp4_rows(r, a, n0, n1, out, ldo, f.simd);
+    }
+  }
+}
+
+// SiTU over n values (the formula of situ.cpp: fp32, vmath's tanh and sigmoid), in blocks that vectorize.
+void situ_store(const float* up, const float* gate, float* out, int n, const GateUpFormat& f) {
+  constexpr int B = 64;
+  float u[B];
+  const float inv_beta = 1.0f / f.beta;
+  const float inv_lin = f.has_linear_beta ? 1.0f / f.linear_beta : 0.0f;
+  for (int base = 0; base < n; base += B) {
+    int m = std::min(B, n - base);
+    for (int i = 0; i < m; ++i) u[i] = up[base + i];
+    if (f.has_linear_beta) {
+      for (int i = 0; i < m; ++i) u[i] = f.linear_beta * vmath::tanh(u[i] * inv_lin);
+    }
+    for (int i = 0; i < m; ++i) {
+      float g = gate[base + i];
+      out[base + i] = f.beta * vmath::tanh(g * inv_beta) * vmath::sigmoid(g) * u[i];
+    }
+  }
+}
+
+class GateUpSitu : public mx::UnaryPrimitive {
+ public:
+  GateUpSitu(mx::Stream s, GateUpFormat f) : mx::UnaryPrimitive(s), f_(f) {}
+
+  // Inputs: x [Bx, M, K] f32, lhs [P] u32, rhs [P] u32, gate weights (n_w arrays), up weights (n_w arrays).
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    for (auto& in : inputs) {
+      if (!in.flags().row_contiguous) throw std::runtime_error("[gather_gate_up_situ] non-contiguous input");
+    }
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& in : inputs) enc.set_input_array(in);
+    enc.set_output_array(out);
+    std::vector<mx::array> in;
+    for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+    enc.dispatch([in = std::move(in), o = out.data<float>(), f = f_]() { run(in, o, f); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[gather_gate_up_situ] CPU-only primitive; GPU streams use the unfused ops");
+  }
+
+  const char* name() const override { return "K3GatherGateUpSitu"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return f_ == static_cast<const GateUpSitu&>(other).f_;
+  }
+
+ private:
+  static void run(const std::vector<mx::array>& in, float* out, const GateUpFormat& f) {
+    const int nw = n_weights(f.kind);
+    const mx::array* gw = &in[3];
+    const mx::array* uw = &in[3 + nw];
+    const int M = in[0].shape(1), K = in[0].shape(2), N = gw[0].shape(1), E = gw[0].shape(0);
+    const int Bx = in[0].shape(0);
+    const float* xp = in[0].data<float>();
+    const uint32_t* lhs = in[1].data<uint32_t>();
+    const uint32_t* rhs = in[2].data<uint32_t>();
+    const size_t P = in[1].size();
+    for (size_t p = 0; p < P; ++p) {
+      if ((int)rhs[p] >= E || (int)lhs[p] >= Bx) {
+        throw std::out_of_range("[gather_gate_up_situ] index out of range: expert " + std::to_string(rhs[p]) + " of " +
+                                std::to_string(E) + ", row block " + std::to_string(lhs[p]) + " of " + std::to_string(Bx));
+      }
+    }
+    const int order = activation_order(f.kind, f.bits, f.simd);
+    std::vector<size_t> by_expert(P);
+    std::iota(by_expert.begin(), by_expert.end(), 0);
+    std::stable_sort(by_expert.begin(), by_expert.end(), [&](size_t a, size_t b) { return rhs[a] < rhs[b]; });
+    struct Run {
+      int expert;
+      std::vector<size_t> pairs;
+      std::vector<float> x, permuted, sums, g, u;
+      Activations a;
+    };
+    std::vector<Run> runs;
+    for (size_t i = 0; i < P; ++i) {
+      size_t p = by_expert[i];
+      if (runs.empty() || runs.back().expert != (int)rhs[p]) runs.push_back(Run{(int)rhs[p], {}, {}, {}, {}, {}, {}, {}});
+      runs.back().pairs.push_back(p);
+    }
+    for (auto& r : runs) {
+      const int rows = (int)r.pairs.size() * M;
+      r.x.resize((size_t)rows * K);
+      for (size_t j = 0; j < r.pairs.size(); ++j) {
+        std::copy_n(xp + (size_t)lhs[r.pairs[j]] * M * K, (size_t)M * K, r.x.data() + j * M * K);
+      }
+      r.sums.resize((size_t)rows * (K / 32));
+      if (order) r.permuted.resize((size_t)rows * K);
+      prepare_activations(r.x.data(), rows, K, order, r.permuted.data(), r.sums.data());
+      r.a = Activations{r.x.data(), order ? r.permuted.data() : r.x.data(), r.sums.data(), rows, K};
+      r.g.resize((size_t)rows * N);
+      r.u.resize((size_t)rows * N);
+    }
+    struct Task {
+      size_t run;
+      int n0, n1;
+    };
+    std::vector<Task> tasks;
+    const int want = 4 * num_threads();
+    int slice = std::max(32, N / std::max(1, want / (int)std::max<size_t>(1, runs.size())));
+    slice = (slice + 7) / 8 * 8;
+    for (size_t r = 0; r < runs.size(); ++r) {
+      for (int n0 = 0; n0 < N; n0 += slice) tasks.push_back({r, n0, std::min(N, n0 + slice)});
+    }
+    parallel_for(tasks.size(), [&](size_t t) {
+      auto& r = runs[tasks[t].run];
+      const int n0 = tasks[t].n0, n1 = tasks[t].n1;
+      proj_rows(f, gw, r.expert, N, K, r.a, n0, n1, r.g.data(), N);
+      proj_rows(f, uw, r.expert, N, K, r.a, n0, n1, r.u.data(), N);
+      // SiTU at store: each (pair, row) gets its slice of the activation written straight to the output.
+      for (size_t j = 0; j < r.pairs.size(); ++j) {
+        for (int m = 0; m < M; ++m) {
+          const size_t src = (j * M + m) * (size_t)N + n0;
+          situ_store(r.u.data() + src, r.g.data() + src, out + (r.pairs[j] * M + m) * (size_t)N + n0, n1 - n0, f);
+        }
+      }
+    });
+  }
+
+  GateUpFormat f_;
+};
+
+[[noreturn]] void fail(const std::string& msg) {
+  throw std::invalid_argument("[gather_gate_up_situ] " + msg);
+}
+
+std::string shape_str(const mx::Shape& s) {
+  std::string r = "(";
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i) r.push_back(',');
+    r.append(std::to_string(s[i]));
+  }
+  r.push_back(')');
+  return r;
+}
+
+// Checks one projection's arrays for K inputs; returns (E, N).
+std::pair<int, int> check_proj(const char* which, const GateUpFormat& f, const std::vector<mx::array>& w, int K) {
+  const auto& w0 = w[0];
+  if (w0.ndim() != 3) fail(std::string(which) + " weights must be 3-D [E, N, ...], got " + shape_str(w0.shape()));
+  int E = w0.shape(0), N = w0.shape(1);
+  auto expect = [&](const char* what, const mx::array& a, int last, mx::Dtype dt) {
+    mx::Shape want{E, N, last};
+    if (a.shape() != want) {
+      fail(std::string(which) + " " + what + " has shape " + shape_str(a.shape()) + ", expected " + shape_str(want));
+    }
+    if (a.dtype() != dt) fail(std::string(which) + " " + what + " has the wrong dtype");
+  };
+  switch (f.kind) {
+    case 'c':
+      if (K % 256 != 0) fail("K = " + std::to_string(K) + " is not a multiple of 256 (the codebook super-block)");
+      expect("codes", w[0], K / 8, mx::uint8);
+      expect("qh", w[1], K / 32, mx::uint16);
+      expect("scales", w[2], K / 256, mx::float16);
+      break;
+    case 'a':
+      if (f.group <= 0 || K % f.group != 0) fail("group size " + std::to_string(f.group) + " does not divide K = " + std::to_string(K));
+      expect("weight", w[0], K * f.bits / 32, mx::uint32);
+      if (w[1].shape() != mx::Shape{E, N, K / f.group} || w[2].shape() != w[1].shape()) {
+        fail(std::string(which) + " scales/biases must be [E, N, K / group]");
+      }
+      break;
+    default:
+      if (K % 32 != 0) fail("K = " + std::to_string(K) + " is not a multiple of 32");
+      expect("weight", w[0], K / 8, mx::uint32);
+      expect("scales", w[1], K / 32, mx::uint8);
+  }
+  return {E, N};
+}
+
+// SiTU from MLX ops (mlx-lm's `_situ`): the unfused fallback's activation.
+mx::array situ_ops(const mx::array& up, const mx::array& gate, const GateUpFormat& f, mx::Stream s) {
+  auto dt = up.dtype();
+  auto g = mx::astype(gate, mx::float32, s);
+  auto x = mx::astype(up, mx::float32, s);
+  auto a = mx::multiply(mx::multiply(mx::array(f.beta), mx::tanh(mx::divide(g, mx::array(f.beta), s), s), s),
+                        mx::sigmoid(g, s), s);
+  if (f.has_linear_beta) {
+    x = mx::multiply(mx::array(f.linear_beta), mx::tanh(mx::divide(x, mx::array(f.linear_beta), s), s), s);
+  }
+  return mx::astype(mx::multiply(a, x, s), dt, s);
+}
+
+}  // namespace
+
+mx::array gather_gate_up_situ(GateUpFormat f, const mx::array& x_in, const std::vector<mx::array>& gate_w,
+                              const std::vector<mx::array>& up_w, const std::optional<mx::array>& lhs_in,
+                              const std::optional<mx::array>& rhs_in, const std::string& mode, mx::StreamOrDevice sd) {
+  auto s = mx::to_stream(sd);
+  if (!(f.beta > 0.0f) || (f.has_linear_beta && !(f.linear_beta > 0.0f))) fail("SiTU betas must be positive");
+  if (x_in.ndim() < 2) fail("x must be at least 2-D (..., M, K)");
+  if (!mx::issubdtype(x_in.dtype(), mx::floating)) fail("x must be a floating-point array");
+  if (!rhs_in) fail("the expert indices (rhs) are required");
+  const int K = x_in.shape(-1), M = x_in.shape(-2);
+  // Scales and biases of the affine kernels are f32 (converted here when the checkpoint stores others).
+  auto prep = [&](const std::vector<mx::array>& w) {
+    std::vector<mx::array> r = w;
+    if (f.kind == 'a') {
+      r[1] = mx::astype(r[1], mx::float32, s);
+      r[2] = mx::astype(r[2], mx::float32, s);
+    }
+    return r;
+  };
+  const bool fast = s.device == mx::Device::cpu && x_in.dtype() == mx::float32 &&
+                    (f.kind == 'c' || (cpu_has_avx2_fma() && (f.kind == 'm' || ((f.bits == 2 || f.bits == 4 || f.bits == 8) &&
+                                                                                   f.group % 32 == 0))));
+  if (!fast) {
+    if (f.kind == 'c') fail("the codebook format has CPU kernels only (and f32 activations)");
+    auto mm = [&](const std::vector<mx::array>& w) {
+      return mx::gather_qmm(x_in, w[0], w[1], f.kind == 'a' ? std::optional<mx::array>(w[2]) : std::nullopt, lhs_in,
+                            rhs_in, true, f.group, f.bits, mode, std::nullopt, false, s);
+    };
+    return situ_ops(mm(up_w), mm(gate_w), f, s);
+  }
+  auto gw = prep(gate_w), uw = prep(up_w);
+  auto [E, N] = check_proj("gate", f, gw, K);
+  auto [E2, N2] = check_proj("up", f, uw, K);
+  if (E != E2 || N != N2) fail("gate and up stacks differ in shape");
+  mx::Shape bx(x_in.shape().begin(), x_in.shape().end() - 2);
+  int nbx = 1;
+  for (auto d : bx) nbx *= d;
+  auto lhs = lhs_in ? mx::astype(*lhs_in, mx::uint32, s) : mx::reshape(mx::arange(nbx, mx::uint32, s), bx, s);
+  auto rhs = mx::astype(*rhs_in, mx::uint32, s);
+  auto bc = mx::broadcast_arrays({lhs, rhs}, s);
+  mx::Shape bshape = bc[0].shape();
+  auto lflat = mx::contiguous(mx::flatten(bc[0], s), false, s);
+  auto rflat = mx::contiguous(mx::flatten(bc[1], s), false, s);
+  const int P = lflat.size();
+  auto x = mx::contiguous(mx::reshape(x_in, {nbx, M, K}, s), false, s);
+  std::vector<mx::array> inputs{x, lflat, rflat};
+  for (auto& a : gw) inputs.push_back(mx::contiguous(a, false, s));
+  for (auto& a : uw) inputs.push_back(mx::contiguous(a, false, s));
+  auto y = mx::array({P, M, N}, mx::float32, std::make_shared<GateUpSitu>(s, f), inputs);
+  mx::Shape out_shape = bshape;
+  out_shape.push_back(M);
+  out_shape.push_back(N);
+  return mx::reshape(y, out_shape, s);
+}
+
+}  // namespace k3::kernels
+
+namespace kk = k3::kernels;
+
+extern "C" int k3_gather_gate_up_situ(k3_array* res, const k3_array x, const k3_array gate_w, const k3_array gate_scales,
+                                      const k3_array gate_biases, const k3_array up_w, const k3_array up_scales,
+                                      const k3_array up_biases, const k3_array lhs, const k3_array rhs, int group_size,
+                                      int bits, const char* mode, float beta, bool has_linear_beta, float linear_beta,
+                                      const k3_stream s) {
+  K3_TRY({
+    std::string m = mode ? mode : "affine";
+    char kind;
+    if (m == "affine") {
+      if (!gate_biases.ctx || !up_biases.ctx) throw std::invalid_argument("[gather_gate_up_situ] affine needs biases");
+      kind = 'a';
+    } else if (m == "mxfp4") {
+      kind = 'm';
+    } else {
+      throw std::invalid_argument("[gather_gate_up_situ] mode must be affine or mxfp4, got " + m);
+    }
+    kk::GateUpFormat f{kind, bits, group_size, kk::cpu_has_avx2_fma(), beta, has_linear_beta, linear_beta};
+    std::vector<mx::array> g{k3::arr(gate_w), k3::arr(gate_scales)}, u{k3::arr(up_w), k3::arr(up_scales)};
+    if (kind == 'a') {
+      g.push_back(k3::arr(gate_biases));
+      u.push_back(k3::arr(up_biases));
+    }
+    k3::put(res, kk::gather_gate_up_situ(f, k3::arr(x), g, u, k3::opt(lhs), k3::opt(rhs), m, k3::stream(s)));
+  })
+}
+
+extern "C" int k3_gather_codebook_gate_up_situ(k3_array* res, const k3_array x, const k3_array gate_codes,
+                                               const k3_array gate_qh, const k3_array gate_scales,
+                                               const k3_array up_codes, const k3_array up_qh, const k3_array up_scales,
+                                               const k3_array lhs, const k3_array rhs, float beta, bool has_linear_beta,
+                                               float linear_beta, const k3_stream s) {
+  K3_TRY({
+    kk::GateUpFormat f{'c', 0, 256, kk::cpu_has_avx2_fma(), beta, has_linear_beta, linear_beta};
+    k3::put(res, kk::gather_gate_up_situ(f, k3::arr(x), {k3::arr(gate_codes), k3::arr(gate_qh), k3::arr(gate_scales)},
+                                         {k3::arr(up_codes), k3::arr(up_qh), k3::arr(up_scales)}, k3::opt(lhs),
+                                         k3::opt(rhs), "codebook", k3::stream(s)));
+  })
+}

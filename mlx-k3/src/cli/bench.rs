@@ -1,0 +1,283 @@
+//! `mlx-k3 bench`: end-to-end generation figures for a checkpoint (decode tok/s, prefill tok/s, time to
+//! first token, peak memory, bytes read per decoded token and the share of the measured read bandwidth),
+//! the machine's memory read bandwidth, and the fused router against its plain-ops composition.
+//!
+//! `scripts/bench_e2e.py` runs this next to mlx-lm on the same checkpoint and machine.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args as ClapArgs;
+
+use crate::generate::{generate_tokens, GenerateOptions, PromptCache};
+use crate::kernels::{self, RouterParams};
+use crate::model::{KimiK3, LoadOptions};
+use crate::{memory, random, Array, Dtype, Error, Result};
+
+/// Options of `bench`.
+#[derive(ClapArgs, Debug)]
+pub(super) struct Args {
+    /// The checkpoint folder: time prefill and decode on it.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Prompt length (random token ids; the prefill runs as one chunk).
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens to generate (greedy).
+    #[arg(long, default_value_t = 32)]
+    gen_tokens: usize,
+    /// Measure the memory read bandwidth (a streaming read of 1 GiB over all threads).
+    #[arg(long)]
+    bandwidth: bool,
+    /// Time the fused MoE router against the plain-ops composition (896 experts, top-16).
+    #[arg(long)]
+    router: bool,
+    /// Print one JSON object (last line) instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(super) fn run(args: Args) -> Result<()> {
+    if args.bandwidth {
+        let (gbs, threads) = read_bandwidth();
+        emit(args.json, &format!("memory read bandwidth: {gbs:.2} GB/s over {threads} threads"), || {
+            format!("{{\"read_bandwidth_gb_s\": {gbs:.4}, \"threads\": {threads}}}")
+        });
+        return Ok(());
+    }
+    if args.router {
+        return bench_router(args.json);
+    }
+    let Some(dir) = args.model.as_ref() else {
+        return Err(Error::invalid("bench", "give --model DIR, --bandwidth or --router"));
+    };
+    bench_model(dir, &args)
+}
+
+fn emit(json: bool, text: &str, obj: impl FnOnce() -> String) {
+    if json {
+        println!("{}", obj());
+    } else {
+        println!("{text}");
+    }
+}
+
+/// Bytes one decode step reads: every weight once, expert stacks only for the routed experts (top_k of E
+/// per MoE layer; at batch 1 they are distinct), one embedding row, plus the recurrent state (KDA) and the
+/// latent KV cache (MLA) at `context` positions.
+fn bytes_per_token(model: &KimiK3, context: usize) -> (u64, u64) {
+    let cfg = model.config();
+    let experts = cfg.num_experts.unwrap_or(0).max(1) as u64;
+    let top_k = cfg.num_experts_per_token as u64;
+    let mut weights = 0u64;
+    for r in model.tensor_records() {
+        weights += if r.path.contains(".switch_mlp.") {
+            r.bytes * top_k / experts
+        } else if r.path.contains("embed_tokens") && !cfg.tie_word_embeddings {
+            r.bytes / cfg.vocab_size as u64
+        } else {
+            r.bytes
+        };
+    }
+    let act = model.dtype().size_of() as u64;
+    let mut state = 0u64;
+    for i in 0..cfg.num_hidden_layers {
+        if cfg.is_kda(i) {
+            if let Some(la) = cfg.linear_attn_config.as_ref() {
+                let p = (la.num_heads * la.head_dim) as u64;
+                state += (la.num_heads * la.head_dim * la.head_dim) as u64 * 4;
+                state += (la.short_conv_kernel_size as u64 - 1) * 3 * p * act;
+            }
+        } else if let Ok(m) = cfg.mla() {
+            state += context as u64 * (m.kv_lora_rank + m.qk_rope) as u64 * act;
+        }
+    }
+    (weights, state)
+}
+
+fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
+    let t = Instant::now();
+    let model = KimiK3::load(dir, LoadOptions::default())?;
+    let load_s = t.elapsed().as_secs_f64();
+    let vocab = model.config().vocab_size as u32;
+    // Random prompt ids from a fixed seed (xorshift), as the Python side uses random ids too.
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut ids = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state % vocab as u64) as u32
+            })
+            .collect()
+    };
+    let opts = |max_tokens: usize| GenerateOptions {
+        max_tokens,
+        prefill_chunk: args.prompt_tokens.max(1),
+        ..GenerateOptions::default()
+    };
+    // Warm-up (allocator, first-use costs), then the measured run on a fresh cache.
+    let warm = ids(16);
+    generate_tokens(&model, &mut PromptCache::new(), &warm, &opts(4), |_| true)?;
+    let prompt = ids(args.prompt_tokens.max(1));
+    let (tokens, _, stats) =
+        generate_tokens(&model, &mut PromptCache::new(), &prompt, &opts(args.gen_tokens), |_| true)?;
+    let context = prompt.len() + tokens.len() / 2;
+    let (weights, state_bytes) = bytes_per_token(&model, context);
+    let total = weights + state_bytes;
+    if args.json {
+        println!(
+            "{{\"engine\": \"mlx-k3\", \"load_s\": {load_s:.3}, \"prompt_tokens\": {}, \"generated_tokens\": {}, \
+             \"time_to_first_token_s\": {:.6}, \"prefill_tok_s\": {:.4}, \"decode_tok_s\": {:.4}, \
+             \"peak_memory_bytes\": {}, \"weight_bytes_per_token\": {weights}, \"state_bytes_per_token\": \
+             {state_bytes}, \"bytes_read_per_token\": {total}, \"kernel_threads\": {}}}",
+            stats.prompt_tokens,
+            stats.generated_tokens,
+            stats.time_to_first_token,
+            stats.prompt_tps,
+            stats.generation_tps,
+            stats.peak_memory,
+            kernels::num_threads()
+        );
+    } else {
+        println!("model: {} (loaded in {load_s:.1} s)", dir.display());
+        println!("prompt {} tokens, generated {}", stats.prompt_tokens, stats.generated_tokens);
+        println!("time to first token: {:.3} s", stats.time_to_first_token);
+        println!("prefill: {:.2} tok/s", stats.prompt_tps);
+        println!("decode: {:.2} tok/s", stats.generation_tps);
+        println!("peak memory: {:.2} GB", stats.peak_memory as f64 / 1e9);
+        println!(
+            "bytes read per decoded token: {:.1} MB ({:.1} MB weights, {:.1} MB recurrent state and KV cache)",
+            total as f64 / 1e6,
+            weights as f64 / 1e6,
+            state_bytes as f64 / 1e6
+        );
+        let (gbs, _) = read_bandwidth();
+        let limit = gbs * 1e9 / total as f64;
+        println!(
+            "read bandwidth {gbs:.2} GB/s -> limit {limit:.1} tok/s; decode reaches {:.0}% of it",
+            100.0 * stats.generation_tps / limit
+        );
+    }
+    Ok(())
+}
+
+/// Streaming read bandwidth (GB/s) over 1 GiB with every kernel thread, best of 5 passes.
+fn read_bandwidth() -> (f64, usize) {
+    let threads = kernels::num_threads().max(1);
+    let n = (1usize << 30) / 8;
+    let data: Vec<u64> = (0..n as u64).collect();
+    let chunk = n.div_ceil(threads);
+    let mut best = 0.0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let sum: u64 = std::thread::scope(|s| {
+            let handles: Vec<_> =
+                data.chunks(chunk).map(|c| s.spawn(move || std::hint::black_box(stream_sum(c)))).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or(0)).fold(0, u64::wrapping_add)
+        });
+        std::hint::black_box(sum);
+        best = best.max((n * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    (best, threads)
+}
+
+fn stream_sum(c: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present.
+        return unsafe { stream_sum_avx2(c) };
+    }
+    stream_sum_plain(c)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn stream_sum_avx2(c: &[u64]) -> u64 {
+    stream_sum_plain(c)
+}
+
+#[inline(always)]
+fn stream_sum_plain(c: &[u64]) -> u64 {
+    // Eight independent lanes so the adds vectorize and never limit the loads.
+    let mut acc = [0u64; 8];
+    let mut it = c.chunks_exact(8);
+    for w in &mut it {
+        for i in 0..8 {
+            acc[i] = acc[i].wrapping_add(w[i]);
+        }
+    }
+    it.remainder().iter().fold(acc.iter().fold(0, |a, b| a.wrapping_add(*b)), |a, b| a.wrapping_add(*b))
+}
+
+/// The fused router against the plain-ops `route_reference` at 896 experts / top-16 (with the correction
+/// bias), for 1 and 512 tokens: the latency of one call (graph build + evaluation), and the cost per call
+/// when 64 calls share one evaluation (as inside a model step).
+fn bench_router(json: bool) -> Result<()> {
+    let (e, k) = (896, 16);
+    let p = RouterParams { top_k: k, n_group: 1, topk_group: 1, routed_scaling_factor: 2.827, renormalize: true };
+    let key = |s: u64| random::key(s);
+    let bias = random::normal(&[e], Dtype::F32, 0.0, 0.05, Some(&key(2)?))?;
+    bias.eval()?;
+    let mut rows = Vec::new();
+    for tokens in [1, 512] {
+        let xs: Vec<Array> = (0..64)
+            .map(|i| random::normal(&[1, tokens, e], Dtype::F32, 0.0, 2.0, Some(&key(10 + i)?)))
+            .collect::<Result<_>>()?;
+        crate::eval(&xs.iter().collect::<Vec<_>>())?;
+        let fused = |x: &Array| -> Result<Vec<Array>> {
+            let r = kernels::moe_router(x, Some(&bias), None, p)?;
+            Ok(vec![r.indices, r.weights])
+        };
+        let plain = |x: &Array| -> Result<Vec<Array>> {
+            let (i, w) = kernels::route_reference(x, Some(&bias), p)?;
+            Ok(vec![i, w])
+        };
+        let single_n = if tokens == 1 { 400 } else { 20 };
+        let f1 = time_calls(&xs[..1], single_n, &fused)?;
+        let p1 = time_calls(&xs[..1], single_n, &plain)?;
+        let batch = if tokens == 1 { 64 } else { 8 };
+        let fb = time_calls(&xs[..batch], if tokens == 1 { 40 } else { 3 }, &fused)?;
+        let pb = time_calls(&xs[..batch], if tokens == 1 { 40 } else { 3 }, &plain)?;
+        rows.push((tokens, f1, p1, fb, pb, batch));
+    }
+    if json {
+        let parts: Vec<String> = rows
+            .iter()
+            .map(|(t, f1, p1, fb, pb, b)| {
+                format!(
+                    "\"{t}\": {{\"fused_call_us\": {f1:.3}, \"plain_call_us\": {p1:.3}, \"fused_in_graph_us\": {fb:.3}, \
+                     \"plain_in_graph_us\": {pb:.3}, \"calls_per_graph\": {b}}}"
+                )
+            })
+            .collect();
+        println!("{{\"router\": {{{}}}, \"experts\": {e}, \"top_k\": {k}}}", parts.join(", "));
+    } else {
+        println!("router, {e} experts top-{k}: microseconds per call (median)");
+        println!(
+            "{:>7} {:>12} {:>12} {:>16} {:>16}",
+            "tokens", "fused", "plain ops", "fused in graph", "plain in graph"
+        );
+        for (t, f1, p1, fb, pb, _) in rows {
+            println!("{t:>7} {f1:>12.1} {p1:>12.1} {fb:>16.1} {pb:>16.1}");
+        }
+    }
+    Ok(())
+}
+
+/// Median over `reps` of (time to build and evaluate one graph holding one call per input) / inputs, in µs.
+fn time_calls(xs: &[Array], reps: usize, f: &dyn Fn(&Array) -> Result<Vec<Array>>) -> Result<f64> {
+    let mut times = Vec::with_capacity(reps);
+    for rep in 0..reps + 3 {
+        let t = Instant::now();
+        let outs: Vec<Array> = xs.iter().map(|x| f(x)).collect::<Result<Vec<_>>>()?.into_iter().flatten().collect();
+        crate::eval(&outs.iter().collect::<Vec<_>>())?;
+        if rep >= 3 {
+            times.push(t.elapsed().as_secs_f64() * 1e6 / xs.len() as f64);
+        }
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    memory::clear_cache();
+    Ok(times[times.len() / 2])
+}
