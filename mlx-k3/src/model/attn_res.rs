@@ -40,7 +40,8 @@ impl ResidualBlocks {
             (Some(r), Some(i)) => (r, i),
             _ => return Ok(partial.clone()),
         };
-        if crate::kernels::attn_res_supported() {
+        // CPU only for now: the CUDA kernel has not been run yet.
+        if crate::current_stream()?.device() == crate::Device::Cpu && crate::kernels::attn_res_supported() {
             // One fused primitive (fp32 math, the same formula; tests/attn_res.rs).
             return crate::kernels::attn_res_mix(raw, inv, partial, w_eff, self.eps);
         }

@@ -101,7 +101,8 @@ impl Kda {
             None => (None, None),
         };
         let qkv = self.qkv_proj.forward(x)?;
-        if t == 1 && crate::kernels::kda_step_supported() {
+        // CPU only for now: the CUDA kernel has not been run yet.
+        if t == 1 && crate::current_stream()?.device() == crate::Device::Cpu && crate::kernels::kda_step_supported() {
             // Decode: conv, q/k norm, gates, the state update, o_norm and the gate in one fused primitive
             // (tests/kda_step.rs checks it against this function's plain-ops path).
             let a = self.f_b.forward(&self.f_a.forward(x)?)?.reshape(&[b, 1, h, d])?;

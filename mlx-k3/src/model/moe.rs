@@ -259,7 +259,13 @@ impl SparseMoe {
     /// weighted sum over the selected experts it holds (the others get weight 0) and its shared-expert
     /// partial sum, and one all_sum (of the two concatenated, in f32) completes both.
     pub fn forward(&self, x: &Array, comm: Option<&Comm>) -> Result<Array> {
-        let (mut inds, mut weights) = route_fused(&self.gate.forward(x)?, &self.bias, self.router)?;
+        // The fused router's GPU kernels (CUDA, Metal) have not been run yet: GPU streams keep the plain ops.
+        let logits = self.gate.forward(x)?;
+        let (mut inds, mut weights) = if crate::current_stream()?.device() == crate::Device::Cpu {
+            route_fused(&logits, &self.bias, self.router)?
+        } else {
+            route(&logits, Some(&self.bias), self.router)?
+        };
         if let Some(r) = &self.local {
             let held = inds.greater_equal(r.start as u32)?.logical_and(&inds.less(r.end as u32)?)?;
             inds = crate::ops::where_(&held, &inds.subtract(r.start as u32)?, &Array::scalar(0u32)?)?;
