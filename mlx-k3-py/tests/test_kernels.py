@@ -1,6 +1,6 @@
 """mlx_k3's kernels against mlx-lm / MLX ops on random inputs (CPU).
 
-References: SiTU against mlx-lm's own ``kimi_k3._situ``; the codebook format against an
+References: SiTU and the router against mlx-lm's own ``kimi_k3`` functions; the codebook format against an
 independent NumPy decoder that takes IQ1_S's grid from the ``gguf`` package (llama.cpp's Python tooling);
 quantized and tiered matmuls against MLX's ``quantized_matmul`` / ``gather_qmm`` / ``gather_mm``.
 """
@@ -212,6 +212,59 @@ def test_gather_tiered_qmm_matches_gather_mm():
     inds = mx.array(rng.integers(0, len(TIERS), (3, 2, 4)).astype(np.uint32))
     got = mlx_k3.gather_tiered_qmm(x, s["tier"], s["slot"], rhs_indices=inds, **tiered_kwargs(s))
     close(got, mx.gather_mm(x, w_t, rhs_indices=inds))
+
+
+# ---------------------------------------------------------------------------------------------- router
+
+
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_moe_router_matches_mlx_lm(n_group, topk_group, dtype):
+    from mlx_lm.models.kimi_k3 import _group_expert_select
+
+    logits = (mx.random.normal((5, 7, 64)) * 2).astype(dtype)
+    bias = mx.random.normal((64,)) * 0.1
+    got_i, got_w = mlx_k3.moe_router(
+        logits, bias, top_k=6, n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5
+    )
+    want_i, want_w = _group_expert_select(logits, bias, 6, n_group, topk_group, 2.5, True)
+    assert got_i.dtype == mx.uint32 and got_w.dtype == dtype
+    # Same experts with the same weights (compared in index order).
+    gi, wi = np.array(got_i), np.array(want_i)
+    go, wo = np.argsort(gi, axis=-1), np.argsort(wi, axis=-1)
+    assert np.array_equal(np.take_along_axis(gi, go, -1), np.take_along_axis(wi, wo, -1))
+    gw = np.take_along_axis(np.array(got_w.astype(mx.float32)), go, -1)
+    ww = np.take_along_axis(np.array(want_w.astype(mx.float32)), wo, -1)
+    np.testing.assert_allclose(gw, ww, rtol=1e-6 if dtype == mx.float32 else 1e-2)
+
+
+def test_moe_router_protected_tier():
+    logits = mx.random.normal((3, 16))
+    mask = mx.array([1] * 4 + [0] * 12, dtype=mx.uint8)
+    inds, _, prot = mlx_k3.moe_router(logits, top_k=4, protected_mask=mask)
+    assert prot.dtype == mx.bool_
+    assert np.array_equal(np.array(prot), np.array(inds) < 4)
+
+
+# ---------------------------------------------------------------------------- attention-residual mix
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_attn_res_mix_matches_mlx_lm(dtype):
+    from mlx_lm.models.kimi_k3 import _attn_res_combine
+
+    k, b, t, d, eps = 3, 2, 5, 64, 1e-6
+    raw = mx.random.normal((k, b, t, d)).astype(dtype)
+    rf = raw.astype(mx.float32)
+    inv_rms = mx.rsqrt((rf * rf).mean(axis=-1) + eps)
+    partial = mx.random.normal((b, t, d)).astype(dtype)
+    w_eff = mx.random.normal((d,)) * 0.5
+    got = mlx_k3.attn_res_mix(raw, inv_rms, partial, w_eff, eps)
+    want = _attn_res_combine(raw, inv_rms, partial, w_eff, eps)
+    assert got.dtype == dtype and got.shape == want.shape
+    # f32: the same math summed in another order; bf16: one rounding of the result (2 ulp at 2^-7).
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    close(got, want, tol)
 
 
 # -------------------------------------------------------------------------------- inside compiled code

@@ -1,7 +1,7 @@
 """Type stubs of ``mlx_k3._native`` (src/lib.rs, src/kernels/). The public functions are re-exported by
 ``mlx_k3.kernels`` with an extra ``stream=`` keyword (see kernels.pyi)."""
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -89,3 +89,21 @@ def tiered_quantize(
     affine_bits: int = 4,
     importance: Optional[mx.array] = None,
 ) -> Dict[str, mx.array]: ...
+def moe_router(
+    logits: mx.array,
+    bias: Optional[mx.array] = None,
+    *,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    renormalize: bool = True,
+    protected_mask: Optional[mx.array] = None,
+) -> Union[Tuple[mx.array, mx.array], Tuple[mx.array, mx.array, mx.array]]: ...
+def attn_res_mix(
+    raw: mx.array,
+    inv_rms: mx.array,
+    partial: mx.array,
+    w_eff: mx.array,
+    eps: float = 1e-6,
+) -> mx.array: ...

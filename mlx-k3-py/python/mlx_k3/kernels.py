@@ -39,6 +39,8 @@ gather_qmm = _with_stream(_native.gather_qmm)
 gather_tiered_qmm = _with_stream(_native.gather_tiered_qmm)
 tiered_dequantize = _with_stream(_native.tiered_dequantize)
 tiered_quantize = _with_stream(_native.tiered_quantize)
+moe_router = _with_stream(_native.moe_router)
+attn_res_mix = _with_stream(_native.attn_res_mix)
 
 __all__ = [
     "situ",
@@ -51,4 +53,6 @@ __all__ = [
     "gather_tiered_qmm",
     "tiered_dequantize",
     "tiered_quantize",
+    "moe_router",
+    "attn_res_mix",
 ]

@@ -110,3 +110,24 @@ def tiered_quantize(
     *,
     stream: StreamOrDevice = None,
 ) -> Dict[str, mx.array]: ...
+def moe_router(
+    logits: mx.array,
+    bias: Optional[mx.array] = None,
+    *,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    renormalize: bool = True,
+    protected_mask: Optional[mx.array] = None,
+    stream: StreamOrDevice = None,
+) -> Union[Tuple[mx.array, mx.array], Tuple[mx.array, mx.array, mx.array]]: ...
+def attn_res_mix(
+    raw: mx.array,
+    inv_rms: mx.array,
+    partial: mx.array,
+    w_eff: mx.array,
+    eps: float = 1e-6,
+    *,
+    stream: StreamOrDevice = None,
+) -> mx.array: ...
