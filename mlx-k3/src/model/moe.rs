@@ -8,7 +8,7 @@ use super::linear::{Linear, RmsNorm, SwitchLinear};
 use super::shard::{Comm, Part, Shard};
 use super::weights::WeightStore;
 use crate::kernels::{self, situ};
-use crate::{Array, Dtype, Result};
+use crate::{Array, Result};
 
 /// `down(SiTU(up(x), gate(x)))`.
 #[derive(Debug)]
@@ -58,63 +58,19 @@ impl Mlp {
     }
 }
 
-/// Router settings.
-#[derive(Clone, Copy, Debug)]
-pub struct RouterParams {
-    /// Experts per token.
-    pub top_k: i32,
-    /// Expert groups (1 = ungrouped).
-    pub n_group: i32,
-    /// Groups kept per token.
-    pub topk_group: i32,
-    /// Multiplier on the routing weights.
-    pub routed_scaling_factor: f32,
-    /// Renormalize the selected weights to sum to 1.
-    pub renormalize: bool,
-}
+/// Router settings (shared with the fused router kernel).
+pub use crate::kernels::RouterParams;
 
-/// mlx-lm's `_group_expert_select`: sigmoid scores, the correction bias for selection only, grouped top-k
-/// where dropped groups' scores become 0 (not -inf), then top-k. Returns (indices `[..., k]` uint32,
-/// weights `[..., k]` in the logits' dtype).
-pub fn route(logits: &Array, bias: Option<&Array>, p: RouterParams) -> Result<(Array, Array)> {
-    let in_type = logits.dtype();
-    let orig = logits.astype(Dtype::F32)?.sigmoid()?;
-    let mut scores = match bias {
-        Some(b) => orig.add(&b.astype(Dtype::F32)?)?,
-        None => orig.clone(),
-    };
-    if p.n_group > 1 {
-        let mut shape = scores.shape();
-        let e = shape.pop().unwrap_or(0);
-        let mut grouped = shape.clone();
-        grouped.extend([p.n_group, e / p.n_group]);
-        let g = scores.reshape(&grouped)?;
-        let group_scores = g.topk(2, -1)?.sum(&[-1], true)?;
-        let k = p.n_group - p.topk_group;
-        let drop = group_scores.argpartition(k - 1, -2)?.slice_axis(-2, 0, k)?;
-        let zero = Array::scalar_as(0.0, g.dtype())?;
-        let g = g.put_along_axis(&drop, &zero, -2)?;
-        scores = g.flatten(-2, -1)?;
-    }
-    let inds = scores.negative()?.argpartition(p.top_k - 1, -1)?.slice_axis(-1, 0, p.top_k)?;
-    let mut w = orig.take_along_axis(&inds, -1)?;
-    if p.top_k > 1 && p.renormalize {
-        w = w.divide(&w.sum(&[-1], true)?.add(1e-20f32)?)?;
-    }
-    Ok((inds, w.multiply(p.routed_scaling_factor)?.astype(in_type)?))
-}
+/// mlx-lm's `_group_expert_select` from plain MLX ops: sigmoid scores, the correction bias for selection
+/// only, grouped top-k where dropped groups' scores become 0 (not -inf), then top-k. Returns (indices
+/// `[..., k]` uint32, weights `[..., k]` in the logits' dtype). The model uses it where the fused router
+/// has no kernel (GPU streams); calibration uses it directly.
+pub use crate::kernels::route_reference as route;
 
 /// [`route`] through the fused router primitive (one dispatch; on the CPU the indices, their order and the
 /// weights are bit-identical to [`route`], tests/router.rs).
 fn route_fused(logits: &Array, bias: &Array, p: RouterParams) -> Result<(Array, Array)> {
-    let kp = kernels::RouterParams {
-        top_k: p.top_k,
-        n_group: p.n_group,
-        topk_group: p.topk_group,
-        routed_scaling_factor: p.routed_scaling_factor,
-        renormalize: p.renormalize,
-    };
-    let r = kernels::moe_router(logits, Some(bias), None, kp)?;
+    let r = kernels::moe_router(logits, Some(bias), None, p)?;
     Ok((r.indices, r.weights))
 }
 
