@@ -1,7 +1,7 @@
 """The official ``openai`` Python client (PyPI, pinned in requirements-dev.txt) against ``mlx-k3 serve`` with
 k3-nano: chat non-streaming and streaming (greedy: the two agree), tools accepted and answered in OpenAI's
 shape, completions, models, and the API key. k3-nano never writes a tool call, so parsing Kimi K3's tool-call
-syntax into ``tool_calls`` is covered by the Rust tests (tests/chat.rs, tests/server_api.rs), not here."""
+syntax into ``tool_calls`` is covered by the Rust test tests/chat.rs (against mlx-lm's parser), not here."""
 
 import subprocess
 import threading
