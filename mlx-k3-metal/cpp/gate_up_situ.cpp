@@ -191,15 +191,7 @@ class GateUpSitu : public mx::UnaryPrimitive {
   throw std::invalid_argument("[gather_gate_up_situ] " + msg);
 }
 
-std::string shape_str(const mx::Shape& s) {
-  std::string r = "(";
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (i) r.push_back(',');
-    r.append(std::to_string(s[i]));
-  }
-  r.push_back(')');
-  return r;
-}
+using k3::shape_str;
 
 // Checks one projection's arrays for K inputs; returns (E, N).
 std::pair<int, int> check_proj(const char* which, const GateUpFormat& f, const std::vector<mx::array>& w, int K) {

@@ -231,18 +231,10 @@ class KdaStep : public mx::Primitive {
   throw std::invalid_argument("[kda_step] " + m);
 }
 
-std::string shp(const mx::Shape& s) {
-  std::string r = "(";
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (i) r.push_back(',');
-    r.append(std::to_string(s[i]));
-  }
-  r.push_back(')');
-  return r;
-}
+using k3::shape_str;
 
 void expect_shape(const char* what, const mx::array& a, const mx::Shape& want) {
-  if (a.shape() != want) fail(std::string(what) + " has shape " + shp(a.shape()) + ", expected " + shp(want));
+  if (a.shape() != want) fail(std::string(what) + " has shape " + shape_str(a.shape()) + ", expected " + shape_str(want));
 }
 
 std::vector<mx::array> kda_step_gpu(const std::vector<mx::array>& inputs, const KdaParams& p, int B, mx::Dtype dt,
@@ -282,7 +274,7 @@ std::vector<mx::array> kda_step(const mx::array& qkv, const mx::array& a, const 
                                 std::optional<float> lower_bound, float norm_eps, mx::StreamOrDevice sd) {
   auto s = mx::to_stream(sd);
   if (heads < 1 || head_dim < 1) fail("heads and head_dim must be positive");
-  if (qkv.ndim() != 3 || qkv.shape(1) != 1) fail("qkv must be [B, 1, 3P] (one token), got " + shp(qkv.shape()));
+  if (qkv.ndim() != 3 || qkv.shape(1) != 1) fail("qkv must be [B, 1, 3P] (one token), got " + shape_str(qkv.shape()));
   const int B = qkv.shape(0), H = heads, d = head_dim, P = H * d;
   auto dt = qkv.dtype();
   if (dt != mx::float32 && dt != mx::float16 && dt != mx::bfloat16) fail("activations must be f32, f16 or bf16");
@@ -291,7 +283,7 @@ std::vector<mx::array> kda_step(const mx::array& qkv, const mx::array& a, const 
   expect_shape("b", b, {B, 1, H});
   expect_shape("gate", gate, {B, 1, H, d});
   if (conv_w.ndim() != 3 || conv_w.shape(0) != 3 * P || conv_w.shape(2) != 1) {
-    fail("conv weight must be [3P, Kc, 1], got " + shp(conv_w.shape()));
+    fail("conv weight must be [3P, Kc, 1], got " + shape_str(conv_w.shape()));
   }
   const int Kc = conv_w.shape(1);
   if (Kc < 1) fail("the conv kernel size must be >= 1");

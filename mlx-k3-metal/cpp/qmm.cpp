@@ -246,15 +246,7 @@ class PackedQmm : public mx::UnaryPrimitive {
   throw std::invalid_argument(std::string("[") + op + "] " + msg);
 }
 
-std::string shape_str(const mx::Shape& s) {
-  std::string r = "(";
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (i) r.push_back(',');
-    r.append(std::to_string(s[i]));
-  }
-  r.push_back(')');
-  return r;
-}
+using k3::shape_str;
 
 void expect(const char* op, const char* what, const mx::array& a, const mx::Shape& shape, mx::Dtype dt) {
   if (a.shape() != shape) fail(op, std::string(what) + " has shape " + shape_str(a.shape()) + ", expected " + shape_str(shape));

@@ -76,6 +76,17 @@ inline mx::Stream to_stream(const k3_stream s) {
   return mx::to_stream(stream(s));
 }
 
+// "(2,3,4)": shapes in error messages.
+inline std::string shape_str(const mx::Shape& s) {
+  std::string r = "(";
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i) r.push_back(',');
+    r.append(std::to_string(s[i]));
+  }
+  r.push_back(')');
+  return r;
+}
+
 inline std::optional<int> opt_int(int v) {
   return v < 0 ? std::nullopt : std::optional<int>(v);
 }
