@@ -37,6 +37,17 @@ fn with_run_info(mut v: Value, t0: Instant) -> Value {
 }
 
 /// Options of `convert`.
+/// `--json` and `--quiet`, shared by the compression commands.
+#[derive(ClapArgs, Debug)]
+struct ReportArgs {
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
 #[derive(ClapArgs, Debug)]
 pub(super) struct ConvertArgs {
     /// Source checkpoint (mlx-lm or release layout, float or quantized).
@@ -54,12 +65,8 @@ pub(super) struct ConvertArgs {
     /// Remove whatever is in --to first.
     #[arg(long)]
     overwrite: bool,
-    /// Print the result as JSON.
-    #[arg(long)]
-    json: bool,
-    /// No progress bar.
-    #[arg(long)]
-    quiet: bool,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 fn summary_table(manifest: &Value) {
@@ -96,7 +103,7 @@ pub(super) fn run_convert(args: ConvertArgs) -> Result<()> {
         profile: None,
         selection: Selection::Budget,
         overwrite: args.overwrite,
-        progress: show_progress(args.quiet),
+        progress: show_progress(args.report.quiet),
         tool: "convert",
     };
     let s = convert(&job)?;
@@ -106,7 +113,7 @@ pub(super) fn run_convert(args: ConvertArgs) -> Result<()> {
                "fingerprint": s.manifest.get("fingerprint")}),
         t0,
     );
-    print(&out, args.json, || {
+    print(&out, args.report.json, || {
         println!("{}: {} of {} units written ({:?})", args.to.display(), s.written, s.units, s.resume);
         summary_table(&s.manifest);
         if let Some(r) = peak_rss() {
@@ -154,12 +161,8 @@ pub(super) struct CalibrateArgs {
     /// Save the running sums every this many windows (resume point).
     #[arg(long, default_value_t = 8)]
     checkpoint_every: usize,
-    /// Print the result as JSON.
-    #[arg(long)]
-    json: bool,
-    /// No progress bar.
-    #[arg(long)]
-    quiet: bool,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 pub(super) fn run_calibrate(args: CalibrateArgs) -> Result<()> {
@@ -170,10 +173,10 @@ pub(super) fn run_calibrate(args: CalibrateArgs) -> Result<()> {
         windows: &windows,
         out: &args.out,
         checkpoint_every: args.checkpoint_every,
-        progress: show_progress(args.quiet),
+        progress: show_progress(args.report.quiet),
     })?;
     let s = with_run_info(s, t0);
-    print(&s, args.json, || {
+    print(&s, args.report.json, || {
         println!(
             "{}: {} tokens in {} windows of {}; importance for {} modules, routing for {} MoE layers",
             args.out.display(),
@@ -208,12 +211,8 @@ pub(super) struct RetierArgs {
     /// Remove whatever is in --to first.
     #[arg(long)]
     overwrite: bool,
-    /// Print the result as JSON.
-    #[arg(long)]
-    json: bool,
-    /// No progress bar.
-    #[arg(long)]
-    quiet: bool,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 pub(super) fn run_retier(args: RetierArgs) -> Result<()> {
@@ -238,7 +237,7 @@ pub(super) fn run_retier(args: RetierArgs) -> Result<()> {
         profile: Some(&profile),
         selection: Selection::Counts(plan.counts()),
         overwrite: args.overwrite,
-        progress: show_progress(args.quiet),
+        progress: show_progress(args.report.quiet),
         tool: "retier",
     };
     let s = convert(&job)?;
@@ -251,7 +250,7 @@ pub(super) fn run_retier(args: RetierArgs) -> Result<()> {
                "swapped": changed, "tier_plan": new_plan, "classes": s.manifest.get("classes")}),
         t0,
     );
-    print(&out, args.json, || {
+    print(&out, args.report.json, || {
         println!(
             "{}: re-tiered, {} promoted experts ({} swapped in, same count per layer)",
             args.to.display(),
@@ -281,12 +280,8 @@ pub(super) struct PruneArgs {
     /// Remove whatever is in --to first.
     #[arg(long)]
     overwrite: bool,
-    /// Print the result as JSON.
-    #[arg(long)]
-    json: bool,
-    /// No progress bar.
-    #[arg(long)]
-    quiet: bool,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 pub(super) fn run_prune(args: PruneArgs) -> Result<()> {
@@ -298,10 +293,10 @@ pub(super) fn run_prune(args: PruneArgs) -> Result<()> {
         keep: args.keep,
         stats: &stats,
         overwrite: args.overwrite,
-        progress: show_progress(args.quiet),
+        progress: show_progress(args.report.quiet),
     })?;
     let out = with_run_info(m.clone(), t0);
-    print(&out, args.json, || {
+    print(&out, args.report.json, || {
         println!("{}: kept {} of {} experts per MoE layer", args.to.display(), args.keep, m["experts"]);
         println!("{:>5} {:>8} {:>8} {:>8}", "layer", "REAP", "ideal", "random");
         for l in m["layers"].as_array().into_iter().flatten() {
@@ -357,12 +352,8 @@ pub(super) struct EvalArgs {
     /// Also write the JSON report to this file (atomically).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Print the result as JSON.
-    #[arg(long)]
-    json: bool,
-    /// No progress bar.
-    #[arg(long)]
-    quiet: bool,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 pub(super) fn run_eval(cmd: EvalCommand) -> Result<()> {
@@ -387,13 +378,13 @@ pub(super) fn run_eval(cmd: EvalCommand) -> Result<()> {
         save: args.save_teacher_logits.as_deref(),
         top_k: args.top_k,
     };
-    let r = evaluate(&args.model, &windows, &teacher, show_progress(args.quiet))?;
+    let r = evaluate(&args.model, &windows, &teacher, show_progress(args.report.quiet))?;
     if let Some(p) = &args.out {
         let dir = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         store::write_atomic(dir, &name, (serde_json::to_string_pretty(&r).unwrap_or_default() + "\n").as_bytes())?;
     }
-    print(&r, args.json, || {
+    print(&r, args.report.json, || {
         let s = &r["size"];
         println!(
             "{}: {} windows x {} tokens: ppl {:.4}, {:.3} bits/weight ({} bytes; routed experts {:.3})",
