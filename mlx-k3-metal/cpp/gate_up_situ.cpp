@@ -49,7 +49,7 @@ void proj_rows(const GateUpFormat& f, const mx::array* w, int e, int N, int K, c
   switch (f.kind) {
     case 'c': {
       CodebookRows r{w[0].data<uint8_t>() + (size_t)e * N * (K / 8), w[1].data<uint16_t>() + (size_t)e * N * (K / 32),
-                     reinterpret_cast<const uint16_t*>(w[2].data<mx::float16_t>()) + (size_t)e * N * (K / 256), K};
+                     reinterpret_cast<const uint16_t*>(w[2].data<mx::float16_t>()) + (size_t)e * N * codebook_super_blocks(K), K};
       return codebook_rows(r, a, n0, n1, out, ldo, f.simd);
     }
     case 'a': {
@@ -207,10 +207,10 @@ std::pair<int, int> check_proj(const char* which, const GateUpFormat& f, const s
   };
   switch (f.kind) {
     case 'c':
-      if (K % 256 != 0) fail("K = " + std::to_string(K) + " is not a multiple of 256 (the codebook super-block)");
+      if (K % 32 != 0) fail("K = " + std::to_string(K) + " is not a multiple of 32 (the codebook block)");
       expect("codes", w[0], K / 8, mx::uint8);
       expect("qh", w[1], K / 32, mx::uint16);
-      expect("scales", w[2], K / 256, mx::float16);
+      expect("scales", w[2], codebook_super_blocks(K), mx::float16);
       break;
     case 'a':
       if (f.group <= 0 || K % f.group != 0) fail("group size " + std::to_string(f.group) + " does not divide K = " + std::to_string(K));

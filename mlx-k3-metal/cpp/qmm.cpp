@@ -50,7 +50,7 @@ struct Weights {
       case 'c': {
         CodebookRows r{w[0]->data<uint8_t>() + (size_t)e * N * (K / 8),
                        w[1]->data<uint16_t>() + (size_t)e * N * (K / 32),
-                       reinterpret_cast<const uint16_t*>(w[2]->data<mx::float16_t>()) + (size_t)e * N * (K / 256), K};
+                       reinterpret_cast<const uint16_t*>(w[2]->data<mx::float16_t>()) + (size_t)e * N * codebook_super_blocks(K), K};
         return codebook_rows(r, a, n0, n1, out, ldo, f.simd);
       }
       case 'a': {
@@ -266,10 +266,10 @@ int check_weights(const char* op, Format f, const std::vector<mx::array>& w, int
   };
   switch (f.kind) {
     case 'c':
-      if (K % 256 != 0) fail(op, "K = " + std::to_string(K) + " is not a multiple of 256 (the codebook super-block)");
+      if (K % 32 != 0) fail(op, "K = " + std::to_string(K) + " is not a multiple of 32 (the codebook block)");
       expect(op, "codes", w[0], with(K / 8), mx::uint8);
       expect(op, "qh", w[1], with(K / 32), mx::uint16);
-      expect(op, "scales", w[2], with(K / 256), mx::float16);
+      expect(op, "scales", w[2], with(codebook_super_blocks(K)), mx::float16);
       break;
     case 'a':
       if (f.group <= 0 || K % f.group != 0) fail(op, "group size " + std::to_string(f.group) + " does not divide K = " + std::to_string(K));

@@ -103,7 +103,7 @@ void prepare_activations(const float* x, int rows, int K, int order, float* perm
 
 static inline void codebook_block(const CodebookRows& w, int n, int b, float& dl, float& delta, int idx[4]) {
   const uint16_t q = w.qh[(size_t)n * (w.K / 32) + b];
-  const float d = f16_to_f32(w.scales[(size_t)n * (w.K / 256) + b / 8]);
+  const float d = f16_to_f32(w.scales[(size_t)n * codebook_super_blocks(w.K) + b / 8]);
   dl = d * (float)(2 * ((q >> 12) & 7) + 1);
   delta = (q & 0x8000) ? -0.125f : 0.125f;
   const uint8_t* c = w.codes + (size_t)n * (w.K / 8) + 4 * b;
@@ -175,7 +175,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline void codebook_superblock(
     __m256i idx = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(offs + 8 * r), _mm256_slli_epi32(idx, 3));
   }
-  const float d = _cvtsh_ss(w.scales[(size_t)n * (K / 256) + sb]);
+  const float d = _cvtsh_ss(w.scales[(size_t)n * codebook_super_blocks(K) + sb]);
   __m256 mult = _mm256_cvtepi32_ps(
       _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 12), seven), 1), _mm256_set1_epi32(1)));
   __m256 vdl = _mm256_mul_ps(_mm256_set1_ps(d), mult);
@@ -183,6 +183,18 @@ __attribute__((target("avx2,fma,f16c"))) static inline void codebook_superblock(
   __m256 delta = _mm256_or_ps(_mm256_set1_ps(0.125f), neg);  // sign bit from qh bit 15
   _mm256_storeu_ps(dl, vdl);
   _mm256_storeu_ps(dd, _mm256_mul_ps(vdl, delta));
+}
+
+// The short last super-block (K % 256 != 0): its `nblk` blocks decoded one at a time.
+static inline void codebook_superblock_tail(const CodebookRows& w, int n, int sb, int nblk, int offs[32], float dl[8],
+                                            float dd[8]) {
+  for (int bi = 0; bi < nblk; ++bi) {
+    float delta;
+    int idx[4];
+    codebook_block(w, n, 8 * sb + bi, dl[bi], delta, idx);
+    dd[bi] = dl[bi] * delta;
+    for (int l = 0; l < 4; ++l) offs[4 * bi + l] = idx[l] * 8;
+  }
 }
 
 // MB activation rows x NB weight rows per pass: each x block is loaded once for NB rows, each decoded group
@@ -202,9 +214,16 @@ __attribute__((target("avx2,fma,f16c"))) static void codebook_tile_avx2(const Co
   }
   alignas(32) int offs[NB][32];
   alignas(32) float dl[NB][8], dd[NB][8];
-  for (int sb = 0; sb < K / 256; ++sb) {
-    for (int j = 0; j < NB; ++j) codebook_superblock(w, n + j, sb, offs[j], dl[j], dd[j]);
-    for (int bi = 0; bi < 8; ++bi) {
+  for (int sb = 0; sb < codebook_super_blocks(K); ++sb) {
+    const int nblk = std::min(8, nb - 8 * sb);
+    for (int j = 0; j < NB; ++j) {
+      if (nblk == 8) {
+        codebook_superblock(w, n + j, sb, offs[j], dl[j], dd[j]);
+      } else {
+        codebook_superblock_tail(w, n + j, sb, nblk, offs[j], dl[j], dd[j]);
+      }
+    }
+    for (int bi = 0; bi < nblk; ++bi) {
       const int b = sb * 8 + bi;
       for (int m = 0; m < MB; ++m) {
         const float* xm = x + (size_t)(m0 + m) * K + 32 * b;

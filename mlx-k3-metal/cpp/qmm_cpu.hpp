@@ -47,12 +47,16 @@ int activation_order(char format, int bits, bool simd);
 void prepare_activations(const float* x, int rows, int K, int order, float* permuted, float* sums);
 
 // ---------------------------------------------------------------------------------------- codebook (IQ1_S)
-// Planar IQ1_S layout of one [N, K] matrix (K % 256 == 0):
+// Planar IQ1_S layout of one [N, K] matrix (K % 32 == 0):
 //   codes  uint8  [N, K/8]   low 8 bits of the 11-bit grid index of each 8-weight group
 //   qh     uint16 [N, K/32]  per 32-block: bits 3l..3l+2 = index bits 8..10 of group l (l = 0..3),
 //                            bits 12..14 = block scale L, bit 15 = delta sign (set: delta = -1/8)
-//   scales f16    [N, K/256] super-block scale d
-// w[32b + 8l + j] = d * (2L + 1) * (grid[idx_l][j] + delta)
+//   scales f16    [N, ceil(K/256)] super-block scale d (super-block s holds blocks 8s..8s+7; when K % 256 != 0
+//                            the last one is short and holds the remaining (K % 256) / 32 blocks)
+// w[32b + 8l + j] = d[b / 8] * (2L + 1) * (grid[idx_l][j] + delta)
+inline int codebook_super_blocks(int K) {
+  return (K + 255) / 256;
+}
 struct CodebookRows {
   const uint8_t* codes;
   const uint16_t* qh;

@@ -1,7 +1,8 @@
 """Test checkpoints made from k3-nano (the project's trained Kimi K3-architecture model).
 
-k3-nano's experts are too narrow for the codebook format (its expert input dims are 128 and 32; the format
-needs multiples of 256), so :func:`widen` pads them to 256 with zeros: the latent down-projection gains zero
+k3-nano's experts are narrower than one codebook super-block (expert input dims 128 and 32; the format takes
+them as short super-blocks, but these checkpoints exercise full 256-weight IQ1_S super-blocks, the layout of
+imported GGUF weights), so :func:`widen` pads them to 256 with zeros: the latent down-projection gains zero
 rows, the experts and shared experts zero rows and columns, the latent up-projection zero columns, and the
 latent RMSNorm's scale is divided by sqrt(2) (the mean square over twice the dims halves). The widened model
 computes what k3-nano computes (up to the norm's epsilon) and is still a trained model, so greedy decoding

@@ -1,18 +1,23 @@
 //! The ternary codebook format: IQ1_S semantics (llama.cpp) in a planar layout for MLX kernels.
 //!
-//! A `[N, K]` matrix (K a multiple of 256) is three arrays:
+//! A `[N, K]` matrix (K a multiple of 32) is three arrays:
 //!
 //! | array | dtype | shape | holds |
 //! |---|---|---|---|
 //! | `codes` | uint8 | `[N, K/8]` | low 8 bits of each 8-weight group's 11-bit grid index |
 //! | `qh` | uint16 | `[N, K/32]` | per 32-weight block: bits 3l..3l+2 = index bits 8..10 of group l (l = 0..3); bits 12..14 = block scale L; bit 15 = delta sign |
-//! | `scales` | float16 | `[N, K/256]` | super-block scale d |
+//! | `scales` | float16 | `[N, ⌈K/256⌉]` | super-block scale d |
 //!
-//! `w[32b + 8l + j] = d · (2L + 1) · (grid[idx_l][j] + δ)`, `δ = −1/8` when bit 15 is set, else `+1/8`; the
+//! `w[32b + 8l + j] = d[b/8] · (2L + 1) · (grid[idx_l][j] + δ)`, `δ = −1/8` when bit 15 is set, else `+1/8`; the
 //! grid is llama.cpp's 2048 ternary 8-vectors (data generated from the `gguf` package, see
 //! `scripts/make_codebook_fixtures.py`). These are exactly IQ1_S's bits (1.5625 bits per weight), split into
 //! planes so each plane streams contiguously per row (CPU) and loads coalesced (GPU); an IQ1_S block
 //! `{d, qs[32], qh[8]}` maps to `scales`, 32 bytes of `codes` and 8 entries of `qh` without re-quantizing.
+//!
+//! Extension beyond IQ1_S: K need only be a multiple of 32. When K % 256 != 0 the last super-block of each
+//! row is short (it holds the remaining K % 256 / 32 blocks under its own fp16 scale), so narrow matrices
+//! such as small experts (K = 128: 1.625 bits per weight; K = 32: 2.0) can use the codebook too. Every full
+//! super-block is bit-identical to IQ1_S; GGUF import needs K % 256 == 0 as IQ1_S itself does.
 
 use std::collections::HashMap;
 use std::sync::OnceLock;
@@ -25,6 +30,18 @@ use crate::{Array, Dtype, Error, Result};
 
 /// Weights per super-block.
 pub const SUPER_BLOCK: usize = 256;
+/// Weights per block (one 3-bit scale and delta sign); K must be a multiple of this.
+pub const BLOCK: usize = 32;
+
+/// Super-blocks per row of K weights (the last one short when K % 256 != 0).
+pub fn super_blocks(k: usize) -> usize {
+    k.div_ceil(SUPER_BLOCK)
+}
+
+/// Bytes of one codebook row of K weights (codes, qh and scales).
+pub fn row_bytes(k: usize) -> usize {
+    k / 8 + 2 * (k / BLOCK) + 2 * super_blocks(k)
+}
 /// Bytes of one llama.cpp IQ1_S block.
 pub const IQ1S_BLOCK_BYTES: usize = 50;
 /// Bits per weight of the format.
@@ -37,7 +54,7 @@ pub struct Codebook {
     pub codes: Array,
     /// uint16 `[.., N, K/32]`.
     pub qh: Array,
-    /// float16 `[.., N, K/256]`.
+    /// float16 `[.., N, ⌈K/256⌉]`.
     pub scales: Array,
 }
 
@@ -46,13 +63,13 @@ pub struct Codebook {
 pub struct CodebookHost {
     /// Rows.
     pub n: usize,
-    /// Columns (a multiple of 256).
+    /// Columns (a multiple of 32).
     pub k: usize,
     /// `[n, k/8]`.
     pub codes: Vec<u8>,
     /// `[n, k/32]`.
     pub qh: Vec<u16>,
-    /// `[n, k/256]`.
+    /// `[n, ⌈k/256⌉]`.
     pub scales: Vec<f16>,
 }
 
@@ -63,7 +80,7 @@ impl CodebookHost {
         Ok(Codebook {
             codes: Array::from_slice(&self.codes, &[n, k / 8])?,
             qh: Array::from_slice(&self.qh, &[n, k / 32])?,
-            scales: Array::from_slice(&self.scales, &[n, k / 256])?,
+            scales: Array::from_slice(&self.scales, &[n, super_blocks(self.k) as i32])?,
         })
     }
 }
@@ -125,7 +142,7 @@ pub fn decode_host(h: &CodebookHost) -> Vec<f32> {
     for r in 0..h.n {
         for b in 0..h.k / 32 {
             let q = h.qh[r * h.k / 32 + b];
-            let d = h.scales[r * h.k / 256 + b / 8].to_f32();
+            let d = h.scales[r * super_blocks(h.k) + b / 8].to_f32();
             let dl = d * (2 * ((q >> 12) & 7) + 1) as f32;
             let delta = if q & 0x8000 != 0 { -0.125f32 } else { 0.125 };
             for l in 0..4 {
@@ -159,7 +176,8 @@ pub fn dequantize_reference(cb: &Codebook) -> Result<Array> {
     vshape.extend([k / 32, 32]);
     let vals = vals.reshape(&vshape)?; // [.., N, K/32, 32]
     let l = qh.right_shift(12u32)?.bitwise_and(7u32)?.astype(Dtype::F32)?;
-    let d = cb.scales.astype(Dtype::F32)?.repeat(8, -1)?;
+    let d = cb.scales.astype(Dtype::F32)?.repeat(8, -1)?; // [.., N, 8 * ⌈K/256⌉]
+    let d = if k % SUPER_BLOCK as i32 != 0 { d.slice_axis(-1, 0, k / 32)? } else { d };
     let dl = d.multiply(&l.multiply(2.0f32)?.add(1.0f32)?)?;
     let neg = qh.bitwise_and(0x8000u32)?.not_equal(0u32)?;
     let delta = ops::where_(&neg, &Array::scalar(-0.125f32)?, &Array::scalar(0.125f32)?)?;
@@ -287,14 +305,14 @@ fn fit_scale(x: &[f32], w: &[f32], q: &[i8], neg_delta: bool) -> f32 {
     }
 }
 
-/// Quantizes rows of `x` (`[n, k]`, k a multiple of 256) with importance `importance` (`[k]`: mean x² per
+/// Quantizes rows of `x` (`[n, k]`, k a multiple of 32) with importance `importance` (`[k]`: mean x² per
 /// input column from calibration activations; None: x² of each weight), as SPEC_NOTES §2.4 describes:
 /// per 32-block an exhaustive split search over sorted values for both delta signs, snapping each 8-group
 /// to the best grid entry within squared distance 2 (by weighted error at the block scale), a refit, then
 /// the 3-bit block scales against the super-block scale. Multi-threaded over rows; deterministic.
 pub fn quantize(x: &[f32], n: usize, k: usize, importance: Option<&[f32]>) -> Result<(CodebookHost, QuantReport)> {
-    if k % SUPER_BLOCK != 0 {
-        return Err(Error::invalid("codebook_quantize", format!("K = {k} is not a multiple of {SUPER_BLOCK}")));
+    if k == 0 || k % BLOCK != 0 {
+        return Err(Error::invalid("codebook_quantize", format!("K = {k} is not a positive multiple of {BLOCK}")));
     }
     if x.len() != n * k {
         return Err(Error::invalid("codebook_quantize", format!("{} values do not fill {n} x {k}", x.len())));
@@ -317,13 +335,18 @@ pub fn quantize(x: &[f32], n: usize, k: usize, importance: Option<&[f32]>) -> Re
     let grid = grid();
     let threads = std::thread::available_parallelism().map(|t| t.get()).unwrap_or(1).min(n.max(1));
     let rows_per = n.div_ceil(threads.max(1)).max(1);
-    let mut out =
-        CodebookHost { n, k, codes: vec![0; n * k / 8], qh: vec![0; n * k / 32], scales: vec![f16::ZERO; n * k / 256] };
+    let mut out = CodebookHost {
+        n,
+        k,
+        codes: vec![0; n * k / 8],
+        qh: vec![0; n * k / 32],
+        scales: vec![f16::ZERO; n * super_blocks(k)],
+    };
     let mut errs = vec![(0f64, 0f64, 0f64, 0f64); n];
     std::thread::scope(|scope| {
         let mut codes = out.codes.chunks_mut(rows_per * k / 8);
         let mut qh = out.qh.chunks_mut(rows_per * k / 32);
-        let mut scales = out.scales.chunks_mut(rows_per * k / 256);
+        let mut scales = out.scales.chunks_mut(rows_per * super_blocks(k));
         let mut err = errs.chunks_mut(rows_per);
         for t in 0..threads {
             let (c, h, sc, e) = match (codes.next(), qh.next(), scales.next(), err.next()) {
@@ -342,7 +365,7 @@ pub fn quantize(x: &[f32], n: usize, k: usize, importance: Option<&[f32]>) -> Re
                         grid,
                         &mut c[ri * k / 8..(ri + 1) * k / 8],
                         &mut h[ri * k / 32..(ri + 1) * k / 32],
-                        &mut sc[ri * k / 256..(ri + 1) * k / 256],
+                        &mut sc[ri * super_blocks(k)..(ri + 1) * super_blocks(k)],
                     );
                 }
             });
@@ -368,10 +391,12 @@ fn quantize_row(
 ) -> (f64, f64, f64, f64) {
     let k = row.len();
     let mut acc = (0f64, 0f64, 0f64, 0f64);
-    for sb in 0..k / SUPER_BLOCK {
-        let xs = &row[sb * SUPER_BLOCK..(sb + 1) * SUPER_BLOCK];
-        let sigma2 = 2.0 * xs.iter().map(|v| v * v).sum::<f32>() / SUPER_BLOCK as f32;
-        let wts: Vec<f32> = (0..SUPER_BLOCK)
+    for sb in 0..super_blocks(k) {
+        // Every super-block holds 256 weights but the last when K % 256 != 0.
+        let len = SUPER_BLOCK.min(k - sb * SUPER_BLOCK);
+        let xs = &row[sb * SUPER_BLOCK..sb * SUPER_BLOCK + len];
+        let sigma2 = 2.0 * xs.iter().map(|v| v * v).sum::<f32>() / len as f32;
+        let wts: Vec<f32> = (0..len)
             .map(|i| {
                 let qw = match importance {
                     Some(imp) => imp[sb * SUPER_BLOCK + i],
@@ -380,7 +405,7 @@ fn quantize_row(
                 qw * (sigma2 + xs[i] * xs[i]).sqrt()
             })
             .collect();
-        let mut blocks = [([0u16; 4], false, 0f32); 8];
+        let mut blocks = vec![([0u16; 4], false, 0f32); len / BLOCK];
         for (b, blk) in blocks.iter_mut().enumerate() {
             let (x, w) = (&xs[32 * b..32 * b + 32], &wts[32 * b..32 * b + 32]);
             if x.iter().all(|v| v.abs() < 1e-12) || w.iter().all(|v| *v == 0.0) {

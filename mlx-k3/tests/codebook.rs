@@ -47,7 +47,9 @@ fn random_codebook(n: usize, k: usize, seed: u64) -> CodebookHost {
         k,
         codes: (0..n * k / 8).map(|_| next() as u8).collect(),
         qh: (0..n * k / 32).map(|_| next() as u16).collect(),
-        scales: (0..n * k / 256).map(|_| f16::from_f32(((next() % 1000) as f32 / 1000.0 + 0.05) * 0.02)).collect(),
+        scales: (0..n * codebook::super_blocks(k))
+            .map(|_| f16::from_f32(((next() % 1000) as f32 / 1000.0 + 0.05) * 0.02))
+            .collect(),
     }
 }
 
@@ -121,7 +123,20 @@ fn codebook_qmm_matches_dequantize_then_matmul() {
     for scalar in [false, true] {
         kernels::force_scalar(scalar);
         let mut worst = 0f32;
-        for (m, n, k) in [(1, 1, 256), (1, 300, 1024), (3, 65, 512), (4, 64, 256), (7, 33, 768), (33, 17, 256)] {
+        // K % 256 != 0 (a short last super-block): 32, 96, 128, 288, 416.
+        for (m, n, k) in [
+            (1, 1, 256),
+            (1, 300, 1024),
+            (3, 65, 512),
+            (4, 64, 256),
+            (7, 33, 768),
+            (33, 17, 256),
+            (1, 70, 32),
+            (2, 33, 96),
+            (1, 64, 128),
+            (5, 20, 288),
+            (1, 41, 416),
+        ] {
             worst = worst.max(check_codebook_qmm(m, n, k, (m * 7 + n as i32) as u64));
         }
         println!("codebook_qmm (scalar={scalar}): worst rel err {worst:e}");
@@ -136,7 +151,13 @@ fn codebook_qmm_matches_dequantize_then_matmul() {
 
 #[test]
 fn gather_codebook_qmm_matches_per_expert_references() {
-    let (e, n, k) = (6usize, 40usize, 512usize);
+    for k in [512usize, 160] {
+        check_gather_codebook_qmm(k);
+    }
+}
+
+fn check_gather_codebook_qmm(k: usize) {
+    let (e, n) = (6usize, 40usize);
     let hosts: Vec<CodebookHost> = (0..e).map(|i| random_codebook(n, k, 100 + i as u64)).collect();
     let stack = |f: &dyn Fn(&CodebookHost) -> Array| {
         let parts: Vec<Array> = hosts.iter().map(f).collect();
@@ -182,7 +203,14 @@ fn gather_codebook_qmm_matches_per_expert_references() {
 fn bad_codebook_shapes_are_named_errors() {
     let cb = random_codebook(4, 256, 1).to_arrays().unwrap();
     let e = codebook::codebook_qmm(&randn(&[1, 128], 1), &cb).unwrap_err().to_string();
-    assert!(e.contains("[codebook_qmm]") && e.contains("256"), "{e}");
+    assert!(e.contains("[codebook_qmm]") && e.contains("codes") && e.contains("shape"), "{e}");
+    let e = codebook::codebook_qmm(&randn(&[1, 100], 1), &cb).unwrap_err().to_string();
+    assert!(e.contains("[codebook_qmm]") && e.contains("not a multiple of 32"), "{e}");
+    // A short last super-block still needs its scale: [4, 1] scales for K = 288 (two super-blocks) is named.
+    let short = random_codebook(4, 288, 2).to_arrays().unwrap();
+    let bad = Codebook { scales: short.scales.slice_axis(1, 0, 1).unwrap(), ..short };
+    let e = codebook::codebook_qmm(&randn(&[1, 288], 1), &bad).unwrap_err().to_string();
+    assert!(e.contains("scales") && e.contains("shape"), "{e}");
     let bad = Codebook { codes: cb.codes.astype(Dtype::I32).unwrap(), ..cb.clone() };
     let e = codebook::codebook_qmm(&randn(&[1, 256], 1), &bad).unwrap_err().to_string();
     assert!(e.contains("codes") && e.contains("dtype"), "{e}");
@@ -305,4 +333,50 @@ fn gather_tiered_qmm_matches_the_dequantized_stack_on_both_paths() {
         }
         kernels::force_scalar(false);
     }
+}
+
+/// K % 256 != 0: the last super-block of each row is short. The host decoder and the plain-ops reference
+/// agree exactly; every full super-block decodes as the IQ1_S block with the same bytes; the quantizer
+/// handles the short block like a full one (error of the same size as for K = 256 on the same data).
+#[test]
+fn short_last_super_block() {
+    for k in [32usize, 96, 128, 288] {
+        let h = random_codebook(7, k, 40 + k as u64);
+        assert_eq!(h.scales.len(), 7 * k.div_ceil(256));
+        let host = codebook::decode_host(&h);
+        let reference = codebook::dequantize_reference(&h.to_arrays().unwrap()).unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(host, reference, "K = {k}: host decode vs plain-ops reference");
+        assert_eq!(codebook::row_bytes(k) * 7, h.codes.len() + 2 * h.qh.len() + 2 * h.scales.len());
+        if k > 256 {
+            // The first super-block of each row, cut out as a K = 256 matrix (an IQ1_S row), decodes the same.
+            let first = CodebookHost {
+                n: 7,
+                k: 256,
+                codes: (0..7).flat_map(|r| h.codes[r * k / 8..r * k / 8 + 32].to_vec()).collect(),
+                qh: (0..7).flat_map(|r| h.qh[r * k / 32..r * k / 32 + 8].to_vec()).collect(),
+                scales: (0..7).map(|r| h.scales[r * 2]).collect(),
+            };
+            let d = codebook::decode_host(&first);
+            for r in 0..7 {
+                assert_eq!(&d[r * 256..(r + 1) * 256], &host[r * k..r * k + 256]);
+            }
+        }
+    }
+    // Quantizer: the same 128-wide rows cost 1.625 bits per weight and reconstruct as well as when they sit
+    // inside 256-wide rows (the 3-bit block scales are set against the same kind of super-block maximum).
+    let (n, k) = (32usize, 128usize);
+    let w = randn(&[n as i32, k as i32], 12).to_vec::<f32>().unwrap();
+    let (a, ra) = codebook::quantize(&w, n, k, None).unwrap();
+    assert_eq!(codebook::quantize(&w, n, k, None).unwrap().0, a, "deterministic");
+    assert_eq!(codebook::row_bytes(k) as f64 * 8.0 / k as f64, 1.625);
+    let (_, r256) = codebook::quantize(&w, n / 2, 2 * k, None).unwrap();
+    assert!(ra.plain_rel_err < 0.35 && (ra.plain_rel_err - r256.plain_rel_err).abs() < 0.05, "{ra:?} vs {r256:?}");
+    let dec = codebook::decode_host(&a);
+    let num: f64 = dec.iter().zip(&w).map(|(d, x)| ((d - x) as f64).powi(2)).sum();
+    let den: f64 = w.iter().map(|x| (*x as f64).powi(2)).sum();
+    assert!((num / den - ra.plain_rel_err).abs() < 1e-9);
+    println!(
+        "K = 128 rows: plain rel err {:.4} (the same values as K = 256 rows: {:.4})",
+        ra.plain_rel_err, r256.plain_rel_err
+    );
 }

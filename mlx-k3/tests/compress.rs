@@ -160,7 +160,7 @@ fn converted_checkpoints_load_and_run_and_mlx_lm_reads_the_mlx_formats() {
     // 8-bit affine everywhere: weight error ~3e-5 relative, so the KL stays tiny (measured 1.7e-4; through
     // mlx-lm the same). The lossy mixes (4-bit, mxfp4, 2-bit shared experts) measure ~0.02.
     let r8 = write_recipe(tmp.path(), "q8.toml", "[default]\nformat = \"affine\"\nbits = 8\ngroup_size = 32\n");
-    // Codebook where K allows (K % 256 == 0), else the recipe's clip-searched 2-bit fallback.
+    // Codebook for the shared experts (K = 128 up/gate: 1.625 bits per weight; K = 32 down: 2.0).
     let cb = write_recipe(
         tmp.path(),
         "cb.json",
@@ -174,6 +174,9 @@ fn converted_checkpoints_load_and_run_and_mlx_lm_reads_the_mlx_formats() {
     for (name, recipe, max_kl) in [("q8", &r8, 1e-3), ("cb", &cb, 0.1), ("mix", &mix, 0.1)] {
         let out = tmp.path().join(name);
         run_ok(&["convert", "--from", nano().to_str().unwrap(), "--to", out.to_str().unwrap(), "--recipe", recipe]);
+        if name != "q8" {
+            check_chunking_changes_nothing(&["convert", "--from", nano().to_str().unwrap(), "--recipe", recipe], &out);
+        }
         let got = logits(&load(&out), window);
         let kl = mean_kl(&want, &got, vocab);
         println!("{name}: mean KL to the teacher over 63 held-out tokens {kl:.2e}");
@@ -188,8 +191,8 @@ fn converted_checkpoints_load_and_run_and_mlx_lm_reads_the_mlx_formats() {
                 .expect("shared expert report");
             assert_eq!(shared["format"], "codebook");
             let down = reports.iter().find_map(|r| r.get("model.layers.1.mlp.shared_experts.down_proj")).unwrap();
-            assert_eq!(down["format"], "affine2/g32+clip", "K = 32 takes the recipe's fallback");
-            assert_eq!(down["fallback"], true);
+            assert_eq!(down["format"], "codebook", "K = 32: one short super-block per row");
+            assert_eq!(down["fallback"], Value::Null, "no fallback taken");
         }
     }
     // mlx-lm's own loader reads the MLX-format output (per-path affine 2/4/8-bit, mxfp4, float router): the
@@ -242,6 +245,25 @@ fn random_checkpoint(dir: &Path, layers: usize, seed: u64) {
         .collect();
     let refs: Vec<(&str, &Array)> = cast.iter().map(|(k, v)| (k.as_str(), v)).collect();
     save_safetensors(dir.join("model.safetensors"), &refs, &[("format", "mlx")]).unwrap();
+}
+
+/// Converts again with 1000-weight chunks (rows within experts, single experts of tiered stacks, a few rows
+/// of each matrix) and checks that every file but the manifest (whose error sums add up in another order)
+/// is byte-identical to `reference`, a conversion with the default chunk size.
+#[track_caller]
+fn check_chunking_changes_nothing(args: &[&str], reference: &Path) {
+    let chunked = reference.with_extension("chunked");
+    let mut a: Vec<&str> = args.to_vec();
+    a.extend(["--to", chunked.to_str().unwrap()]);
+    let out = Command::new(bin()).args(&a).env("K3_CONVERT_CHUNK", "1000").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (mut want, mut got) = (files(reference), files(&chunked));
+    want.remove("k3_manifest.json");
+    got.remove("k3_manifest.json");
+    assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+    for (name, bytes) in &want {
+        assert!(got[name] == *bytes, "{name} differs when converted in small chunks");
+    }
 }
 
 fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
@@ -343,8 +365,8 @@ fn bad_input_fails_before_anything_is_written() {
         ("bits.toml", "[classes.router]\nformat = \"affine\"\nbits = 7\n".into(), "affine bits 7"),
         (
             "codebook.toml",
-            "[classes.routed_experts]\nformat = \"codebook\"\n".into(),
-            "'model.layers.1.mlp.switch_mlp.down_proj' (class routed_experts, shape [16, 128, 32]): the codebook needs K % 256 == 0",
+            "[classes.mla]\nformat = \"codebook\"\n".into(),
+            "MLA head matrices must be dense or MLX-quantized",
         ),
         (
             "group.toml",
@@ -545,6 +567,19 @@ fn tiers_calibration_retier_and_eval_are_reproducible() {
         "--json",
         "--quiet",
     ]);
+    check_chunking_changes_nothing(
+        &[
+            "convert",
+            "--from",
+            nano().to_str().unwrap(),
+            "--recipe",
+            &recipe,
+            "--calib",
+            calib.to_str().unwrap(),
+            "--quiet",
+        ],
+        &tiered,
+    );
     let out: Value = serde_json::from_str(&out).unwrap();
     let plan = &out["tier_plan"]["promoted"];
     let counts: Vec<usize> = plan.as_object().unwrap().values().map(|v| v.as_array().unwrap().len()).collect();

@@ -39,13 +39,15 @@ convert experts_tiered_12 experts_tiered_12.toml --calib "$OUT/calib.safetensors
 convert experts_tiered_25 experts_tiered_25.toml --calib "$OUT/calib.safetensors"
 convert codebook_unweighted codebook_where_it_fits_unweighted.toml --calib "$OUT/calib.safetensors"
 convert codebook codebook_where_it_fits.toml --calib "$OUT/calib.safetensors"
+convert experts_cb_mxfp4_1_8 experts_cb_mxfp4_1_8.toml --calib "$OUT/calib.safetensors"
+convert experts_cb_mxfp4_2_1 experts_cb_mxfp4_2_1.toml --calib "$OUT/calib.safetensors"
 for keep in 12 8; do
     "$B" prune --model $N --keep $keep --stats "$OUT/calib.safetensors" --to "$OUT/reap$keep" --json --quiet \
         > "$OUT/prune-$keep.json"
 done
 
 builds="teacher a4 q8 experts_a4 experts_a2_minmax experts_a2_clip_unweighted experts_a2_clip experts_tiered_12
-        experts_tiered_25 codebook_unweighted codebook reap12 reap8"
+        experts_tiered_25 experts_cb_mxfp4_1_8 experts_cb_mxfp4_2_1 codebook_unweighted codebook reap12 reap8"
 for b in $builds; do
     dir="$OUT/$b"; [ "$b" = teacher ] && dir=$N
     [ -f "$OUT/eval-$b.json" ] || "$B" eval kl --model "$dir" --teacher $N --data $D --ctx 256 \

@@ -9,8 +9,8 @@ use pyo3::prelude::*;
 use crate::bridge::{array_arg, opt_array_arg, to_py};
 use crate::error::to_py_err;
 
-/// `x @ W.T` for a ternary-codebook matrix W `[N, K]` (K a multiple of 256) given as `codes` uint8
-/// `[N, K/8]`, `qh` uint16 `[N, K/32]`, `scales` float16 `[N, K/256]` (see `codebook_dequantize`).
+/// `x @ W.T` for a ternary-codebook matrix W `[N, K]` (K a multiple of 32) given as `codes` uint8
+/// `[N, K/8]`, `qh` uint16 `[N, K/32]`, `scales` float16 `[N, ceil(K/256)]` (see `codebook_dequantize`).
 /// `x` is `[..., K]`; computed in float32, returned in x's dtype.
 #[pyfunction]
 pub(super) fn codebook_qmm(
@@ -28,7 +28,7 @@ pub(super) fn codebook_qmm(
 }
 
 /// `mx.gather_qmm(..., transpose=True)` over a codebook expert stack (`codes [E, N, K/8]`, `qh [E, N, K/32]`,
-/// `scales [E, N, K/256]`): x `(*B, M, K)`, `lhs_indices` into the flattened batch of x (None: in order),
+/// `scales [E, N, ceil(K/256)]`): x `(*B, M, K)`, `lhs_indices` into the flattened batch of x (None: in order),
 /// `rhs_indices` expert ids; the result is `(*broadcast(lhs, rhs), M, N)`. `sorted_indices` is accepted for
 /// the signature of `mx.gather_qmm` (the kernel does not need the hint).
 #[pyfunction]
@@ -68,7 +68,7 @@ pub(super) fn codebook_dequantize(
     to_py(py, &w)
 }
 
-/// Quantizes `w` (`[..., N, K]`, K a multiple of 256; evaluated and read as float32) into the ternary
+/// Quantizes `w` (`[..., N, K]`, K a multiple of 32; evaluated and read as float32) into the ternary
 /// codebook format with mlx-k3's importance-weighted quantizer. `importance` (`[K]`, optional) is the mean
 /// squared activation per input column from calibration data. Returns `(codes, qh, scales)` with w's
 /// leading axes. Runs on the host, multi-threaded, without the GIL.
@@ -101,7 +101,7 @@ pub(super) fn codebook_quantize(
     };
     let codes = Array::from_vec(host.codes, &with_last(k / 8)).map_err(to_py_err)?;
     let qh = Array::from_vec(host.qh, &with_last(k / 32)).map_err(to_py_err)?;
-    let scales = Array::from_vec::<f16>(host.scales, &with_last(k / 256)).map_err(to_py_err)?;
+    let scales = Array::from_vec::<f16>(host.scales, &with_last(codebook::super_blocks(k))).map_err(to_py_err)?;
     Ok((to_py(py, &codes)?, to_py(py, &qh)?, to_py(py, &scales)?))
 }
 

@@ -4,6 +4,7 @@
 //! module type cannot take), the calibration it needs, and the tier budget.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::Path;
 
 use serde_json::{json, Map, Value};
@@ -170,8 +171,8 @@ fn misfit(f: &Format, m: &Module) -> Option<String> {
         Format::Codebook { .. } if is_multi_linear(&m.path) => {
             Some("MLA head matrices must be dense or MLX-quantized".into())
         }
-        Format::Codebook { .. } if k % codebook::SUPER_BLOCK as i32 != 0 => {
-            Some(format!("the codebook needs K % 256 == 0, K is {k}"))
+        Format::Codebook { .. } if k % codebook::BLOCK as i32 != 0 => {
+            Some(format!("the codebook needs K % 32 == 0, K is {k}"))
         }
         _ => None,
     }
@@ -384,7 +385,7 @@ fn encode_plain(
                         "scales".into(),
                         HostTensor {
                             dtype: Dtype::F16,
-                            shape: with_last(k / 256),
+                            shape: with_last(codebook::super_blocks(k)),
                             data: scales.iter().flat_map(|v| v.to_le_bytes()).collect(),
                         },
                     ),
@@ -616,19 +617,23 @@ fn score_tiers(job: &ConvertJob, src: &mut Source, plan: &Plan) -> Result<TierPl
             let Target::Tiered { low, .. } = &plan.targets[&m.path].0 else { continue };
             let shape: Vec<usize> = m.shape.iter().map(|&d| d as usize).collect();
             let (e, n, k) = (shape[0], shape[1], shape[2]);
-            let w = rounded(&src.dense(m)?, job.recipe.dtype)?;
             let imp = prof.importance_rows(&m.path, k).or_else(|| importance_for(job, m)).ok_or_else(|| {
                 Error::invalid("convert", format!("the calibration has no importance for '{}'", m.path))
             })?;
-            let enc = encode_plain(&w, &shape, low, job.recipe, Some(&imp))?;
             let h = herr.get_or_insert_with(|| vec![0.0; e]);
-            for (x, hx) in h.iter_mut().enumerate() {
-                let r = x * n * k..(x + 1) * n * k;
-                let rows = [imp[if imp.len() == 1 { 0 } else { x }].clone()];
-                *hx += measure(&w[r.clone()], &enc.decoded[r], k, n * k, Some(&rows)).1;
+            for c in chunks(&shape, true) {
+                let b = c.lead;
+                let w = rounded(&src.dense_part(m, b.start as i32..b.end as i32, None)?, job.recipe.dtype)?;
+                let cimp: Vec<Vec<f32>> = if imp.len() == 1 { imp.clone() } else { imp[b.clone()].to_vec() };
+                let enc = encode_plain(&w, &[b.len(), n, k], low, job.recipe, Some(&cimp))?;
+                for (j, x) in b.enumerate() {
+                    let r = j * n * k..(j + 1) * n * k;
+                    let rows = [cimp[if cimp.len() == 1 { 0 } else { j }].clone()];
+                    h[x] += measure(&w[r.clone()], &enc.decoded[r], k, n * k, Some(&rows)).1;
+                }
+                drop(w);
+                crate::memory::clear_cache();
             }
-            drop(w);
-            crate::memory::clear_cache();
         }
         src.release(&unit);
         let Some(herr) = herr else { continue };
@@ -656,6 +661,110 @@ fn score_tiers(job: &ConvertJob, src: &mut Source, plan: &Plan) -> Result<TierPl
     }
 }
 
+/// Weights per encoding chunk. A module is widened to f32 and encoded this many weights at a time (whole
+/// rows, and whole experts for tiered stacks), and MLX's buffer cache is emptied after each chunk. A chunk's
+/// working set is several f32 copies of it (source decode, storage rounding, encoder temporaries, the decoded
+/// copy for the error report): ~15 MB, whatever the size of a layer, so the converter's peak is the layer's
+/// source tensors plus a constant (measured in the README; smaller chunks did not make conversion slower).
+/// `K3_CONVERT_CHUNK=N` sets another size (tests use tiny chunks to check that chunking changes no byte).
+const CHUNK_PARAMS: usize = 1 << 18;
+
+fn chunk_params() -> usize {
+    std::env::var("K3_CONVERT_CHUNK")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(CHUNK_PARAMS)
+}
+
+/// A part of a module: a range of the leading axis (experts of a stack, rows of a matrix) and, for a stack
+/// whose experts are each larger than a chunk, a range of rows within one expert.
+struct Chunk {
+    lead: Range<usize>,
+    rows: Option<Range<usize>>,
+}
+
+fn chunks(shape: &[usize], whole_experts: bool) -> Vec<Chunk> {
+    let nd = shape.len();
+    let k = shape[nd - 1].max(1);
+    let per_lead: usize = shape[1..].iter().product::<usize>().max(1);
+    let budget = chunk_params();
+    let mut out = Vec::new();
+    if nd == 3 && !whole_experts && per_lead > budget {
+        let rows = (budget / k).max(1);
+        for e in 0..shape[0] {
+            for r0 in (0..shape[1]).step_by(rows) {
+                out.push(Chunk { lead: e..e + 1, rows: Some(r0..(r0 + rows).min(shape[1])) });
+            }
+        }
+    } else {
+        let step = (budget / per_lead).max(1);
+        for b0 in (0..shape[0]).step_by(step) {
+            out.push(Chunk { lead: b0..(b0 + step).min(shape[0]), rows: None });
+        }
+    }
+    out
+}
+
+/// A module's encoded chunks, appended tensor by tensor. Every encoding is row-major with the chunked axes
+/// leading, so appending bytes gives exactly the tensor an unchunked encoding writes; tiered slots are
+/// renumbered over the whole stack (slot = rank of the expert within its tier).
+#[derive(Default)]
+struct Merged {
+    tensors: Vec<(String, HostTensor)>,
+    entry: Option<Value>,
+    row_chunks: bool,
+}
+
+impl Merged {
+    fn add(&mut self, enc: Encoded, row_chunks: bool) {
+        self.row_chunks |= row_chunks;
+        if self.entry.is_none() {
+            self.entry = enc.entry;
+        } else if let (Some(have), Some(new)) = (self.entry.as_mut(), enc.entry) {
+            // Tiered entries name the affine tier's spec only when a chunk has affine experts.
+            if let (Some(h), Some(n)) = (have.as_object_mut(), new.as_object()) {
+                for (key, v) in n {
+                    h.entry(key.clone()).or_insert_with(|| v.clone());
+                }
+            }
+        }
+        for (suffix, t) in enc.tensors {
+            match self.tensors.iter_mut().find(|(s, _)| *s == suffix) {
+                Some((_, have)) => {
+                    have.shape[0] += t.shape[0];
+                    have.data.extend_from_slice(&t.data);
+                }
+                None => self.tensors.push((suffix, t)),
+            }
+        }
+    }
+
+    fn finish(mut self, shape: &[usize]) -> Result<Encoded> {
+        if self.row_chunks {
+            // Chunks of rows within experts: the leading axes are the module's.
+            for (_, t) in &mut self.tensors {
+                let last = *t.shape.last().unwrap_or(&0);
+                t.shape = shape[..shape.len() - 1].to_vec();
+                t.shape.push(last);
+            }
+        }
+        let tier = self.tensors.iter().find(|(s, _)| s == "tier").map(|(_, t)| t.data.clone());
+        if let (Some(tier), Some((_, slot))) = (tier, self.tensors.iter_mut().find(|(s, _)| s == "slot")) {
+            let mut counts = [0u32; 256];
+            let slots: Vec<u32> = tier
+                .iter()
+                .map(|&t| {
+                    counts[t as usize] += 1;
+                    counts[t as usize] - 1
+                })
+                .collect();
+            *slot = HostTensor::u32s(&slots, &[slots.len()]);
+        }
+        Ok(Encoded { tensors: self.tensors, decoded: Vec::new(), minmax: None, clipped: (0, 0), entry: self.entry })
+    }
+}
+
 fn convert_unit(
     job: &ConvertJob,
     src: &Source,
@@ -672,35 +781,61 @@ fn convert_unit(
         let shape: Vec<usize> = m.shape.iter().map(|&d| d as usize).collect();
         let k = *shape.last().unwrap_or(&1);
         let nd = shape.len();
-        let per_batch = shape[nd - 2] * k;
-        let w = rounded(&src.dense(m)?, recipe.dtype)?;
         let imp = importance_for(job, m);
-        let enc = match target {
-            Target::Tiered { low, high } => {
-                let l = unit.layer.unwrap_or(0);
-                let promoted: Vec<bool> =
-                    (0..shape[0]).map(|e| tier_plan.is_some_and(|p| p.is_promoted(l, e))).collect();
-                encode_tiered(&w, &shape, low, high, &promoted, recipe, imp.as_deref())?
+        let tiered = matches!(target, Target::Tiered { .. });
+        let mut st = Stats { params: shape.iter().product::<usize>() as u64, ..Default::default() };
+        let mut merged = Merged::default();
+        // One chunk at a time (see CHUNK_PARAMS): widen, round, encode, measure, append, release.
+        for c in chunks(&shape, tiered) {
+            let (b, r) = (&c.lead, &c.rows);
+            let mut cshape = shape.clone();
+            cshape[0] = b.len();
+            if let Some(r) = r {
+                cshape[1] = r.len();
             }
-            t => encode_plain(&w, &shape, t, recipe, imp.as_deref())?,
-        };
-        let (sse, wsse, signal, wsignal) = measure(&w, &enc.decoded, k, per_batch, imp.as_deref());
-        let mut st = Stats {
-            params: shape.iter().product::<usize>() as u64,
-            bytes: enc.tensors.iter().map(|(_, t)| t.nbytes() as u64).sum(),
-            sse,
-            wsse,
-            signal,
-            wsignal,
-            ..Default::default()
-        };
-        if let Some(mm) = &enc.minmax {
-            let (a, b, _, _) = measure(&w, mm, k, per_batch, imp.as_deref());
-            st.sse_minmax = a;
-            st.wsse_minmax = b;
-            st.clipped_groups = enc.clipped.0;
-            st.groups = enc.clipped.1;
+            let part =
+                src.dense_part(m, b.start as i32..b.end as i32, r.as_ref().map(|r| r.start as i32..r.end as i32))?;
+            let w = rounded(&part, recipe.dtype)?;
+            drop(part);
+            // Importance rows: one for all (a matrix, or a stack with shared statistics) or one per expert.
+            let cimp: Option<Vec<Vec<f32>>> =
+                imp.as_ref().map(
+                    |rows| {
+                        if rows.len() == 1 || nd != 3 {
+                            rows.clone()
+                        } else {
+                            rows[b.clone()].to_vec()
+                        }
+                    },
+                );
+            let enc = match target {
+                Target::Tiered { low, high } => {
+                    let l = unit.layer.unwrap_or(0);
+                    let promoted: Vec<bool> =
+                        b.clone().map(|e| tier_plan.is_some_and(|p| p.is_promoted(l, e))).collect();
+                    encode_tiered(&w, &cshape, low, high, &promoted, recipe, cimp.as_deref())?
+                }
+                t => encode_plain(&w, &cshape, t, recipe, cimp.as_deref())?,
+            };
+            let per_batch = cshape[nd - 2] * k;
+            let (sse, wsse, signal, wsignal) = measure(&w, &enc.decoded, k, per_batch, cimp.as_deref());
+            st.sse += sse;
+            st.wsse += wsse;
+            st.signal += signal;
+            st.wsignal += wsignal;
+            if let Some(mm) = &enc.minmax {
+                let (a, b, _, _) = measure(&w, mm, k, per_batch, cimp.as_deref());
+                st.sse_minmax += a;
+                st.wsse_minmax += b;
+                st.clipped_groups += enc.clipped.0;
+                st.groups += enc.clipped.1;
+            }
+            merged.add(enc, r.is_some());
+            drop(w);
+            crate::memory::clear_cache();
         }
+        let enc = merged.finish(&shape)?;
+        st.bytes = enc.tensors.iter().map(|(_, t)| t.nbytes() as u64).sum();
         let mut rep = st.to_json();
         let o = rep.as_object_mut().expect("object");
         o.insert("class".into(), json!(m.class.key()));
@@ -717,10 +852,6 @@ fn convert_unit(
         for (suffix, t) in enc.tensors {
             tensors.push((format!("language_model.{}.{suffix}", m.path), t));
         }
-        // The f32 working copies of this module are gone; hand MLX's cached buffers back before the next
-        // one, so the peak is one module's working set, not a whole layer's.
-        drop(w);
-        crate::memory::clear_cache();
     }
     for name in &unit.plain {
         let a = src.plain(name)?;

@@ -28,7 +28,7 @@
 //! ```
 //!
 //! `fallback` (on a codebook or MLX format) is used, and reported, for weights the format does not fit: an
-//! input dimension K that is not a multiple of 256 (the codebook's super-blocks) or of the group size;
+//! input dimension K that is not a multiple of 32 (the codebook's blocks) or of the group size;
 //! fallbacks chain. Without one such a weight is an error naming it.
 
 use std::collections::BTreeMap;
@@ -55,7 +55,7 @@ pub struct FormatEntry {
     /// Affine only: search the range shrinks of `[clip_search]` per group.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub clip_search: bool,
-    /// The format for weights this one does not fit (a codebook needs K % 256 == 0, a group size must
+    /// The format for weights this one does not fit (a codebook needs K % 32 == 0, a group size must
     /// divide K); fallbacks may chain. Every use is reported per module.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback: Option<Box<FormatEntry>>,
@@ -155,7 +155,7 @@ pub enum Format {
         /// For weights whose K the group size does not divide.
         fallback: Option<Box<Format>>,
     },
-    /// The ternary codebook, with a fallback for input dimensions that are not multiples of 256.
+    /// The ternary codebook, with a fallback for input dimensions that are not multiples of 32.
     Codebook {
         /// The fallback.
         fallback: Option<Box<Format>>,

@@ -4,6 +4,7 @@
 //! from disk only when the converter asks for them, and dropped after, so memory holds about one layer.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use super::classes::{layer_of, module_of, TensorClass};
@@ -241,6 +242,32 @@ impl Source {
                 };
                 tiers::dequantize_tiered(&t)
             }
+        }
+    }
+
+    /// Rows `r` (axis 0: experts of a stack, rows of a matrix), and within them `sub` of axis 1 when given,
+    /// of a module's weight as f32. Dense and MLX-quantized sources are sliced before they are decoded, so
+    /// only the part is ever widened to f32; other formats are decoded whole, then sliced.
+    pub fn dense_part(&self, m: &Module, r: Range<i32>, sub: Option<Range<i32>>) -> Result<Array> {
+        let cut = |a: &Array| -> Result<Array> {
+            let a = a.slice_axis(0, r.start, r.end)?;
+            match &sub {
+                Some(s) => a.slice_axis(1, s.start, s.end),
+                None => Ok(a),
+            }
+        };
+        let g = |s: &str| self.get(&format!("{}.{s}", m.path)).and_then(&cut);
+        match &m.format {
+            SourceFormat::Dense(_) => g("weight")?.astype(Dtype::F32),
+            SourceFormat::Mlx(spec) => {
+                let q = Quantized {
+                    weight: g("weight")?,
+                    scales: g("scales")?,
+                    biases: if spec.mode.has_biases() { Some(g("biases")?) } else { None },
+                };
+                quant::dequantize(&q, *spec, None, Some(Dtype::F32))
+            }
+            _ => cut(&self.dense(m)?),
         }
     }
 

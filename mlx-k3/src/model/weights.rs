@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use super::config::{PathQuant, QuantizationConfig};
 use super::loader::{infer_spec, RawWeights, TensorLoc};
 use super::shard::Part;
-use crate::codebook::Codebook;
+use crate::codebook::{self, Codebook};
 use crate::quant::{QuantMode, QuantSpec, Quantized};
 use crate::tiers::TieredExperts;
 use crate::{Array, Dtype, Error, Result};
@@ -416,10 +416,18 @@ impl WeightStore {
     fn take_codebook(&mut self, path: &str, stem: &str, shape: &[i32], record: bool, part: &Part) -> Result<Codebook> {
         let n = shape.len();
         let k = shape[n - 1];
-        if k % 256 != 0 {
+        if k <= 0 || k % 32 != 0 {
             return Err(Error::Format {
                 path: self.dir.clone(),
-                message: format!("'{path}': the codebook format needs K % 256 == 0, K is {k}"),
+                message: format!("'{path}': the codebook format needs K % 32 == 0, K is {k}"),
+            });
+        }
+        if k % 256 != 0 && matches!(part, Part::Cols(_)) {
+            // Input-column splits cut at super-block boundaries; a row with a short last super-block has
+            // only one place to cut (its end).
+            return Err(Error::Format {
+                path: self.dir.clone(),
+                message: format!("'{path}': cannot split a codebook matrix over its inputs when K ({k}) % 256 != 0"),
             });
         }
         let with = |last: i32| {
@@ -430,7 +438,14 @@ impl WeightStore {
         let cb = Codebook {
             codes: self.take_typed(&format!("{stem}.codes"), &with(k / 8), Dtype::U8, part, 1, 8)?,
             qh: self.take_typed(&format!("{stem}.qh"), &with(k / 32), Dtype::U16, part, 1, 32)?,
-            scales: self.take_typed(&format!("{stem}.scales"), &with(k / 256), Dtype::F16, part, 1, 256)?,
+            scales: self.take_typed(
+                &format!("{stem}.scales"),
+                &with(codebook::super_blocks(k as usize) as i32),
+                Dtype::F16,
+                part,
+                1,
+                256,
+            )?,
         };
         let bytes = (cb.codes.nbytes() + cb.qh.nbytes() + cb.scales.nbytes()) as u64;
         if record {
