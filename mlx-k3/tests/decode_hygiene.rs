@@ -91,7 +91,7 @@ fn building_a_decode_step_waits_for_nothing() {
             let logits = model.forward(&token.reshape(&[1, 1]).unwrap(), Some(&mut cache)).unwrap();
             let logits = logits.reshape(&[1, -1]).unwrap();
             let logits = sampler.process_recent(&logits, &recent).unwrap();
-            let lp = logits.subtract(&logits.logsumexp(&[-1], true).unwrap()).unwrap();
+            let lp = logits.subtract(logits.logsumexp(&[-1], true).unwrap()).unwrap();
             token = sampler.sample(&lp).unwrap();
             recent.push(&token).unwrap();
             outs.push(token.clone());
@@ -199,7 +199,7 @@ fn host_reference(model: &KimiK3, prompt: &[u32], cfg: &SamplerConfig, n: usize)
             }
         }
         let logits = Array::from_slice(&host, &[1, host.len() as i32]).unwrap();
-        let lp = logits.subtract(&logits.logsumexp(&[-1], true).unwrap()).unwrap();
+        let lp = logits.subtract(logits.logsumexp(&[-1], true).unwrap()).unwrap();
         next = sampler.sample(&lp).unwrap().item::<u32>().unwrap();
         history.push(next);
         out.push(next);
