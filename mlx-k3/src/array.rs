@@ -9,6 +9,7 @@ use mlx_k3_sys as sys;
 
 use crate::device::current_raw;
 use crate::error::{check, Error, Result};
+use crate::sync_trace::{self, Kind};
 use crate::{Dtype, Element};
 
 /// An MLX array. Cloning shares the same array (MLX arrays are reference-counted); dropping frees the handle.
@@ -219,11 +220,18 @@ impl Array {
     /// Copies the elements out (row-major), evaluating first. `T` must match the dtype exactly.
     #[track_caller]
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        sync_trace::record(Kind::Read);
+        self.read_vec()
+    }
+
+    /// [`Array::to_vec`] without recording (its callers record one read).
+    #[track_caller]
+    fn read_vec<T: Element>(&self) -> Result<Vec<T>> {
         if self.dtype() != T::DTYPE {
             return Err(Error::Dtype { op: "to_vec", expected: T::DTYPE, found: self.dtype() });
         }
         let c = self.contiguous()?;
-        c.eval()?;
+        eval_untraced(&[&c])?;
         let n = c.size();
         if n == 0 {
             return Ok(Vec::new());
@@ -239,10 +247,11 @@ impl Array {
     /// The elements as f32 (any real dtype is converted first).
     #[track_caller]
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        sync_trace::record(Kind::Read);
         if self.dtype() == Dtype::F32 {
-            self.to_vec()
+            self.read_vec()
         } else {
-            self.astype(Dtype::F32)?.to_vec()
+            self.astype(Dtype::F32)?.read_vec()
         }
     }
 
@@ -252,12 +261,14 @@ impl Array {
         if self.size() != 1 {
             return Err(Error::invalid("item", format!("the array has {} elements, not 1", self.size())));
         }
-        Ok(self.to_vec::<T>()?[0])
+        sync_trace::record(Kind::Read);
+        Ok(self.read_vec::<T>()?[0])
     }
 
     /// Human-readable contents (evaluates the array), as MLX prints it.
     #[track_caller]
     pub fn to_string_eval(&self) -> Result<String> {
+        sync_trace::record(Kind::Read);
         let mut s: *mut std::os::raw::c_char = ptr::null_mut();
         // SAFETY: on success s is a malloc'd NUL-terminated string that we free with k3_string_free.
         unsafe {
@@ -309,6 +320,12 @@ impl fmt::Debug for Array {
 /// Evaluates several arrays together (one graph walk) and waits.
 #[track_caller]
 pub fn eval(arrays: &[&Array]) -> Result<()> {
+    sync_trace::record(Kind::Eval);
+    eval_untraced(arrays)
+}
+
+#[track_caller]
+fn eval_untraced(arrays: &[&Array]) -> Result<()> {
     let raws: Vec<sys::k3_array> = arrays.iter().map(|a| a.raw).collect();
     // SAFETY: live handles for the duration of the call.
     check("eval", unsafe { sys::k3_eval(raws.as_ptr(), raws.len()) })
@@ -317,6 +334,7 @@ pub fn eval(arrays: &[&Array]) -> Result<()> {
 /// Starts evaluating several arrays without waiting.
 #[track_caller]
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
+    sync_trace::record(Kind::AsyncEval);
     let raws: Vec<sys::k3_array> = arrays.iter().map(|a| a.raw).collect();
     // SAFETY: live handles for the duration of the call.
     check("async_eval", unsafe { sys::k3_async_eval(raws.as_ptr(), raws.len()) })

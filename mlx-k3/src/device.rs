@@ -112,6 +112,7 @@ impl Stream {
     /// Waits until all work queued on this stream has finished.
     #[track_caller]
     pub fn synchronize(&self) -> Result<()> {
+        crate::sync_trace::record(crate::sync_trace::Kind::Synchronize);
         // SAFETY: plain call.
         check("synchronize", unsafe { sys::k3_synchronize(self.raw) })
     }
@@ -172,6 +173,7 @@ pub fn with_device<R>(device: Device, f: impl FnOnce() -> R) -> Result<R> {
 /// Waits for all queued work on the default stream of the default device.
 #[track_caller]
 pub fn synchronize() -> Result<()> {
+    crate::sync_trace::record(crate::sync_trace::Kind::Synchronize);
     // SAFETY: plain call.
     check("synchronize", unsafe { sys::k3_synchronize(sys::K3_DEFAULT_STREAM) })
 }

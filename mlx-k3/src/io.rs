@@ -107,7 +107,9 @@ impl Drop for Safetensors {
 }
 
 /// Writes `tensors` (evaluating them) and `metadata` to a safetensors file.
+#[track_caller]
 pub fn save_safetensors(path: impl AsRef<Path>, tensors: &[(&str, &Array)], metadata: &[(&str, &str)]) -> Result<()> {
+    crate::sync_trace::record(crate::sync_trace::Kind::Eval);
     let path = path.as_ref();
     let cpath = c_path(path)?;
     let to_c = |s: &str| CString::new(s).map_err(|_| Error::invalid("save_safetensors", format!("{s:?} has a NUL")));

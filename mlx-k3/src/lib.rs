@@ -44,6 +44,7 @@ pub mod ops;
 pub mod quant;
 pub mod random;
 pub mod server;
+pub mod sync_trace;
 pub mod tiers;
 pub mod tokenizer;
 

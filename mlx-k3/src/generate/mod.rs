@@ -2,6 +2,11 @@
 //! model computes while the host detokenizes, as mlx-lm's `generate_step` does), streaming callbacks,
 //! statistics, stop conditions, and a prompt cache that prefills only what a new prompt adds.
 //!
+//! Decode-step hygiene, in every sampling configuration: each step is one lazy graph (model, logits
+//! processors, sampler) built without waiting for the host, started with one `async_eval`, and its token is
+//! read with one `item` only after the next step has been started. `tests/decode_hygiene.rs` checks this
+//! with [`crate::sync_trace`].
+//!
 //! Everything here runs on the thread that owns the model (arrays are not `Send`); servers talk to that
 //! thread through channels.
 
@@ -14,7 +19,7 @@ use crate::model::{KimiK3, ModelCache};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{memory, Array, Dtype, Error, Result};
 pub use pipeline::Pipeline;
-pub use sample::{Sampler, SamplerConfig};
+pub use sample::{RecentTokens, Sampler, SamplerConfig};
 
 /// Settings of one generation.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -162,18 +167,19 @@ impl PromptCache {
     }
 }
 
-/// One forward step on `tokens` (an int array `[1, T]`): returns (next token `[1]`, log-probs `[1, V]`).
+/// One forward step on `tokens` (an int array `[1, T]`): returns (next token `[1]`, log-probs `[1, V]`),
+/// both lazy; building them waits for nothing.
 fn step(
     model: &KimiK3,
     cache: &mut ModelCache,
     tokens: &Array,
     sampler: &mut Sampler,
-    history: &[u32],
+    recent: &RecentTokens,
 ) -> Result<(Array, Array)> {
     let logits = model.forward(tokens, Some(cache))?;
     let t = logits.dim(1)?;
     let logits = logits.slice_axis(1, t - 1, t)?.squeeze(&[1])?;
-    let logits = sampler.process(&logits, history)?;
+    let logits = sampler.process_recent(&logits, recent)?;
     let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
     let token = sampler.sample(&logprobs)?;
     Ok((token, logprobs))
@@ -227,11 +233,10 @@ pub fn generate_tokens(
     }
     pcache.remember();
 
-    let penalties = opts.sampler.repetition_penalty.is_some_and(|p| p != 1.0)
-        || opts.sampler.presence_penalty.is_some_and(|p| p != 0.0);
-    let mut history: Vec<u32> = prompt.to_vec();
+    // The tokens the penalties see, extended lazily with each sampled token.
+    let mut recent = RecentTokens::new(&opts.sampler, prompt)?;
     let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
-    let (mut y, mut lp) = step(model, cache, &ids_array(&prompt[body_end..])?, &mut sampler, &history)?;
+    let (mut y, mut lp) = step(model, cache, &ids_array(&prompt[body_end..])?, &mut sampler, &recent)?;
     pcache.tokens.push(prompt[body_end]);
     crate::async_eval(&[&y, &lp])?;
 
@@ -240,12 +245,13 @@ pub fn generate_tokens(
     let mut t_first = None;
     let mut stop_at: Option<usize> = None;
     while out.len() < opts.max_tokens {
-        // Enqueue the next step before reading this token (not with penalties: they need its value).
-        let more = out.len() + 1 < opts.max_tokens;
+        // Enqueue the next step before reading this token: it takes the token as the lazy `y`, so the model
+        // computes while the host handles this token.
         let mut next = None;
-        if more && !penalties {
+        if out.len() + 1 < opts.max_tokens {
+            recent.push(&y)?;
             let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
-            let (ny, nlp) = step(model, cache, &y.reshape(&[1, 1])?, &mut sampler, &history)?;
+            let (ny, nlp) = step(model, cache, &y.reshape(&[1, 1])?, &mut sampler, &recent)?;
             crate::async_eval(&[&ny, &nlp])?;
             next = Some((ny, nlp));
         }
@@ -259,7 +265,6 @@ pub fn generate_tokens(
             stats.time_to_first_token = t;
             stats.prompt_tps = stats.prefilled_tokens as f64 / t.max(1e-9);
         }
-        history.push(token);
         if opts.eos_ids.contains(&token) {
             reason = FinishReason::Stop;
             break;
@@ -286,11 +291,6 @@ pub fn generate_tokens(
         }
         match next {
             Some((ny, nlp)) => (y, lp) = (ny, nlp),
-            None if more => {
-                let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
-                (y, lp) = step(model, cache, &ids_array(&[token])?, &mut sampler, &history)?;
-                pcache.tokens.push(token);
-            }
             None => break,
         }
     }

@@ -1,8 +1,10 @@
 //! Samplers and logits processors, as mlx-lm's `sample_utils` defines them: processors edit the logits
 //! (logit bias, repetition and presence penalties over the last N tokens), then the sampler works on
 //! log-probabilities: greedy argmax when the temperature is 0, else top-p, min-p and top-k filters (in that
-//! order) and a categorical draw at the temperature. Everything stays an MLX graph (no host round trip), and
-//! the random draw uses an explicit key split from the seed, so a seed fixes the whole sequence.
+//! order) and a categorical draw at the temperature. Everything stays an MLX graph (no host round trip): the
+//! penalties read the recent tokens from a lazy array ([`RecentTokens`]), so the decode loop can add a token
+//! before its value is known, and the random draw uses an explicit key split from the seed, so a seed fixes
+//! the whole sequence.
 
 use crate::{random, Array, Dtype, Error, Result};
 
@@ -51,6 +53,11 @@ impl SamplerConfig {
         Self::default()
     }
 
+    /// Whether a repetition or presence penalty is on (they need the recent tokens).
+    pub fn has_penalties(&self) -> bool {
+        self.repetition_penalty.is_some_and(|p| p != 1.0) || self.presence_penalty.is_some_and(|p| p != 0.0)
+    }
+
     /// Rejects values outside their ranges, naming the setting.
     pub fn validate(&self, vocab: usize) -> Result<()> {
         let bad = |m: String| Err(Error::invalid("sampler", m));
@@ -97,8 +104,15 @@ impl Sampler {
         &self.cfg
     }
 
-    /// Applies the logits processors to `logits` `[1, V]` given the tokens so far.
+    /// Applies the logits processors to `logits` `[1, V]` given the tokens so far (a host-side history;
+    /// the decode loop uses [`Sampler::process_recent`]).
     pub fn process(&self, logits: &Array, history: &[u32]) -> Result<Array> {
+        self.process_recent(logits, &RecentTokens::new(&self.cfg, history)?)
+    }
+
+    /// Applies the logits processors to `logits` `[1, V]`, the penalties to the tokens in `recent`. Builds
+    /// graph only: nothing here waits for `recent`'s values.
+    pub fn process_recent(&self, logits: &Array, recent: &RecentTokens) -> Result<Array> {
         let mut logits = logits.clone();
         if !self.cfg.logit_bias.is_empty() {
             let idx: Vec<u32> = self.cfg.logit_bias.iter().map(|(i, _)| *i).collect();
@@ -108,26 +122,20 @@ impl Sampler {
             let cur = logits.take_along_axis(&idx, -1)?;
             logits = logits.put_along_axis(&idx, &cur.add(&val)?, -1)?;
         }
-        let recent: Vec<u32> = {
-            let n = history.len().saturating_sub(self.cfg.penalty_context);
-            let mut r = history[n..].to_vec();
-            r.sort_unstable();
-            r.dedup();
-            r
-        };
-        if recent.is_empty() {
+        // A token seen twice is gathered twice and written back twice with the same value, which gives
+        // what penalizing each distinct token once gives (mlx-lm indexes with the raw window as well).
+        let Some(idx) = recent.tokens.as_ref() else {
             return Ok(logits);
-        }
-        let idx = Array::from_slice(&recent, &[1, recent.len() as i32])?;
+        };
         if let Some(p) = self.cfg.repetition_penalty.filter(|p| *p != 1.0) {
-            let sel = logits.take_along_axis(&idx, -1)?;
+            let sel = logits.take_along_axis(idx, -1)?;
             let neg = sel.less(0.0f32)?;
             let upd = crate::ops::where_(&neg, &sel.multiply(p)?, &sel.divide(p)?)?;
-            logits = logits.put_along_axis(&idx, &upd, -1)?;
+            logits = logits.put_along_axis(idx, &upd, -1)?;
         }
         if let Some(p) = self.cfg.presence_penalty.filter(|p| *p != 0.0) {
-            let sel = logits.take_along_axis(&idx, -1)?;
-            logits = logits.put_along_axis(&idx, &sel.subtract(p)?, -1)?;
+            let sel = logits.take_along_axis(idx, -1)?;
+            logits = logits.put_along_axis(idx, &sel.subtract(p)?, -1)?;
         }
         Ok(logits)
     }
@@ -161,6 +169,66 @@ impl Sampler {
         let sub = keys.slice_axis(0, 1, 2)?.squeeze(&[0])?;
         self.key = Some(next);
         random::categorical(&lp.multiply(1.0 / c.temperature)?, -1, Some(&sub))
+    }
+}
+
+/// The last `penalty_context` tokens, which the penalties look at, as a lazy `[1, n]` uint32 array.
+/// [`RecentTokens::push`] appends a just-sampled token without waiting for its value (as mlx-lm hands its
+/// logits processors the tokens as an `mx.array`), so the decode loop can build step n+1 before it reads
+/// token n. The length is tracked on the host, so no shape depends on a value. Without a penalty
+/// ([`SamplerConfig::has_penalties`]) the window stays empty and `push` does nothing.
+#[derive(Clone, Debug)]
+pub struct RecentTokens {
+    tokens: Option<Array>,
+    len: usize,
+    cap: usize,
+}
+
+impl RecentTokens {
+    /// The window for `cfg`, holding the end of `history` (e.g. the prompt).
+    pub fn new(cfg: &SamplerConfig, history: &[u32]) -> Result<RecentTokens> {
+        let cap = if cfg.has_penalties() { cfg.penalty_context } else { 0 };
+        let tail = &history[history.len().saturating_sub(cap)..];
+        let tokens = if tail.is_empty() { None } else { Some(Array::from_slice(tail, &[1, tail.len() as i32])?) };
+        Ok(RecentTokens { tokens, len: tail.len(), cap })
+    }
+
+    /// Appends `token` (one element, e.g. the `[1]` array [`Sampler::sample`] returns, evaluated or not),
+    /// dropping the oldest token past `penalty_context`.
+    pub fn push(&mut self, token: &Array) -> Result<()> {
+        if self.cap == 0 {
+            return Ok(());
+        }
+        let mut t = token.reshape(&[1, 1])?;
+        if t.dtype() != Dtype::U32 {
+            t = t.astype(Dtype::U32)?;
+        }
+        let mut joined = match &self.tokens {
+            Some(a) => crate::ops::concatenate(&[a, &t], 1)?,
+            None => t,
+        };
+        self.len += 1;
+        if self.len > self.cap {
+            joined = joined.slice_axis(1, (self.len - self.cap) as i32, self.len as i32)?;
+            self.len = self.cap;
+        }
+        self.tokens = Some(joined);
+        Ok(())
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no token is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The tokens, `[1, len]` uint32 (None when empty); lazy until something evaluates them.
+    pub fn array(&self) -> Option<&Array> {
+        self.tokens.as_ref()
     }
 }
 
