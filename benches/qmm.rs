@@ -4,7 +4,7 @@
 //!
 //! Run: `cargo bench -p mlx-k3 --bench qmm` (add a filter such as `gemv` to run a subset).
 //!
-//! Shapes: GEMV 1 x K @ (N x K)ᵀ for 4096x4096, 3072x7168, 7168x3072; Kimi K3 expert shapes (latent 3584 ->
+//! Shapes: GEMV 1 x K @ (N x K)ᵀ for 4096x4096, 3072x7168, 7168x3072, 4096x14336 (ggml's perf shape); Kimi K3 expert shapes (latent 3584 ->
 //! 3072 -> 3584) for 16 routed experts at batch 1, from a stack of 64 experts (the per-token work is that of
 //! top-16 of 896; a full 896-expert stack would not fit this machine's memory in every format); and a
 //! 512-token prefill through sorted experts at the mid-size configuration's expert shape (1024 -> 512, 8 of
@@ -64,7 +64,9 @@ fn cbytes(c: &Codebook) -> u64 {
 fn gemv(c: &mut Criterion) {
     let mut g = c.benchmark_group("gemv");
     g.sample_size(20);
-    for (n, k) in [(4096, 4096), (3072, 7168), (7168, 3072)] {
+    // 4096x14336 is the shape ggml's `test-backend-ops perf -o MUL_MAT` times (m=4096, n=1, k=14336), for a
+    // same-machine comparison with llama.cpp's CPU kernels (README).
+    for (n, k) in [(4096, 4096), (3072, 7168), (7168, 3072), (4096, 14336)] {
         let x = randn(&[1, k], 1);
         let w = randn(&[n, k], 2);
         let id = |name: &str| BenchmarkId::new(name, format!("{n}x{k}"));
