@@ -1227,7 +1227,7 @@ fn release_with_affine_modules_and_no_quantization_record_converts() {
     let prompt = exp.get("prompt").unwrap().to_vec::<i32>().unwrap();
     let (a, b) = (logits(&load(&src), &prompt), logits(&load(&out), &prompt));
     // The source runs affine quantized matmuls, the output dense f32 matmuls of the same values: f32
-    // rounding apart (measured 1.8e-6).
+    // rounding apart (measured 3.0e-6).
     let e = rel(&b, &a);
     let e_lm = rel(&b, &exp.get("prefill_logits").unwrap().to_vec::<f32>().unwrap());
     println!("affine release modules decoded to f32: rel err {e:.2e} vs the source, {e_lm:.2e} vs mlx-lm");
