@@ -18,6 +18,8 @@ Output, under `mlx-k3/tests/fixtures/k3/` (see the README.md written there for e
     <name>_mxfp4_release/            a quantized checkpoint in the release's formats (compressed-tensors MXFP4
                                      routed experts, affine-quantized kv_b_proj), its own config.json and
                                      expected.safetensors (mlx-lm's load_model of that folder)
+    <name>_bf16_mxfp4_release/       the real release's layout: compressed-tensors MXFP4 routed experts,
+                                     everything else bfloat16 (expected: mlx-lm's load_model, cast to f32)
     manifest.json                    every fixture with its feature flags, for Rust tests to iterate
     README.md                        what each fixture covers and what expected.safetensors holds
 
@@ -292,12 +294,13 @@ QUANTIZED = [
 ]
 
 
-# A quantized checkpoint in the release's own formats, the two that mlx-lm's `LanguageModel.sanitize` converts
+# Quantized checkpoints in the release's own formats, the two that mlx-lm's `LanguageModel.sanitize` converts
 # on load: (a) routed experts in compressed-tensors MXFP4 (per expert `w{1,2,3}.weight_packed` uint8 E2M1
 # code pairs + `weight_scale` uint8 E8M0 per 32 inputs), (b) an affine-quantized `kv_b_proj`
 # (`weight`/`scales`/`biases`), which sanitize dequantizes, splits into `embed_q`/`unembed_out` and
-# re-quantizes with the same bits and group size. The other layers are affine-quantized the way
-# `mlx_lm.convert -q` does it with kimi_k3's own predicate (float ones would not fit the size budget). Only
+# re-quantizes with the same bits and group size (first checkpoint only). In the first, the other layers are affine-quantized the way
+# `mlx_lm.convert -q` does it with kimi_k3's own predicate; the second ("rest": "bf16") is the real release's
+# layout, with only the routed experts quantized and everything else bfloat16 (as its `ignore` list says). Only
 # the release folder `<name>_release` is written; its expected outputs are what mlx-lm's `load_model` makes
 # of it. (What `mlx_lm.convert` would write from it is checked to round-trip, but not kept: no room.)
 RELEASE_QUANTIZED = [
@@ -311,6 +314,21 @@ RELEASE_QUANTIZED = [
         "config.json carries only the release's compressed-tensors `quantization_config` (in `text_config`)",
         "group_size": 32,
         "bits": 4,
+        "rest": "affine",
+    },
+    {
+        "name": "a_latent_norm_attnres_bf16_mxfp4",
+        "base": "a_latent_norm_attnres",
+        "summary": "fixture a laid out like the real release: routed experts MXFP4 in the compressed-tensors "
+        "release layout (per-expert `weight_packed`/`weight_scale`), every other weight bfloat16 (`A_log`, "
+        "`dt_bias` and the router's `e_score_correction_bias` float32, as mlx-lm's cast_predicate keeps them), "
+        "`kv_b_proj` bfloat16 and unquantized; config.json carries only the release's compressed-tensors "
+        "`quantization_config` (in `text_config`), whose `ignore` list names exactly the modules left bfloat16. "
+        "Its expected logits are mlx-lm's with the loaded model cast to float32 (`set_dtype`; the MXFP4 "
+        "experts keep their packing)",
+        "group_size": 32,
+        "bits": 4,
+        "rest": "bf16",
     },
 ]
 
@@ -368,6 +386,23 @@ def mxfp4_release_predicate(path: str, module) -> bool | dict:
     if path.endswith("mlp.gate"):
         return {"group_size": 64, "bits": 8, "mode": "affine"}
     return True
+
+
+def experts_only_mxfp4_predicate(path: str, module) -> bool | dict:
+    """MXFP4 routed experts, everything else left float (what the release's `ignore` list says)."""
+    if ".switch_mlp." in path:
+        return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    return False
+
+
+def to_bf16(params: dict, cast) -> dict:
+    """Floating tensors cast to bfloat16 where `cast` (mlx-lm's kimi_k3 cast_predicate) says so: it keeps
+    `A_log`, `dt_bias` and `e_score_correction_bias` float32, and matches them by the same name endings under
+    mlx-lm's and the release's naming."""
+    return {
+        k: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) and cast(k) else v
+        for k, v in params.items()
+    }
 
 
 def mixed_predicate(path: str, module) -> bool | dict:
@@ -938,10 +973,13 @@ def build_release_quantized(out: Path, q: dict) -> list:
     fx = next(f for f in FIXTURES if f["name"] == q["base"])
     model, config = load_model(bdir)
     t = text_of(config)
-    model, _ = quantize_model(
-        model, config, q["group_size"], q["bits"], mode="affine", quant_predicate=mxfp4_release_predicate
-    )
+    bf16 = q["rest"] == "bf16"
+    predicate = experts_only_mxfp4_predicate if bf16 else mxfp4_release_predicate
+    model, _ = quantize_model(model, config, q["group_size"], q["bits"], mode="affine", quant_predicate=predicate)
+    cast = model.cast_predicate
     built = params_of(model)
+    if bf16:
+        built = to_bf16(built, cast)
     del model
 
     # The release folder: release names and layouts, the release's config (the base config plus the
@@ -954,8 +992,11 @@ def build_release_quantized(out: Path, q: dict) -> list:
     assert "text_config" in rconfig
     rconfig["text_config"]["quantization_config"] = copy.deepcopy(COMPRESSED_TENSORS_MXFP4)
     save_config(copy.deepcopy(rconfig), config_path=rdir / "config.json")
-    kv_b_quant = {"group_size": q["group_size"], "bits": q["bits"]}
+    kv_b_quant = None if bf16 else {"group_size": q["group_size"], "bits": q["bits"]}
     release = to_release(built, t, kv_b_quant=kv_b_quant)
+    if bf16:  # also the extras to_release adds for the loader to drop (vision tower, projector, extra layer)
+        release = to_bf16(release, cast)
+        assert {str(v.dtype) for v in release.values()} == {"mlx.core.bfloat16", "mlx.core.float32", "mlx.core.uint8"}
     mx.save_safetensors(str(rdir / "model.safetensors"), release, metadata={"format": "pt"})
 
     # The reference: mlx-lm's own loader on the release folder.
@@ -964,19 +1005,19 @@ def build_release_quantized(out: Path, q: dict) -> list:
     got = params_of(ref)
     assert got.keys() == built.keys() | {
         f"{k[: -len('.weight')]}.{s}" for k in built if k.endswith(("embed_q.weight", "unembed_out.weight"))
-        for s in ("scales", "biases")
+        for s in ("scales", "biases") if not bf16
     }, set(got) ^ set(built)
     for k, v in built.items():  # everything but the re-quantized kv_b_proj halves is what was built
-        if "embed_q." in k or "unembed_out." in k:
+        if not bf16 and ("embed_q." in k or "unembed_out." in k):
             continue
-        assert got[k].dtype == v.dtype and np.array_equal(np.array(got[k]), np.array(v)), k
+        assert got[k].dtype == v.dtype and mx.array_equal(got[k], v).item(), k
     modes = {k["mode"] for k in module_quant_kinds(ref)}
-    assert modes == {"affine", "mxfp4"}, modes
+    assert modes == ({"mxfp4"} if bf16 else {"affine", "mxfp4"}), modes
     for li, layer in enumerate(ref.language_model.model.layers):
         if li in layer_plan(t)["moe"]:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 assert getattr(layer.mlp.switch_mlp, proj).mode == "mxfp4", (li, proj)
-        if not layer.is_linear:
+        if not layer.is_linear and not bf16:
             for name in ("embed_q", "unembed_out"):
                 mod = getattr(layer.self_attn, name)
                 assert (mod.mode, mod.bits, mod.group_size) == ("affine", q["bits"], q["group_size"]), (li, name)
@@ -984,6 +1025,8 @@ def build_release_quantized(out: Path, q: dict) -> list:
                 f = built[f"language_model.model.layers.{li}.self_attn.{name}.weight"]
                 assert float(mx.abs(w - f).max()) < 0.5 * float(mx.abs(f).max()), (li, name)  # same matrix
 
+    if bf16:  # the reference runs in float32, like mlx-k3's CPU default (quantized experts keep their packing)
+        ref.set_dtype(mx.float32)
     exp, stats = choose_prompt_and_run(ref, fx["seed"])
     exp["prefill_logits_bf16"] = bf16_prefill(load_model(rdir)[0], exp["prompt"])
     save_expected(rdir / "expected.safetensors", exp, stats)
@@ -1006,7 +1049,8 @@ def build_release_quantized(out: Path, q: dict) -> list:
         assert saved_quantization == loaded_cfg["quantization"], saved_quantization
     print(f"{rdir.name}: load_model + save_model + load_model round trip bit-identical")
 
-    e = entry(rdir.name, q["summary"], fx["form"], "release", t, loaded_cfg, stats, q["base"])
+    e = entry(rdir.name, q["summary"], fx["form"], "release", t, loaded_cfg, stats, q["base"],
+              "bfloat16" if bf16 else "float32")
     e["quantization"]["module_kinds"] = module_quant_kinds(ref)
     e["quantization"]["recorded_as"] = (
         "text_config.quantization_config (compressed-tensors, format mxfp4-pack-quantized), no `quantization` "
@@ -1017,7 +1061,7 @@ def build_release_quantized(out: Path, q: dict) -> list:
     return [e]
 
 
-def entry(name, summary, form, names, t, config, stats, derived_from) -> dict:
+def entry(name, summary, form, names, t, config, stats, derived_from, float_dtype="float32") -> dict:
     qs = quant_summary(config)
     return {
         "name": name,
@@ -1028,7 +1072,7 @@ def entry(name, summary, form, names, t, config, stats, derived_from) -> dict:
         "derived_from": derived_from,
         "quantized": qs is not None,
         "quantization": qs,
-        "float_dtype": "float32",
+        "float_dtype": float_dtype,
         "features": feature_flags(t),
         "prompt_len": PROMPT_LEN,
         "decode_steps": DECODE_STEPS,
@@ -1094,10 +1138,10 @@ def readme(entries: list, root: Path) -> str:
         "written with `mx.save_safetensors` (metadata `{\"format\": \"pt\"}`, no index file). "
         f"`{FIXTURES[3]['name']}_release` is fixture d renamed: its `config.json` and `expected.safetensors` "
         "are byte copies of d's. "
-        + ", ".join(f"`{q['name']}_release`" for q in RELEASE_QUANTIZED)
-        + " is a quantized release checkpoint with no mlx-named twin: its `config.json` is the release's "
-        "(compressed-tensors `quantization_config`, no `quantization`) and its `expected.safetensors` is "
-        "what mlx-lm's `load_model` computes from that folder.\n"
+        + " and ".join(f"`{q['name']}_release`" for q in RELEASE_QUANTIZED)
+        + " are quantized release checkpoints with no mlx-named twin: their `config.json` is the release's "
+        "(compressed-tensors `quantization_config`, no `quantization`) and their `expected.safetensors` is "
+        "what mlx-lm's `load_model` computes from that folder (the bfloat16 one: cast to float32 first).\n"
     )
     w("## expected.safetensors\n")
     w(f"T = {PROMPT_LEN} prompt tokens, N = {DECODE_STEPS} decode steps, V = {VOCAB}. Batch size 1 everywhere.\n")
@@ -1163,13 +1207,16 @@ def readme(entries: list, root: Path) -> str:
     w("```json\n\"quantization\": " + json.dumps(q4, indent=4) + "\n```\n")
     w("`a_latent_norm_attnres_mixed_2_8` (custom predicate; first entries of " + str(len(mixed)) + "):\n")
     w("```json\n\"quantization\": " + json.dumps(mixed_head, indent=4)[:-2] + ",\n    ...\n}\n```\n")
-    w("### The quantized release checkpoint\n")
-    rq = RELEASE_QUANTIZED[0]
+    w("### The quantized release checkpoints\n")
+    rq, rb = RELEASE_QUANTIZED
     rcfg = json.loads((root / f"{rq['name']}_release" / "config.json").read_text())
+    bcfg = json.loads((root / f"{rb['name']}_release" / "config.json").read_text())
+    assert rcfg["text_config"]["quantization_config"] == bcfg["text_config"]["quantization_config"]
     w(
-        f"`{rq['name']}_release` records its quantization the way a compressed-tensors MXFP4 release "
-        "checkpoint does: a compressed-tensors `quantization_config` (here inside `text_config`; mlx-lm's "
-        "`load_model` looks at the top level first, then `text_config`), and no `quantization` key:\n"
+        f"`{rq['name']}_release` and `{rb['name']}_release` record their quantization the way a "
+        "compressed-tensors MXFP4 release checkpoint does: a compressed-tensors `quantization_config` (here "
+        "inside `text_config`; mlx-lm's `load_model` looks at the top level first, then `text_config`), and no "
+        "`quantization` key. Both carry the same one:\n"
     )
     w("```json\n\"quantization_config\": " + json.dumps(rcfg["text_config"]["quantization_config"], indent=4)
       + "\n```\n")
@@ -1182,7 +1229,13 @@ def readme(entries: list, root: Path) -> str:
         "mode affine when the scales are not uint8 (float32 here), else mxfp4 for (4 bits, group 32). No "
         "per-path entries are needed, so the affine layers (4-bit group 32, the router 8-bit group 64) load "
         "alongside the MXFP4 experts. Without any quantization config, `load_model` would not quantize and "
-        "would reject the `.scales` tensors. Release tensors:\n"
+        "would reject the `.scales` tensors.\n"
+    )
+    w(
+        f"`{rb['name']}_release` is what that `ignore` list describes, the layout of the real release: only the "
+        "routed experts are quantized (MXFP4), every other weight is bfloat16 (float32 `A_log`, `dt_bias`, "
+        f"`e_score_correction_bias`). `{rq['name']}_release` packs the modules the list ignores as affine "
+        "(mlx-lm does not read the list), to test that the loader infers their parameters. Release tensors:\n"
     )
     w(
         "- routed experts, per expert E and `w1` (gate) / `w2` (down) / `w3` (up): "
@@ -1190,7 +1243,8 @@ def readme(entries: list, root: Path) -> str:
         "nibble first: the bytes of MLX's uint32 code words) and `...weight_scale` uint8 [out, in/32] (E8M0). "
         "Sanitize stacks them over E and views the codes as uint32 [E, out, in/8]; the scales stay uint8 "
         "[E, out, in/32].\n"
-        "- `...self_attn.kv_b_proj.{weight,scales,biases}`: affine 4-bit group 32 of the [H*(qk_nope+v_head), "
+        "- `...self_attn.kv_b_proj.weight` (bfloat16) in the bfloat16 checkpoint; in the other, "
+        "`...self_attn.kv_b_proj.{weight,scales,biases}`: affine 4-bit group 32 of the [H*(qk_nope+v_head), "
         "kv_lora_rank] matrix, grouped along kv_lora_rank. Sanitize infers bits = 32 x packed last dim / "
         "kv_lora_rank and group = kv_lora_rank / scales' last dim, dequantizes, splits per head into `embed_q` "
         "[H, kv_lora_rank, qk_nope] (transposed, so now grouped along qk_nope) and `unembed_out` [H, v_head, "
@@ -1198,8 +1252,9 @@ def readme(entries: list, root: Path) -> str:
         "not an identity for either half (`embed_q`'s groups run along another axis, and even `unembed_out`, "
         "grouped as before, lands on a different affine grid: its values move by up to ~6% of the largest "
         "here), so a loader must repeat it exactly.\n"
-        "- every other quantized module: affine `weight`/`scales`/`biases` under its release name (KDA "
-        "`q/k/v_proj` triples are concatenated like the float ones).\n"
+        "- every other module: bfloat16 `weight` in the bfloat16 checkpoint; in the other, affine `weight`/"
+        "`scales`/`biases` under its release name (KDA `q/k/v_proj` triples are concatenated like the float "
+        "ones).\n"
     )
     w("## Fixtures\n")
     for e in entries:
@@ -1222,7 +1277,7 @@ def readme(entries: list, root: Path) -> str:
                 w(f"- quantization as mlx-lm infers it per module (no config entries): "
                   + "; ".join(json.dumps(k) for k in qs["module_kinds"]))
         else:
-            w("- quantization: none (float32)")
+            w(f"- quantization: none ({e['float_dtype']})")
         if e["names"] == "release":
             w(f"- {e['release_tensors']} release tensors; sanitize drops "
               + ", ".join(f"`{k}`" for k in e["release_dropped_tensors"]))
@@ -1239,10 +1294,10 @@ def readme(entries: list, root: Path) -> str:
     for label, fn in COVERAGE_ROWS:
         w(f"| {label} | " + " | ".join("x" if fn(by[n]) else "" for n in names) + " |")
     w(
-        "\n(`d`'s release copy has `d`'s features, the quantized release checkpoint "
-        + ", ".join(f"`{q['name']}_release`" for q in RELEASE_QUANTIZED)
-        + " has `a`'s.) Every float fixture uses float32 weights; `a-q4` and `a-mix` are mlx-lm-quantized "
-        "copies of `a`.\n"
+        "\n(`d`'s release copy has `d`'s features, the quantized release checkpoints "
+        + " and ".join(f"`{q['name']}_release`" for q in RELEASE_QUANTIZED)
+        + " have `a`'s.) Every float fixture uses float32 weights; `a-q4` and `a-mix` are mlx-lm-quantized "
+        f"copies of `a`; `{RELEASE_QUANTIZED[1]['name']}_release` holds `a`'s weights rounded to bfloat16.\n"
     )
     w("## What the generator checks\n")
     w(
@@ -1256,11 +1311,14 @@ def readme(entries: list, root: Path) -> str:
         "- mlx-lm's cached prefill/decode agree with its cache-less forward.\n"
         "- The release copy, loaded through `mlx_lm.utils.load_model` (which runs `Model.sanitize`), gives "
         "bit-identical weights and logits.\n"
-        "- The quantized release checkpoint loads through `load_model` to exactly the weights it was built from "
+        f"- `{RELEASE_QUANTIZED[0]['name']}_release` loads through `load_model` to exactly the weights it was built from "
         "(MXFP4 experts, affine layers), except `embed_q`/`unembed_out`, which are sanitize's re-quantization of "
         "`kv_b_proj` (checked to be affine with the same bits and group size); every routed expert is mxfp4. "
         "What `mlx_lm.convert` would save from it (mlx names, `quantization` {group_size 32, bits 4, mode "
         "mxfp4} and no per-path entries) reloads to bit-identical weights and logits; that copy is not kept.\n"
+        f"- `{RELEASE_QUANTIZED[1]['name']}_release` loads through `load_model` to exactly the weights it was "
+        "built from (bfloat16, the float32 exceptions, MXFP4 experts); every quantized module is an mxfp4 "
+        "routed expert stack. The same `mlx_lm.convert` round trip holds.\n"
     )
     w("## mlx-lm behaviour to match\n")
     w(
@@ -1308,8 +1366,9 @@ def main() -> None:
                 "release": "the original release names (block_sparse_moe.experts.E.w1, q/k/v_proj, "
                 "q/k/v_conv1d, kv_b_proj, *_res.proj_weight, padded A_log, extra tensors to drop); "
                 "mlx-lm's Model.sanitize maps them to the 'mlx' form. Quantized: routed experts as "
-                "compressed-tensors MXFP4 (experts.E.wN.weight_packed uint8 / weight_scale uint8), kv_b_proj "
-                "as an affine weight/scales/biases triple (sanitize re-quantizes embed_q/unembed_out)",
+                "compressed-tensors MXFP4 (experts.E.wN.weight_packed uint8 / weight_scale uint8), kv_b_proj, "
+                "where quantized, as an affine weight/scales/biases triple (sanitize re-quantizes "
+                "embed_q/unembed_out)",
             },
             "fixtures": entries,
         }

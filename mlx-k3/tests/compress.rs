@@ -3,11 +3,14 @@
 //! converted checkpoints load and run (and mlx-lm reads the MLX-format ones); conversions and calibrations
 //! killed with SIGKILL resume byte-identical; bad input fails before anything is written; a REAP-pruned model
 //! computes what the original computes with the dropped experts unreachable; calibration statistics and
-//! evaluation numbers match direct computations and repeat exactly.
+//! evaluation numbers match direct computations and repeat exactly; release checkpoints (bf16 with
+//! compressed-tensors MXFP4 experts) keep their experts losslessly or re-quantize them as MLX does, and corrupt
+//! expert scales are named errors.
 //!
-//! References are independent of the code under test: MLX's own quantize/dequantize, mlx-lm's logits (a
-//! committed fixture, `scripts/compress/mlx_lm_logits.py`), the original model with its router biases
-//! masked, and f64 recomputations here from the checkpoint's weights and both models' logits.
+//! References are independent of the code under test: MLX's own quantize/dequantize, mlx-lm's logits (committed
+//! fixtures, `scripts/compress/mlx_lm_logits.py`), the original model with its router biases masked, the
+//! release's per-expert tensors stacked by hand, and f64 recomputations here from the checkpoint's weights and
+//! both models' logits.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -18,7 +21,7 @@ use half::bf16;
 use mlx_k3::compress::affine;
 use mlx_k3::io::{save_safetensors, Safetensors};
 use mlx_k3::model::{KimiK3, LoadOptions, ModelConfig};
-use mlx_k3::quant::{self, QuantSpec};
+use mlx_k3::quant::{self, QuantMode, QuantSpec};
 use mlx_k3::{Array, Dtype};
 use serde_json::{json, Value};
 
@@ -864,4 +867,429 @@ fn release_named_checkpoint_converts_to_mlx_names_with_the_same_logits() {
     let e = rel(&b, &want);
     println!("release fixture d converted: rel err vs mlx-lm {e:.2e}");
     assert!(e < 1e-5, "rel err {e}");
+}
+
+fn k3_fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/k3").join(name)
+}
+
+/// Fixture a laid out like the real release: routed experts in compressed-tensors MXFP4 (per-expert
+/// `weight_packed` / `weight_scale`), every other weight bf16, the release's `quantization_config`.
+const BF16_RELEASE: &str = "a_latent_norm_attnres_bf16_mxfp4_release";
+/// Its MoE layers and experts per layer, and the release names of the three projections.
+const RELEASE_MOE_LAYERS: [usize; 2] = [1, 2];
+const RELEASE_EXPERTS: usize = 8;
+const RELEASE_PROJ: [(&str, &str); 3] = [("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")];
+
+/// The fixture's prompt and its 16 greedy decode tokens, and mlx-lm's logits for them (cache-less forward).
+fn release_tokens(src: &Path) -> (Vec<i32>, Vec<i32>, Vec<f32>) {
+    let exp = Safetensors::load(src.join("expected.safetensors")).unwrap();
+    let prompt = exp.get("prompt").unwrap().to_vec::<i32>().unwrap();
+    let mut all = prompt.clone();
+    all.extend(exp.get("decode_tokens").unwrap().to_vec::<i32>().unwrap());
+    (prompt, all, exp.get("full_logits").unwrap().to_vec::<f32>().unwrap())
+}
+
+/// Expert stack `w` (w1/w2/w3) of MoE layer `l` as the release stores it, stacked here by hand from the
+/// per-expert tensors (not through the loader): uint8 code pairs viewed as uint32 words, uint8 E8M0 scales.
+fn release_stack(st: &Safetensors, l: usize, w: &str) -> quant::Quantized {
+    let stack = |leaf: &str| {
+        let parts: Vec<Array> = (0..RELEASE_EXPERTS)
+            .map(|e| {
+                st.get(&format!("language_model.model.layers.{l}.block_sparse_moe.experts.{e}.{w}.{leaf}")).unwrap()
+            })
+            .collect();
+        mlx_k3::ops::stack(&parts.iter().collect::<Vec<_>>(), 0).unwrap()
+    };
+    quant::Quantized {
+        weight: stack("weight_packed").view(Dtype::U32).unwrap(),
+        scales: stack("weight_scale"),
+        biases: None,
+    }
+}
+
+/// Tensor `name` of a converted folder (found through its index).
+fn output_tensor(dir: &Path, name: &str) -> Array {
+    let index: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap()).unwrap();
+    let file = index["weight_map"][name].as_str().unwrap_or_else(|| panic!("{name} is not in the output"));
+    Safetensors::load(dir.join(file)).unwrap().get(name).unwrap()
+}
+
+fn bits_of(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Per-class reports of a converted folder's manifest.
+fn manifest_classes(dir: &Path) -> Value {
+    let m: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("k3_manifest.json")).unwrap()).unwrap();
+    m["classes"].clone()
+}
+
+#[test]
+fn release_mxfp4_experts_convert_losslessly_and_bf16_modules_stay_exact() {
+    // The release layout converted with routed experts kept MXFP4 and everything else float (bf16, the
+    // recipe's dtype): the experts decode to exactly the release's values and the model computes exactly
+    // the logits of the release itself.
+    let tmp = tempfile::tempdir().unwrap();
+    let src = k3_fixture(BF16_RELEASE);
+    let recipe =
+        write_recipe(tmp.path(), "mxfp4.toml", "dtype = \"bfloat16\"\n[classes.routed_experts]\nformat = \"mxfp4\"\n");
+    let out = tmp.path().join("out");
+    run_ok(&[
+        "convert",
+        "--from",
+        src.to_str().unwrap(),
+        "--to",
+        out.to_str().unwrap(),
+        "--recipe",
+        &recipe,
+        "--quiet",
+    ]);
+
+    let st = Safetensors::load(src.join("model.safetensors")).unwrap();
+    let spec = QuantSpec::default_for(QuantMode::Mxfp4);
+    let (mut groups, mut rescaled) = (0usize, 0usize);
+    for l in RELEASE_MOE_LAYERS {
+        for (w, proj) in RELEASE_PROJ {
+            let want = release_stack(&st, l, w);
+            let name = format!("language_model.model.layers.{l}.mlp.switch_mlp.{proj}");
+            let got = quant::Quantized {
+                weight: output_tensor(&out, &format!("{name}.weight")),
+                scales: output_tensor(&out, &format!("{name}.scales")),
+                biases: None,
+            };
+            assert_eq!((got.weight.shape(), got.weight.dtype()), (want.weight.shape(), Dtype::U32), "{name}");
+            assert_eq!((got.scales.shape(), got.scales.dtype()), (want.scales.shape(), Dtype::U8), "{name}");
+            let decode = |q: &quant::Quantized| {
+                quant::dequantize(q, spec, None, Some(Dtype::F32)).unwrap().to_vec::<f32>().unwrap()
+            };
+            assert!(
+                bits_of(&decode(&got)) == bits_of(&decode(&want)),
+                "{name}: decoded experts differ from the release's"
+            );
+            // Re-encoding picks the smallest E8M0 exponent that holds a group (MLX's rule), so a group whose
+            // largest code is at most 3 comes back one or more exponents lower with its codes doubled: the
+            // same values, never a larger exponent.
+            let (sw, sg) = (want.scales.to_vec::<u8>().unwrap(), got.scales.to_vec::<u8>().unwrap());
+            assert!(sw.iter().zip(&sg).all(|(a, b)| b <= a), "{name}: a group got a larger exponent");
+            groups += sw.len();
+            rescaled += sw.iter().zip(&sg).filter(|(a, b)| a != b).count();
+        }
+    }
+    println!(
+        "release MXFP4 experts: decoded bit for bit; {rescaled} of {groups} groups stored with a smaller exponent \
+         and doubled codes"
+    );
+    // Every other module is float and unchanged: bf16 in, bf16 out, no error anywhere.
+    let classes = manifest_classes(&out);
+    for (class, c) in classes.as_object().unwrap() {
+        assert_eq!(c["rel_err"].as_f64(), Some(0.0), "{class}: {c}");
+        let bpw = if class == "routed_experts" { 4.25 } else { 16.0 };
+        assert_eq!(c["bpw"].as_f64(), Some(bpw), "{class}: {c}");
+    }
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let q = config["quantization"].as_object().unwrap();
+    assert_eq!(q.len(), 3 + 6, "defaults + the six expert stacks: {q:?}");
+    assert!(config["text_config"].get("quantization_config").is_none(), "the release's record is left behind");
+
+    // Same bf16 values, same activations: the logits are equal, not merely close (a halved scale times doubled
+    // codes gives exactly the same products, so every sum is the same).
+    let (_, tokens, mlx_lm) = release_tokens(&src);
+    let (a, b) = (logits(&load(&src), &tokens), logits(&load(&out), &tokens));
+    assert!(bits_of(&a) == bits_of(&b), "converted logits differ from the release's: rel {:.2e}", rel(&b, &a));
+    let e = rel(&b, &mlx_lm);
+    println!("release MXFP4 -> MXFP4 experts: logits equal the release's; rel err vs mlx-lm {e:.2e}");
+    assert!(e < 1e-4, "rel err vs mlx-lm {e}");
+}
+
+#[test]
+fn release_mxfp4_experts_requantized_to_affine_match_mlx_and_mlx_lm_reads_them() {
+    // The release's MXFP4 experts decoded and re-quantized: 8-, 4- and 2-bit affine (groups of 32, the
+    // experts are 32 wide; 2-bit with the clip search), everything else bf16 as in the release.
+    let tmp = tempfile::tempdir().unwrap();
+    let src = k3_fixture(BF16_RELEASE);
+    let (prompt, tokens, _) = release_tokens(&src);
+    let release = load(&src);
+    let teacher = logits(&release, &tokens);
+    let vocab = release.config().vocab_size;
+    let st = Safetensors::load(src.join("model.safetensors")).unwrap();
+    let a2 = fixtures().join("release_experts_a2.toml").display().to_string();
+    let affine = |bits: u32| format!("[classes.routed_experts]\nformat = \"affine\"\nbits = {bits}\ngroup_size = 32\n");
+    let recipes = [
+        ("a8", write_recipe(tmp.path(), "a8.toml", &affine(8))),
+        ("a4", write_recipe(tmp.path(), "a4.toml", &affine(4))),
+        ("a2", a2),
+    ];
+    let mut kls = Vec::new();
+    for (name, recipe) in &recipes {
+        let out = tmp.path().join(name);
+        run_ok(&[
+            "convert",
+            "--from",
+            src.to_str().unwrap(),
+            "--to",
+            out.to_str().unwrap(),
+            "--recipe",
+            recipe,
+            "--quiet",
+        ]);
+        let experts = &manifest_classes(&out)["routed_experts"];
+        let werr = experts["rel_err"].as_f64().unwrap();
+        let got = logits(&load(&out), &tokens);
+        let kl = mean_kl(&teacher, &got, vocab);
+        let flips = teacher
+            .chunks(vocab)
+            .zip(got.chunks(vocab))
+            .filter(|(t, g)| {
+                let am = |r: &[f32]| r.iter().enumerate().fold(0, |b, (i, v)| if *v > r[b] { i } else { b });
+                am(t) != am(g)
+            })
+            .count();
+        println!(
+            "release experts {name}: weight rel err {werr:.3e}, KL to the release {kl:.4} over {} tokens, {flips} \
+             top-1 flips",
+            tokens.len()
+        );
+        kls.push(kl);
+        // Weight error: affine b-bit min-max on values spread over a group leaves ~(range / (2^b - 1))^2 / 12
+        // per weight; measured 3.9e-5 / 7.4e-3 / 0.115 (0.143 without the clip search).
+        let (max_werr, max_kl) = match *name {
+            "a8" => (1e-4, 2e-3),
+            "a4" => (1e-2, 0.2),
+            _ => (0.125, 1.2),
+        };
+        assert!(werr < max_werr, "{name}: weight rel err {werr}");
+        assert!(kl < max_kl, "{name}: KL {kl}");
+        if *name == "a2" {
+            assert!(werr < experts["minmax_rel_err"].as_f64().unwrap(), "the clip search must beat min-max: {experts}");
+        }
+        if *name == "a4" {
+            // Min-max affine is MLX's quantize bit for bit: the stacks are exactly MLX's quantization of the
+            // decoded release experts (rounded to bf16, which holds every E2M1 x 2^e value exactly).
+            for l in RELEASE_MOE_LAYERS {
+                for (w, proj) in RELEASE_PROJ {
+                    let dec = quant::dequantize(
+                        &release_stack(&st, l, w),
+                        QuantSpec::default_for(QuantMode::Mxfp4),
+                        None,
+                        Some(Dtype::BF16),
+                    )
+                    .unwrap();
+                    let want = quant::quantize(&dec, QuantSpec::affine(32, 4), None).unwrap();
+                    let base = format!("language_model.model.layers.{l}.mlp.switch_mlp.{proj}");
+                    let get = |s: &str| output_tensor(&out, &format!("{base}.{s}"));
+                    assert_eq!(get("weight").to_vec::<u32>().unwrap(), want.weight.to_vec::<u32>().unwrap(), "{base}");
+                    let f = |a: &Array| a.to_vec::<bf16>().unwrap();
+                    assert_eq!(f(&get("scales")), f(&want.scales), "{base}");
+                    assert_eq!(f(&get("biases")), f(&want.biases.clone().unwrap()), "{base}");
+                }
+            }
+            // mlx-lm on the release with its experts re-quantized by MLX itself (committed fixture): the same
+            // computation, up to f32 rounding (both run f32 activations over the same packed weights).
+            let mlx_lm = Safetensors::load(fixtures().join("mlx_lm_release_requant4_logits.safetensors")).unwrap();
+            let want = mlx_lm.get("logits").unwrap().to_vec::<f32>().unwrap();
+            let e = rel(&logits(&load(&out), &prompt), &want);
+            println!("release experts a4 vs mlx-lm re-quantizing the release itself: rel err {e:.2e}");
+            assert!(e < 1e-4, "rel err {e}");
+        }
+        if *name == "a2" {
+            // mlx-lm's own loader reads the output (committed fixture, scripts/compress/mlx_lm_logits.py).
+            let st = Safetensors::load(fixtures().join("mlx_lm_release_a2_logits.safetensors")).unwrap();
+            let recorded: BTreeMap<String, String> = serde_json::from_str(&st.metadata()["files_sha256"]).unwrap();
+            for (file, sha) in &recorded {
+                let bytes = std::fs::read(out.join(file)).unwrap();
+                assert_eq!(
+                    &mlx_k3::compress::store::sha256_hex(&bytes),
+                    sha,
+                    "{file} differs from the files the mlx-lm fixture was made from: regenerate it \
+                     (scripts/compress/mlx_lm_logits.py)"
+                );
+            }
+            let want = st.get("logits").unwrap().to_vec::<f32>().unwrap();
+            let e = rel(&logits(&load(&out), &prompt), &want);
+            println!("release experts a2 through mlx-lm vs mlx-k3: rel err {e:.2e}");
+            assert!(e < 1e-4, "rel err {e}");
+        }
+    }
+    assert!(kls[0] < kls[1] && kls[1] < kls[2], "fewer bits must cost more: {kls:?}");
+}
+
+#[test]
+fn corrupt_release_expert_scales_fail_naming_the_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = k3_fixture(BF16_RELEASE);
+    let base = Safetensors::load(src.join("model.safetensors")).unwrap().arrays().unwrap();
+    let scale = |e: usize| format!("language_model.model.layers.2.block_sparse_moe.experts.{e}.w2.weight_scale");
+    let recipe =
+        write_recipe(tmp.path(), "mxfp4.toml", "dtype = \"bfloat16\"\n[classes.routed_experts]\nformat = \"mxfp4\"\n");
+    // A copy of the release with `edit` applied; `split` names the tensors moved to a second shard.
+    let copy = |name: &str, edit: &dyn Fn(&mut BTreeMap<String, Array>), split: &[String]| -> PathBuf {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+        let mut t = base.clone();
+        edit(&mut t);
+        let second: BTreeMap<String, Array> = split.iter().map(|k| (k.clone(), t.remove(k).unwrap())).collect();
+        for (file, part) in [("model-00001-of-00002.safetensors", &t), ("model-00002-of-00002.safetensors", &second)] {
+            if !part.is_empty() {
+                let refs: Vec<(&str, &Array)> = part.iter().map(|(k, v)| (k.as_str(), v)).collect();
+                save_safetensors(dir.join(file), &refs, &[("format", "pt")]).unwrap();
+            }
+        }
+        dir
+    };
+    let convert = |from: &Path, to: &Path| {
+        run(&[
+            "convert",
+            "--from",
+            from.to_str().unwrap(),
+            "--to",
+            to.to_str().unwrap(),
+            "--recipe",
+            &recipe,
+            "--quiet",
+        ])
+    };
+    let cat = |a: &Array| mlx_k3::ops::concatenate(&[a, a], 1).unwrap();
+    let cases: Vec<(&str, PathBuf, Vec<&str>)> = vec![
+        (
+            "one expert's scales cut to half its rows",
+            copy(
+                "rows",
+                &|t| {
+                    let s = t[&scale(5)].slice_axis(0, 0, 16).unwrap();
+                    t.insert(scale(5), s);
+                },
+                &[],
+            ),
+            vec!["tensor 'model.layers.2.block_sparse_moe.experts.5.w2.weight_scale' is uint8 [16, 1]", "[32, 1]"],
+        ),
+        (
+            "every expert's scales in groups of 16",
+            copy(
+                "groups",
+                &|t| {
+                    for e in 0..RELEASE_EXPERTS {
+                        let s = cat(&t[&scale(e)]);
+                        t.insert(scale(e), s);
+                    }
+                },
+                &[],
+            ),
+            vec!["'model.layers.2.block_sparse_moe.experts.*.w2.weight_scale'", "declares mxfp4 (groups of 32)"],
+        ),
+        (
+            "a shard cut short inside the scales",
+            copy("truncated", &|_| {}, &[scale(5)]),
+            vec!["model-00002-of-00002.safetensors", "truncated: tensor", "experts.5.w2.weight_scale"],
+        ),
+    ];
+    // Cut the second shard of the truncated copy inside its only tensor.
+    let shard = tmp.path().join("truncated/model-00002-of-00002.safetensors");
+    let len = std::fs::metadata(&shard).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(len - 8).unwrap();
+    for (what, from, expect) in &cases {
+        let to = tmp.path().join(format!("out-{}", from.file_name().unwrap().to_string_lossy()));
+        let (ok, _, err) = convert(from, &to);
+        assert!(!ok, "{what}: accepted");
+        for e in expect {
+            assert!(err.contains(e), "{what}: the error does not say '{e}':\n{err}");
+        }
+        assert_eq!(err.trim().lines().count(), 1, "{what}: {err}");
+        assert!(!to.exists(), "{what}: output written despite the error");
+        println!("{what}: {}", err.trim());
+    }
+
+    // A NaN scale byte (E8M0 0xFF) is only seen when its layer is read: the error names the tensor, and what
+    // was written before it does not look like a checkpoint (no config.json, index or manifest; each shard
+    // under its final name is complete); running again fails the same way.
+    let nan = copy(
+        "nan",
+        &|t| {
+            let mut bytes = t[&scale(5)].to_vec::<u8>().unwrap();
+            bytes[7] = 0xFF;
+            t.insert(scale(5), Array::from_slice(&bytes, &[32, 1]).unwrap());
+        },
+        &[],
+    );
+    let to = tmp.path().join("out-nan");
+    for attempt in 0..2 {
+        let (ok, _, err) = convert(&nan, &to);
+        assert!(!ok, "NaN scale accepted");
+        for e in [
+            "'model.layers.2.mlp.switch_mlp.down_proj.scales' (from 'model.layers.2.block_sparse_moe.experts.*.w2.weight_scale')",
+            "0xFF",
+        ] {
+            assert!(err.contains(e), "attempt {attempt}: the error does not say '{e}':\n{err}");
+        }
+        for f in ["config.json", "model.safetensors.index.json", "k3_manifest.json"] {
+            assert!(!to.join(f).exists(), "{f} written despite the error");
+        }
+        check_no_half_file(&to);
+        if attempt == 0 {
+            println!("NaN scale: {}", err.trim());
+        }
+    }
+}
+
+#[test]
+fn release_with_affine_modules_and_no_quantization_record_converts() {
+    // The older release-named fixture also packs the modules its `ignore` list leaves alone as affine (4-bit
+    // g32, router 8-bit g64), with no record of it. config.json's dimensions give each module's input size,
+    // so bits (32 x words / inputs) and group size (inputs / scales) follow from the shapes without guessing.
+    let tmp = tempfile::tempdir().unwrap();
+    let src = k3_fixture("a_latent_norm_attnres_mxfp4_release");
+    let recipe =
+        write_recipe(tmp.path(), "f32.toml", "dtype = \"float32\"\n[classes.routed_experts]\nformat = \"mxfp4\"\n");
+    let out = tmp.path().join("out");
+    run_ok(&[
+        "convert",
+        "--from",
+        src.to_str().unwrap(),
+        "--to",
+        out.to_str().unwrap(),
+        "--recipe",
+        &recipe,
+        "--quiet",
+    ]);
+    // Affine values decode exactly into f32, MXFP4 experts re-encode losslessly.
+    let classes = manifest_classes(&out);
+    for (class, c) in classes.as_object().unwrap() {
+        assert_eq!(c["rel_err"].as_f64(), Some(0.0), "{class}: {c}");
+    }
+    let exp = Safetensors::load(src.join("expected.safetensors")).unwrap();
+    let prompt = exp.get("prompt").unwrap().to_vec::<i32>().unwrap();
+    let (a, b) = (logits(&load(&src), &prompt), logits(&load(&out), &prompt));
+    // The source runs affine quantized matmuls, the output dense f32 matmuls of the same values: f32
+    // rounding apart (measured 3.0e-6).
+    let e = rel(&b, &a);
+    let e_lm = rel(&b, &exp.get("prefill_logits").unwrap().to_vec::<f32>().unwrap());
+    println!("affine release modules decoded to f32: rel err {e:.2e} vs the source, {e_lm:.2e} vs mlx-lm");
+    assert!(e < 1e-5 && e_lm < 1e-4, "rel err {e} / {e_lm}");
+
+    // Scales that fit no packing of the configured input size are named, not guessed around.
+    let dir = tmp.path().join("bad");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let mut t = Safetensors::load(src.join("model.safetensors")).unwrap().arrays().unwrap();
+    let name = "language_model.model.embed_tokens.scales";
+    let s = &t[name];
+    let s = mlx_k3::ops::concatenate(&[s, &s.slice_axis(1, 0, 1).unwrap()], 1).unwrap();
+    t.insert(name.into(), s);
+    let refs: Vec<(&str, &Array)> = t.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    save_safetensors(dir.join("model.safetensors"), &refs, &[("format", "pt")]).unwrap();
+    let to = tmp.path().join("out-bad");
+    let (ok, _, err) = run(&[
+        "convert",
+        "--from",
+        dir.to_str().unwrap(),
+        "--to",
+        to.to_str().unwrap(),
+        "--recipe",
+        &recipe,
+        "--quiet",
+    ]);
+    assert!(!ok && err.contains("'model.embed_tokens.scales' (3 scales a row)") && err.contains("64 inputs"), "{err}");
+    assert!(!to.exists());
 }

@@ -200,3 +200,27 @@ fn config_parses_both_forms_with_mlx_lm_defaults() {
     assert_eq!(q.default.map(|s| (s.group_size, s.bits)), Some((32, 4)));
     assert!(q.for_path("model.layers.1.mlp.gate").is_some(), "per-path overrides keep their path");
 }
+
+#[test]
+fn malformed_release_mxfp4_experts_are_named() {
+    // The release layout (compressed-tensors MXFP4 experts, per expert): a stack whose experts disagree, or
+    // whose scales imply another packing than the declared mxfp4-pack-quantized, is an error naming the
+    // release tensor, not another format (mlx-lm would take groups of 16 for nvfp4).
+    let name = "a_latent_norm_attnres_bf16_mxfp4_release";
+    let scale = |e: usize| format!("language_model.model.layers.1.block_sparse_moe.experts.{e}.w3.weight_scale");
+    let dir = copy_fixture(name);
+    edit_weights(dir.path(), |t| {
+        let (_, a) = t.iter_mut().find(|(k, _)| *k == scale(2)).unwrap();
+        *a = a.astype(Dtype::F32).unwrap();
+    });
+    let e = load_err(dir.path());
+    assert!(e.contains("'model.layers.1.block_sparse_moe.experts.2.w3.weight_scale' is float32 [32, 1]"), "{e}");
+    let dir = copy_fixture(name);
+    edit_weights(dir.path(), |t| {
+        for (_, a) in t.iter_mut().filter(|(k, _)| k.ends_with("w3.weight_scale") && k.contains("layers.1.")) {
+            *a = mlx_k3::ops::concatenate(&[&*a, &*a], 1).unwrap();
+        }
+    });
+    let e = load_err(dir.path());
+    assert!(e.contains("'model.layers.1.mlp.switch_mlp.up_proj'") && e.contains("declares mxfp4"), "{e}");
+}

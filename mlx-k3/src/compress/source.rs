@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use super::classes::{layer_of, module_of, TensorClass};
 use crate::codebook::{self, Codebook};
 use crate::model::config::{ModelConfig, PathQuant};
-use crate::model::loader::{read_weights, RawWeights};
+use crate::model::loader::{infer_spec, read_weights, RawWeights};
+use crate::model::KimiK3;
 use crate::quant::{self, QuantMode, QuantSpec, Quantized};
 use crate::tiers::{self, TieredExperts};
 use crate::{Array, Dtype, Error, Result};
@@ -63,6 +64,8 @@ pub struct Source {
     /// Its config.
     pub config: ModelConfig,
     raw: RawWeights,
+    /// The unquantized shape of every tensor the model graph takes (from config.json alone).
+    shapes: BTreeMap<String, Vec<i32>>,
     /// Units in order: layers, then globals.
     pub units: Vec<Unit>,
 }
@@ -72,6 +75,7 @@ impl Source {
     pub fn open(dir: &Path) -> Result<Source> {
         let config = ModelConfig::load(dir)?;
         let raw = read_weights(dir, &config.text, None)?;
+        let shapes = KimiK3::weight_shapes(&config.text)?;
         let cfg = &config.text;
         let n = cfg.num_hidden_layers;
         let mut modules: BTreeMap<String, (TensorClass, Vec<String>)> = BTreeMap::new();
@@ -87,7 +91,7 @@ impl Source {
             .collect();
         units.push(Unit { name: "globals".into(), layer: None, modules: Vec::new(), plain: Vec::new() });
         let unit_of = |name: &str| layer_of(name).filter(|&i| i < n).unwrap_or(n);
-        let mut src = Source { dir: dir.to_path_buf(), config, raw, units: Vec::new() };
+        let mut src = Source { dir: dir.to_path_buf(), config, raw, shapes, units: Vec::new() };
         for (path, (class, tensors)) in modules {
             let (shape, format) = src.describe(&path, &tensors)?;
             units[unit_of(&path)].modules.push(Module { path, class, shape, format, tensors });
@@ -105,6 +109,20 @@ impl Source {
 
     fn get(&self, name: &str) -> Result<&Array> {
         self.raw.tensors.get(name).ok_or_else(|| self.fmt_err(format!("missing tensor '{name}'")))
+    }
+
+    /// Tensor `name` for a message: with the release name it was made from, if any.
+    fn named(&self, name: &str) -> String {
+        match self.raw.origins.get(name) {
+            Some(o) => format!("'{name}' (from '{o}')"),
+            None => format!("'{name}'"),
+        }
+    }
+
+    /// An error about tensor `name`, reported against the file it came from.
+    fn tensor_err(&self, name: &str, message: String) -> Error {
+        let path = self.raw.files.get(name).filter(|p| !p.as_os_str().is_empty()).cloned();
+        Error::Format { path: path.unwrap_or_else(|| self.dir.clone()), message }
     }
 
     /// Shape and format of a module from its tensors' headers (no data read).
@@ -137,17 +155,56 @@ impl Source {
             *shape.last_mut().unwrap_or(&mut 0) *= 8;
             return Ok((shape, SourceFormat::Codebook));
         }
-        let w = self.get(&format!("{path}.weight"))?;
+        let (wname, sname) = (format!("{path}.weight"), format!("{path}.scales"));
+        let w = self.get(&wname)?;
+        // What the model graph takes here, from config.json: tells a packed tensor's input dimension.
+        let expected = self.shapes.get(&wname);
         if !has("scales") {
             if !w.dtype().is_float() {
                 return Err(self.fmt_err(format!("'{path}.weight' is {} without scales", w.dtype())));
             }
+            if let Some(e) = expected.filter(|e| **e != w.shape()) {
+                let msg = format!("{} has shape {:?}, but config.json makes it {e:?}", self.named(&wname), w.shape());
+                return Err(self.tensor_err(&wname, msg));
+            }
             return Ok((w.shape(), SourceFormat::Dense(w.dtype())));
         }
-        let s = self.get(&format!("{path}.scales"))?;
+        let s = self.get(&sname)?;
+        if w.ndim() == 0 || s.ndim() == 0 {
+            let msg = format!("{} / {} must not be scalars", self.named(&wname), self.named(&sname));
+            return Err(self.tensor_err(&wname, msg));
+        }
         let (packed, groups) = (w.dim(-1)?, s.dim(-1)?);
-        let spec = match q {
-            Some(PathQuant::Quantized(spec)) => spec,
+        let in_dims = expected.and_then(|e| e.last().copied());
+        let inferred = |k: i32| -> Result<QuantSpec> {
+            let bad = |why: String| {
+                let msg = format!(
+                    "{} ({packed} packed words a row) and {} ({groups} scales a row) for the {k} inputs config.json \
+                     gives '{path}': {why}",
+                    self.named(&wname),
+                    self.named(&sname),
+                );
+                self.tensor_err(&sname, msg)
+            };
+            let spec = infer_spec(path, k, packed, groups, s.dtype())
+                .map_err(|_| bad(format!("no packing holds {k} inputs that way (corrupt or truncated?)")))?;
+            if spec.mode == QuantMode::Affine
+                && !(matches!(spec.bits, 1..=6 | 8) && matches!(spec.group_size, 32 | 64 | 128))
+            {
+                return Err(bad(format!(
+                    "that is {} bits in groups of {}, which MLX's affine format does not have (corrupt or truncated?)",
+                    spec.bits, spec.group_size
+                )));
+            }
+            match self.config.quantization.declared_mismatch(spec, s.dtype()) {
+                Some(why) => Err(bad(why)),
+                None => Ok(spec),
+            }
+        };
+        let spec = match (q, in_dims) {
+            (Some(PathQuant::Quantized(spec)), _) => spec,
+            // mlx-lm's `infer_quant_config`, with the input dimension from config.json: unambiguous.
+            (_, Some(k)) if s.dtype() == Dtype::U8 => inferred(k)?,
             _ if s.dtype() == Dtype::U8 => {
                 let mode = match packed.checked_div(groups) {
                     Some(4) if groups * 4 == packed => QuantMode::Mxfp4,
@@ -161,9 +218,16 @@ impl Source {
                 };
                 QuantSpec::default_for(mode)
             }
-            _ => self.config.quantization.default.filter(|d| d.mode == QuantMode::Affine).ok_or_else(|| {
-                self.fmt_err(format!("'{path}': quantized, but config.json gives no quantization for it"))
-            })?,
+            _ => match (self.config.quantization.default.filter(|d| d.mode == QuantMode::Affine), in_dims) {
+                (Some(d), _) => d,
+                // A release checkpoint's affine modules carry no record; config.json's dimensions tell.
+                (None, Some(k)) => inferred(k)?,
+                (None, None) => {
+                    return Err(
+                        self.fmt_err(format!("'{path}': quantized, but config.json gives no quantization for it"))
+                    )
+                }
+            },
         };
         let k = packed * 32 / spec.bits;
         if k % spec.group_size != 0 || k / spec.group_size != groups {
@@ -174,6 +238,27 @@ impl Source {
         }
         let mut shape = w.shape();
         *shape.last_mut().unwrap_or(&mut 0) = k;
+        if let Some(e) = expected.filter(|e| **e != shape) {
+            let lead = &e[..e.len() - 1];
+            let (name, found) = if w.shape()[..w.ndim() - 1] != *lead || k != e[e.len() - 1] {
+                (&wname, w.shape())
+            } else {
+                (&sname, s.shape())
+            };
+            let msg = format!(
+                "{} has shape {found:?}: as {} {}-bit in groups of {}, that is a {shape:?} weight, but config.json \
+                 makes it {e:?}",
+                self.named(name),
+                spec.mode.name(),
+                spec.bits,
+                spec.group_size
+            );
+            return Err(self.tensor_err(name, msg));
+        }
+        if s.shape()[..s.ndim() - 1] != shape[..shape.len() - 1] {
+            let msg = format!("{} has shape {:?} for a {shape:?} weight", self.named(&sname), s.shape());
+            return Err(self.tensor_err(&sname, msg));
+        }
         Ok((shape, SourceFormat::Mlx(spec)))
     }
 
@@ -199,9 +284,23 @@ impl Source {
         match &m.format {
             SourceFormat::Dense(_) => g("weight")?.astype(Dtype::F32),
             SourceFormat::Mlx(spec) => {
+                let scales = g("scales")?;
+                if matches!(spec.mode, QuantMode::Mxfp4 | QuantMode::Mxfp8)
+                    && scales.max_all(false)?.item::<u8>()? == 0xFF
+                {
+                    // E8M0 0xFF is NaN: no encoder writes it for finite weights.
+                    let name = format!("{}.scales", m.path);
+                    let at = scales.to_vec::<u8>()?.iter().position(|&b| b == 0xFF).unwrap_or(0);
+                    let msg = format!(
+                        "{} holds the E8M0 byte 0xFF (NaN) at element {at} of {:?}: a corrupt scale tensor",
+                        self.named(&name),
+                        scales.shape()
+                    );
+                    return Err(self.tensor_err(&name, msg));
+                }
                 let q = Quantized {
                     weight: g("weight")?,
-                    scales: g("scales")?,
+                    scales,
                     biases: if spec.mode.has_biases() { Some(g("biases")?) } else { None },
                 };
                 quant::dequantize(&q, *spec, None, Some(Dtype::F32))

@@ -297,12 +297,32 @@ pub struct QuantizationConfig {
     pub default: Option<QuantSpec>,
     /// Per-path entries (`"model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}` or `false`).
     pub per_path: BTreeMap<String, PathQuant>,
+    /// A release checkpoint's compressed-tensors `quantization_config.format`, as the MLX mode its
+    /// uint8-scaled tensors must have (`mxfp4-pack-quantized`: mxfp4, `nvfp4-pack-quantized`: nvfp4).
+    /// mlx-lm infers each module's mode from its shapes alone; a module whose shapes say otherwise is
+    /// malformed, not another format.
+    pub compressed: Option<QuantMode>,
 }
 
 impl QuantizationConfig {
     /// The override recorded for module `path`, if any.
     pub fn for_path(&self, path: &str) -> Option<PathQuant> {
         self.per_path.get(path).copied()
+    }
+
+    /// Why a spec inferred from a module's tensors (scales of `scales_dtype`) contradicts the
+    /// compressed-tensors format config.json declares, if it does.
+    pub fn declared_mismatch(&self, spec: QuantSpec, scales_dtype: crate::Dtype) -> Option<String> {
+        let mode = self.compressed.filter(|m| scales_dtype == crate::Dtype::U8 && spec.mode != *m)?;
+        Some(format!(
+            "that is {} ({} bits in groups of {}), but config.json's quantization_config declares {} (groups of {}): \
+             a corrupt or truncated scale or weight tensor",
+            spec.mode.name(),
+            spec.bits,
+            spec.group_size,
+            mode.name(),
+            QuantSpec::default_for(mode).group_size
+        ))
     }
 }
 
@@ -426,6 +446,13 @@ impl ModelConfig {
                     "quantization_config.format: compressed-tensors format '{format}' is not supported \
                      (mxfp4-pack-quantized, nvfp4-pack-quantized, pack-quantized); dequantize to bf16 first"
                 )));
+            }
+            if method == "compressed-tensors" {
+                quantization.compressed = match format {
+                    "mxfp4-pack-quantized" => Some(QuantMode::Mxfp4),
+                    "nvfp4-pack-quantized" => Some(QuantMode::Nvfp4),
+                    _ => None,
+                };
             }
         }
         Ok(ModelConfig { model_type, text, quantization, raw })

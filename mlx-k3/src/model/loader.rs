@@ -30,6 +30,9 @@ pub struct RawWeights {
     /// Expert stacks that sanitize built from a range of the per-expert tensors only (expert parallel):
     /// they already hold just that range of rows.
     pub presliced: BTreeMap<String, Range<usize>>,
+    /// The original (release) name a sanitize step made a tensor from, for error messages
+    /// (`model.layers.1.block_sparse_moe.experts.*.w2.weight_scale` for a stack of experts).
+    pub origins: BTreeMap<String, String>,
 }
 
 /// Where one tensor's bytes lie in a safetensors file.
@@ -209,7 +212,7 @@ pub fn read_weights(dir: &Path, cfg: &TextConfig, experts: Option<Range<usize>>)
             files.insert(name, path.clone());
         }
     }
-    let mut raw = RawWeights { tensors, files, locs, presliced: BTreeMap::new() };
+    let mut raw = RawWeights { tensors, files, locs, presliced: BTreeMap::new(), origins: BTreeMap::new() };
     sanitize(&mut raw, cfg, experts)?;
     Ok(raw)
 }
@@ -225,7 +228,17 @@ impl RawWeights {
         let file = self.files.get(from).cloned().unwrap_or_default();
         self.files.insert(name.clone(), file);
         self.locs.remove(&name);
+        if name != from {
+            let origin = self.origins.get(from).cloned().unwrap_or_else(|| from.to_string());
+            self.origins.insert(name.clone(), origin);
+        }
         self.tensors.insert(name, a);
+    }
+
+    /// An error about original tensor `name`, naming its file.
+    fn tensor_error(&self, name: &str, message: String) -> Error {
+        let path = self.files.get(name).cloned().unwrap_or_default();
+        Error::Format { path, message: format!("tensor '{name}' {message}") }
     }
 
     /// Moves a tensor to a new name; its bytes stay where they are.
@@ -246,9 +259,25 @@ impl RawWeights {
             return Ok(None);
         }
         let mut parts = Vec::with_capacity(range.len());
+        let mut first: Option<(String, Vec<i32>, Dtype)> = None;
         for i in 0..n {
             let key = format!("{prefix}.experts.{i}.{leaf}");
             let a = self.take(&key).ok_or_else(|| Error::invalid("load", format!("missing tensor '{key}'")))?;
+            // Checked from the header, also for experts outside `range` (never read).
+            let (shape, dtype) = (a.shape(), a.dtype());
+            match &first {
+                Some((k0, s0, d0)) if (&shape, dtype) != (s0, *d0) => {
+                    return Err(self.tensor_error(
+                        &key,
+                        format!(
+                            "is {dtype} {shape:?}, but '{k0}' is {d0} {s0:?}: the experts of a layer must all have \
+                             one shape and dtype (corrupt or truncated?)"
+                        ),
+                    ));
+                }
+                Some(_) => {}
+                None => first = Some((key.clone(), shape, dtype)),
+            }
             if range.contains(&i) {
                 parts.push(a);
             }
@@ -256,6 +285,39 @@ impl RawWeights {
         let refs: Vec<&Array> = parts.iter().collect();
         Ok(Some(ops::stack(&refs, 0)?))
     }
+}
+
+/// Checks a stack of compressed-tensors MXFP4 experts (`[E, out, in/2]` uint8 code pairs, `[E, out, groups]`
+/// uint8 E8M0 scales) before its codes are viewed as MLX's uint32 words; errors name the release tensors.
+fn check_mxfp4_pack(w: &RawWeights, packed: &Array, scales: &Array, from: &str, sfrom: &str) -> Result<()> {
+    let all = |name: &str| name.replacen(".experts.0.", ".experts.*.", 1);
+    for (a, name, what) in [(packed, from, "codes (two E2M1 a byte)"), (scales, sfrom, "scales (E8M0)")] {
+        if a.dtype() != Dtype::U8 || a.ndim() != 3 {
+            return Err(w.tensor_error(
+                name,
+                format!(
+                    "is {} {:?} per expert: compressed-tensors MXFP4 {what} are 2-D uint8 ('{}')",
+                    a.dtype(),
+                    &a.shape()[1..],
+                    all(name)
+                ),
+            ));
+        }
+    }
+    let (rows, bytes) = (packed.dim(1)?, packed.dim(2)?);
+    let (srows, groups) = (scales.dim(1)?, scales.dim(2)?);
+    let inputs = 2 * bytes;
+    if srows != rows || groups == 0 || bytes % 4 != 0 || inputs % groups != 0 {
+        return Err(w.tensor_error(
+            sfrom,
+            format!(
+                "is uint8 [{srows}, {groups}] per expert, which does not fit the codes '{}' (uint8 [{rows}, {bytes}]: \
+                 {inputs} inputs of {rows} rows, in whole groups and uint32 words)",
+                all(from)
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Translates release names into mlx-lm's (a no-op on checkpoints `mlx_lm.convert` wrote).
@@ -309,9 +371,13 @@ pub fn sanitize(w: &mut RawWeights, cfg: &TextConfig, expert_range: Option<Range
                             Error::invalid("load", format!("missing tensor '{src}.experts.0.{s}.weight_scale'"))
                         })?;
                     let from = format!("{src}.experts.0.{s}.weight_packed");
-                    w.files.insert(from.clone(), w.files.get(&from).cloned().unwrap_or_default());
+                    let sfrom = format!("{src}.experts.0.{s}.weight_scale");
+                    check_mxfp4_pack(w, &packed, &scales, &from, &sfrom)?;
                     w.put(format!("{dst}.switch_mlp.{d}.weight"), packed.view(Dtype::U32)?, &from);
-                    w.put(format!("{dst}.switch_mlp.{d}.scales"), scales, &from);
+                    w.put(format!("{dst}.switch_mlp.{d}.scales"), scales, &sfrom);
+                    for (leaf, name) in [("weight_packed", "weight"), ("weight_scale", "scales")] {
+                        w.origins.insert(format!("{dst}.switch_mlp.{d}.{name}"), format!("{src}.experts.*.{s}.{leaf}"));
+                    }
                     stacked(w, format!("{dst}.switch_mlp.{d}.weight"));
                     stacked(w, format!("{dst}.switch_mlp.{d}.scales"));
                 } else {

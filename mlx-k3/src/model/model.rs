@@ -219,8 +219,20 @@ impl KimiK3 {
     /// A model with random weights (seeded) for `cfg`, and the tensors it was made of under mlx-lm's names
     /// (without the `language_model.` prefix): save them with a config.json to get a random checkpoint.
     pub fn random(cfg: &TextConfig, seed: u64) -> Result<(KimiK3, std::collections::BTreeMap<String, Array>)> {
+        KimiK3::fabricate(cfg, WeightStore::fabricating(seed, Dtype::F32)?)
+    }
+
+    /// The unquantized shape of every tensor the model graph of `cfg` takes, under mlx-lm's names (without
+    /// the `language_model.` prefix; a weight's shape is `[..., out, in]` under `{path}.weight`). Reads and
+    /// allocates no weights, so it also answers for full-size configurations: tools use it to tell a packed
+    /// tensor's input dimension from config.json.
+    pub fn weight_shapes(cfg: &TextConfig) -> Result<std::collections::BTreeMap<String, Vec<i32>>> {
+        let (_, tensors) = KimiK3::fabricate(cfg, WeightStore::probing()?)?;
+        Ok(tensors.into_iter().map(|(k, a)| (k, a.shape())).collect())
+    }
+
+    fn fabricate(cfg: &TextConfig, mut ws: WeightStore) -> Result<(KimiK3, std::collections::BTreeMap<String, Array>)> {
         cfg.validate()?;
-        let mut ws = WeightStore::fabricating(seed, Dtype::F32)?;
         let (d, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed = Embedding::load(&mut ws, "model.embed_tokens", v, d)?;
         let layers = (0..cfg.num_hidden_layers)

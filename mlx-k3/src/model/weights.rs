@@ -54,15 +54,23 @@ pub struct WeightStore {
     fabricate: Option<Fabricator>,
 }
 
-/// Makes up plausible random tensors by name for [`WeightStore::fabricating`].
+/// Makes up plausible random tensors by name for [`WeightStore::fabricating`] (or, for
+/// [`WeightStore::probing`], unevaluated zeros that only tell their shapes).
 struct Fabricator {
     key: Array,
     counter: u64,
     made: BTreeMap<String, Array>,
+    shapes_only: bool,
 }
 
 impl Fabricator {
     fn make(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
+        if self.shapes_only {
+            // Never evaluated: MLX allocates nothing for it, so even a full-size model costs only graph nodes.
+            let a = crate::ops::zeros(shape, Dtype::F32)?;
+            self.made.insert(name.to_string(), a.clone());
+            return Ok(a);
+        }
         self.counter += 1;
         let key = crate::random::split(&crate::random::key(self.counter)?.add(&self.key)?, 2)?
             .slice_axis(0, 0, 1)?
@@ -123,7 +131,19 @@ impl WeightStore {
     pub fn fabricating(seed: u64, dtype: Dtype) -> Result<WeightStore> {
         let raw = RawWeights::default();
         let mut ws = WeightStore::new(raw, QuantizationConfig::default(), dtype, Path::new("<random>"));
-        ws.fabricate = Some(Fabricator { key: crate::random::key(seed)?, counter: 0, made: BTreeMap::new() });
+        ws.fabricate =
+            Some(Fabricator { key: crate::random::key(seed)?, counter: 0, made: BTreeMap::new(), shapes_only: false });
+        Ok(ws)
+    }
+
+    /// A store that hands out unevaluated zeros for every tensor it is asked for: building a model from it
+    /// and reading [`WeightStore::fabricated`]'s shapes tells what the model graph takes, reading and
+    /// allocating nothing (the shapes must not be evaluated).
+    pub fn probing() -> Result<WeightStore> {
+        let mut ws =
+            WeightStore::new(RawWeights::default(), QuantizationConfig::default(), Dtype::F32, Path::new("<probe>"));
+        ws.fabricate =
+            Some(Fabricator { key: crate::random::key(0)?, counter: 0, made: BTreeMap::new(), shapes_only: true });
         Ok(ws)
     }
 
@@ -360,7 +380,16 @@ impl WeightStore {
         let s = self.tensors.get(&sname).cloned().ok_or_else(|| self.missing(&sname))?;
         let spec = match override_ {
             Some(PathQuant::Quantized(spec)) => spec,
-            _ => infer_spec(path, in_dims, w.dim(-1)?, s.dim(-1)?, s.dtype())?,
+            _ => {
+                let spec = infer_spec(path, in_dims, w.dim(-1)?, s.dim(-1)?, s.dtype())?;
+                if let Some(why) = self.quant.declared_mismatch(spec, s.dtype()) {
+                    return Err(Error::Format {
+                        path: self.dir.clone(),
+                        message: format!("'{path}': packed weight and uint8 scales for {in_dims} inputs: {why}"),
+                    });
+                }
+                spec
+            }
         };
         if in_dims % spec.group_size != 0 || (in_dims * spec.bits) % 32 != 0 {
             return Err(Error::Format {
