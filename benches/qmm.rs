@@ -81,6 +81,8 @@ fn gemv(c: &mut Criterion) {
             ("affine4", QuantSpec::affine(64, 4)),
             ("affine2", QuantSpec::affine(64, 2)),
             ("affine8", QuantSpec::affine(64, 8)),
+            ("affine3", QuantSpec::affine(64, 3)),
+            ("affine6", QuantSpec::affine(64, 6)),
             ("mxfp4", QuantSpec::default_for(QuantMode::Mxfp4)),
         ] {
             let q = packed(&w, spec);

@@ -261,7 +261,7 @@ mx::array gather_gate_up_situ(GateUpFormat f, const mx::array& x_in, const std::
     return r;
   };
   const bool fast = s.device == mx::Device::cpu && x_in.dtype() == mx::float32 &&
-                    (f.kind == 'c' || (cpu_has_avx2_fma() && (f.kind == 'm' || ((f.bits == 2 || f.bits == 4 || f.bits == 8) &&
+                    (f.kind == 'c' || (cpu_has_avx2_fma() && (f.kind == 'm' || ((affine_has_simd(f.bits)) &&
                                                                                    f.group % 32 == 0))));
   if (!fast) {
     if (f.kind == 'c') fail("the codebook format has CPU kernels only (and f32 activations)");

@@ -397,7 +397,7 @@ bool fast_cpu(const mx::array& x, const mx::Stream& s) {
 }
 
 bool fast_affine(const mx::array& x, int bits, int group, const mx::Stream& s) {
-  return fast_cpu(x, s) && (bits == 2 || bits == 4 || bits == 8) && group % 32 == 0;
+  return fast_cpu(x, s) && affine_has_simd(bits) && group % 32 == 0;
 }
 
 }  // namespace

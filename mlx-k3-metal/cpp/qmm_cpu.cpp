@@ -3,6 +3,7 @@
 #include "qmm_cpu.hpp"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -283,9 +284,37 @@ void codebook_rows(const CodebookRows& w, const Activations& a, int n0, int n1, 
 #ifdef K3_X86
 // 32 codes of 2, 4 or 8 bits -> four __m256 of floats, in the order the activations were permuted to
 // (see permute_for_bits): 4-bit: even elements then odd; 2-bit: element 4j+s grouped by s; 8-bit: natural.
+// 3, 5 and 6 bits: each 8 codes take BITS bytes of the LSB-first bitstream. Code j of 8 starts at bit BITS*j,
+// so a byte shuffle puts its two bytes (the code spans at most two: shift + BITS <= 16) in 32-bit lane j, a
+// per-lane shift aligns it and a mask keeps BITS bits. Codes come out in natural order.
+template <int BITS>
+constexpr std::array<int8_t, 32> odd_bits_shuffle() {
+  std::array<int8_t, 32> m{};
+  for (int j = 0; j < 8; ++j) {
+    const int byte = BITS * j / 8;
+    m[4 * j] = (int8_t)byte;
+    m[4 * j + 1] = (int8_t)(byte + 1);
+    m[4 * j + 2] = m[4 * j + 3] = (int8_t)0x80;
+  }
+  return m;
+}
+template <int BITS>
+alignas(32) constexpr std::array<int8_t, 32> kOddShuffle = odd_bits_shuffle<BITS>();
+
 template <int BITS>
 __attribute__((target("avx2,fma"))) static inline void decode32(const uint8_t* p, __m256 v[4]) {
-  if constexpr (BITS == 8) {
+  if constexpr (BITS == 3 || BITS == 5 || BITS == 6) {
+    // Reads 16 bytes from p + BITS * i (i < 4): the caller passes a padded copy for a row's last block.
+    const __m256i shuf = _mm256_load_si256(reinterpret_cast<const __m256i*>(kOddShuffle<BITS>.data()));
+    const __m256i sh = _mm256_setr_epi32(0, BITS % 8, 2 * BITS % 8, 3 * BITS % 8, 4 * BITS % 8, 5 * BITS % 8,
+                                         6 * BITS % 8, 7 * BITS % 8);
+    const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+    for (int i = 0; i < 4; ++i) {
+      __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + BITS * i)));
+      __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(b, shuf), sh), mask);
+      v[i] = _mm256_cvtepi32_ps(c);
+    }
+  } else if constexpr (BITS == 8) {
     for (int i = 0; i < 4; ++i) {
       __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i));
       v[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
@@ -332,7 +361,21 @@ __attribute__((target("avx2,fma"))) static void affine_tile_avx2(const AffineRow
     }
     for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
       __m256 v[NB][4];
-      for (int j = 0; j < NB; ++j) decode32<BITS>(rows + j * row_bytes + (size_t)b * 32 * BITS / 8, v[j]);
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* src = rows + j * row_bytes + (size_t)b * 32 * BITS / 8;
+        if constexpr (BITS == 3 || BITS == 5 || BITS == 6) {
+          // The odd-width decoder reads up to 16 bytes past a block's start; a row's last block is copied so
+          // the matrix's last row never reads past its buffer.
+          alignas(16) uint8_t pad[4 * BITS + 16] = {};
+          if (b == nb - 1) {
+            std::memcpy(pad, src, 4 * BITS);
+            src = pad;
+          }
+          decode32<BITS>(src, v[j]);
+        } else {
+          decode32<BITS>(src, v[j]);
+        }
+      }
       for (int m = 0; m < MB; ++m) {
         const float* xm = xp + (size_t)(m0 + m) * K + 32 * b;
         const __m256 x0 = _mm256_loadu_ps(xm), x1 = _mm256_loadu_ps(xm + 8);
@@ -406,10 +449,13 @@ static void affine_rows_scalar(const AffineRows& w, const Activations& a, int n0
 
 void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
 #ifdef K3_X86
-  if (simd && (w.bits == 2 || w.bits == 4 || w.bits == 8) && w.group % 32 == 0) {
+  if (simd && affine_has_simd(w.bits) && w.group % 32 == 0) {
     switch (w.bits) {
       case 2: return affine_rows_avx2<2>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
+      case 3: return affine_rows_avx2<3>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
       case 4: return affine_rows_avx2<4>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
+      case 5: return affine_rows_avx2<5>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+      case 6: return affine_rows_avx2<6>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
       default: return affine_rows_avx2<8>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
     }
   }

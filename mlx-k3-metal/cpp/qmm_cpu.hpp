@@ -81,6 +81,11 @@ struct AffineRows {
 
 void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd);
 
+// Bit widths with an AVX2 decoder (every MLX affine width: 2, 3, 4, 5, 6, 8; group size a multiple of 32).
+inline bool affine_has_simd(int bits) {
+  return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
+}
+
 // --------------------------------------------------------------------------------------------------- mxfp4
 // MLX mxfp4 layout: wq uint32 [N, K/8] (E2M1 nibbles, element i = nibble i), scales uint8 [N, K/32] (E8M0).
 struct Mxfp4Rows {

@@ -274,7 +274,7 @@ fn fast_affine_and_mxfp4_match_mlx() {
     // MLX's own formats have only SIMD kernels here (elsewhere the op runs MLX's kernel), so one pass.
     {
         let mut worst = 0f32;
-        for bits in [2, 3, 4, 6, 8] {
+        for bits in [2, 3, 4, 5, 6, 8] {
             for group in [32, 64, 128] {
                 for m in [1, 3, 5] {
                     worst = worst.max(check_fast_path(
@@ -296,7 +296,13 @@ fn fast_affine_and_mxfp4_match_mlx() {
 
 #[test]
 fn fast_gather_qmm_matches_mlx() {
-    for spec in [QuantSpec::affine(64, 4), QuantSpec::affine(32, 2), QuantSpec::default_for(QuantMode::Mxfp4)] {
+    for spec in [
+        QuantSpec::affine(64, 4),
+        QuantSpec::affine(32, 2),
+        QuantSpec::affine(32, 3),
+        QuantSpec::affine(64, 6),
+        QuantSpec::default_for(QuantMode::Mxfp4),
+    ] {
         let w = randn(&[5, 48, 256], 7);
         let q = quant::quantize(&w, spec, None).unwrap();
         let x = randn(&[2, 4, 1, 1, 256], 8);
@@ -316,7 +322,7 @@ fn gather_tiered_qmm_matches_the_dequantized_stack_on_both_paths() {
     let (e, n, k) = (6, 40, 512);
     let w = randn(&[e, n, k], 21).multiply(0.05f32).unwrap();
     let tiers_of = [Tier::Codebook, Tier::Mxfp4, Tier::Affine, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
-    // 3-bit affine takes the scalar affine path even on AVX2 machines.
+    // 3-bit affine: the odd-width AVX2 decoder (and the scalar path).
     for affine in [QuantSpec::affine(64, 4), QuantSpec::affine(32, 3)] {
         let (t, _) = tiers::build_tiered(&w, &tiers_of, affine, None).unwrap();
         let deq = tiers::dequantize_tiered(&t).unwrap();

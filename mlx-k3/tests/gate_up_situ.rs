@@ -82,6 +82,8 @@ fn fused_gate_up_situ_matches_unfused_affine_and_mxfp4() {
                 QuantSpec::affine(32, 2),
                 QuantSpec::affine(64, 4),
                 QuantSpec::affine(128, 8),
+                QuantSpec::affine(32, 3),
+                QuantSpec::affine(64, 6),
                 QuantSpec::default_for(QuantMode::Mxfp4),
             ] {
                 let (g, u) = (packed(&wg, spec), packed(&wu, spec));
