@@ -33,7 +33,7 @@ pub fn force_scalar(on: bool) {
     unsafe { mlx_k3_metal::k3_kernels_force_scalar(on) };
 }
 
-/// `x @ Wᵀ` for an MLX-quantized weight through the project's CPU kernels where they apply (affine 2/4/8-bit,
+/// `x @ Wᵀ` for an MLX-quantized weight through the project's CPU kernels where they apply (affine 2-8-bit,
 /// mxfp4, on AVX2+FMA), else MLX's own `quantized_matmul`; same layouts either way.
 pub fn quantized_matmul(
     x: &crate::Array,
