@@ -285,19 +285,7 @@ impl Source {
             SourceFormat::Dense(_) => g("weight")?.astype(Dtype::F32),
             SourceFormat::Mlx(spec) => {
                 let scales = g("scales")?;
-                if matches!(spec.mode, QuantMode::Mxfp4 | QuantMode::Mxfp8)
-                    && scales.max_all(false)?.item::<u8>()? == 0xFF
-                {
-                    // E8M0 0xFF is NaN: no encoder writes it for finite weights.
-                    let name = format!("{}.scales", m.path);
-                    let at = scales.to_vec::<u8>()?.iter().position(|&b| b == 0xFF).unwrap_or(0);
-                    let msg = format!(
-                        "{} holds the E8M0 byte 0xFF (NaN) at element {at} of {:?}: a corrupt scale tensor",
-                        self.named(&name),
-                        scales.shape()
-                    );
-                    return Err(self.tensor_err(&name, msg));
-                }
+                self.check_e8m0(m, *spec, &scales)?;
                 let q = Quantized {
                     weight: g("weight")?,
                     scales,
@@ -344,6 +332,23 @@ impl Source {
         }
     }
 
+    /// Refuses MX scales (`part`: all or part of the module's) holding E8M0 0xFF, which is NaN: no encoder
+    /// writes it for finite weights. The error names the tensor and the byte's place in the whole tensor.
+    fn check_e8m0(&self, m: &Module, spec: QuantSpec, part: &Array) -> Result<()> {
+        if !matches!(spec.mode, QuantMode::Mxfp4 | QuantMode::Mxfp8) || part.max_all(false)?.item::<u8>()? != 0xFF {
+            return Ok(());
+        }
+        let name = format!("{}.scales", m.path);
+        let whole = self.get(&name)?;
+        let at = whole.to_vec::<u8>()?.iter().position(|&b| b == 0xFF).unwrap_or(0);
+        let msg = format!(
+            "{} holds the E8M0 byte 0xFF (NaN) at element {at} of {:?}: a corrupt scale tensor",
+            self.named(&name),
+            whole.shape()
+        );
+        Err(self.tensor_err(&name, msg))
+    }
+
     /// Rows `r` (axis 0: experts of a stack, rows of a matrix), and within them `sub` of axis 1 when given,
     /// of a module's weight as f32. Dense and MLX-quantized sources are sliced before they are decoded, so
     /// only the part is ever widened to f32; other formats are decoded whole, then sliced.
@@ -359,9 +364,11 @@ impl Source {
         match &m.format {
             SourceFormat::Dense(_) => g("weight")?.astype(Dtype::F32),
             SourceFormat::Mlx(spec) => {
+                let scales = g("scales")?;
+                self.check_e8m0(m, *spec, &scales)?;
                 let q = Quantized {
                     weight: g("weight")?,
-                    scales: g("scales")?,
+                    scales,
                     biases: if spec.mode.has_biases() { Some(g("biases")?) } else { None },
                 };
                 quant::dequantize(&q, *spec, None, Some(Dtype::F32))
