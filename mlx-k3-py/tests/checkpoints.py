@@ -96,10 +96,11 @@ def plain(dst: Path) -> Path:
     return _save(dst, _weights(), _config())
 
 
-def codebook(dst: Path, ref: Path):
+def codebook(dst: Path, ref: Path, wide: bool = True):
     """The widened model with every routed expert stack in the codebook format (``dst``), and the same
-    model with those stacks decoded back to float32 (``ref``: a plain checkpoint computing the same)."""
-    w, cfg = widen(_weights(), _config())
+    model with those stacks decoded back to float32 (``ref``: a plain checkpoint computing the same).
+    ``wide=False``: k3-nano as it is, its experts' rows ending in short super-blocks (K = 128 and 32)."""
+    w, cfg = widen(_weights(), _config()) if wide else (_weights(), _config())
     wq, wr = dict(w), dict(w)
     records = {}
     for path in _expert_paths(cfg):

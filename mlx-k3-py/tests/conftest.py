@@ -33,6 +33,12 @@ def codebook_ckpts(ckpt_dir):
 
 
 @pytest.fixture(scope="session")
+def codebook_narrow_ckpts(ckpt_dir):
+    """(codebook checkpoint with k3-nano's own narrow experts, its float32 reference)."""
+    return checkpoints.codebook(ckpt_dir / "codebook_narrow", ckpt_dir / "codebook_narrow_ref", wide=False)
+
+
+@pytest.fixture(scope="session")
 def tiered_ckpts(ckpt_dir):
     """(tiered checkpoint, its float32 reference)."""
     return checkpoints.tiered(ckpt_dir / "tiered", ckpt_dir / "tiered_ref")

@@ -28,10 +28,11 @@ def logits(model, tokenizer, text=PROMPT):
     return model(mx.array([tokenizer.encode(text)]))[0].astype(mx.float32)
 
 
-@pytest.fixture(scope="module", params=["codebook", "tiered"])
-def quantized(request, codebook_ckpts, tiered_ckpts):
-    """(format, checkpoint, float32 reference checkpoint)."""
-    return (request.param, *{"codebook": codebook_ckpts, "tiered": tiered_ckpts}[request.param])
+@pytest.fixture(scope="module", params=["codebook", "codebook_narrow", "tiered"])
+def quantized(request, codebook_ckpts, codebook_narrow_ckpts, tiered_ckpts):
+    """(format, checkpoint, float32 reference checkpoint); codebook_narrow: short super-blocks (K = 128, 32)."""
+    ckpts = {"codebook": codebook_ckpts, "codebook_narrow": codebook_narrow_ckpts, "tiered": tiered_ckpts}
+    return (request.param, *ckpts[request.param])
 
 
 def test_mlx_lm_loads_the_drop_in_for_k3_formats(quantized):
@@ -39,7 +40,7 @@ def test_mlx_lm_loads_the_drop_in_for_k3_formats(quantized):
     model, _ = mlx_lm.load(str(ckpt))
     assert type(model) is drop_in.Model
     moe = model.language_model.model.layers[1].mlp
-    want = drop_in.CodebookSwitchLinear if fmt == "codebook" else drop_in.TieredSwitchLinear
+    want = drop_in.TieredSwitchLinear if fmt == "tiered" else drop_in.CodebookSwitchLinear
     for proj in checkpoints.PROJECTIONS:
         assert type(getattr(moe.switch_mlp, proj)) is want
     assert type(moe.switch_mlp.activation) is drop_in.FusedSiTU
@@ -96,11 +97,18 @@ def rust_generate(cli, ckpt):
     return r.stdout
 
 
-@pytest.mark.parametrize("which", ["plain", "codebook", "tiered"])
-def test_greedy_tokens_match_the_rust_cli(which, rust_cli, plain_ckpt, codebook_ckpts, tiered_ckpts):
+@pytest.mark.parametrize("which", ["plain", "codebook", "codebook_narrow", "tiered"])
+def test_greedy_tokens_match_the_rust_cli(
+    which, rust_cli, plain_ckpt, codebook_ckpts, codebook_narrow_ckpts, tiered_ckpts
+):
     """Greedy decoding through mlx_lm.generate gives the Rust CLI's continuation, token for token (the CLI
     prints the prompt, then the continuation, then a newline)."""
-    ckpt = {"plain": plain_ckpt, "codebook": codebook_ckpts[0], "tiered": tiered_ckpts[0]}[which]
+    ckpt = {
+        "plain": plain_ckpt,
+        "codebook": codebook_ckpts[0],
+        "codebook_narrow": codebook_narrow_ckpts[0],
+        "tiered": tiered_ckpts[0],
+    }[which]
     model, tok = mlx_lm.load(str(ckpt))
     ids = []
     for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=MAX_TOKENS):

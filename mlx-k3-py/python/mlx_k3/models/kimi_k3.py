@@ -63,11 +63,11 @@ class CodebookSwitchLinear(nn.Module):
 
     def __init__(self, input_dims: int, output_dims: int, num_experts: int):
         super().__init__()
-        if input_dims % 256:
-            raise ValueError(f"the codebook format needs input dims divisible by 256, got {input_dims}")
+        if input_dims % 32:
+            raise ValueError(f"the codebook format needs input dims divisible by 32, got {input_dims}")
         self.codes = mx.zeros((num_experts, output_dims, input_dims // 8), dtype=mx.uint8)
         self.qh = mx.zeros((num_experts, output_dims, input_dims // 32), dtype=mx.uint16)
-        self.scales = mx.zeros((num_experts, output_dims, input_dims // 256), dtype=mx.float16)
+        self.scales = mx.zeros((num_experts, output_dims, -(-input_dims // 256)), dtype=mx.float16)
         self.freeze()
 
     @property
@@ -97,11 +97,11 @@ class CodebookLinear(nn.Module):
 
     def __init__(self, input_dims: int, output_dims: int):
         super().__init__()
-        if input_dims % 256:
-            raise ValueError(f"the codebook format needs input dims divisible by 256, got {input_dims}")
+        if input_dims % 32:
+            raise ValueError(f"the codebook format needs input dims divisible by 32, got {input_dims}")
         self.codes = mx.zeros((output_dims, input_dims // 8), dtype=mx.uint8)
         self.qh = mx.zeros((output_dims, input_dims // 32), dtype=mx.uint16)
-        self.scales = mx.zeros((output_dims, input_dims // 256), dtype=mx.float16)
+        self.scales = mx.zeros((output_dims, -(-input_dims // 256)), dtype=mx.float16)
         self.freeze()
 
     def __call__(self, x):
