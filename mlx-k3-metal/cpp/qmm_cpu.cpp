@@ -366,12 +366,13 @@ __attribute__((target("avx2,fma"))) static void affine_tile_avx2(const AffineRow
         if constexpr (BITS == 3 || BITS == 5 || BITS == 6) {
           // The odd-width decoder reads up to 16 bytes past a block's start; a row's last block is copied so
           // the matrix's last row never reads past its buffer.
-          alignas(16) uint8_t pad[4 * BITS + 16] = {};
           if (b == nb - 1) {
+            alignas(16) uint8_t pad[4 * BITS + 16] = {};
             std::memcpy(pad, src, 4 * BITS);
-            src = pad;
+            decode32<BITS>(pad, v[j]);
+          } else {
+            decode32<BITS>(src, v[j]);
           }
-          decode32<BITS>(src, v[j]);
         } else {
           decode32<BITS>(src, v[j]);
         }
