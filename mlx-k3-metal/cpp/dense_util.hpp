@@ -10,24 +10,27 @@
 
 namespace k3::kernels {
 
+// Element offset (in items) of row-major index `i` of `a`, from its shape and strides.
+inline int64_t strided_offset(const mlx::core::array& a, size_t i) {
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  int64_t loc = 0;
+  for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
+    loc += static_cast<int64_t>(i % shape[d]) * strides[d];
+    i /= shape[d];
+  }
+  return loc;
+}
+
 // A pointer to `a`'s elements in row-major order: its own buffer when row-contiguous, else a packed copy
 // kept in `scratch`.
 inline const void* dense_data(const mlx::core::array& a, std::vector<char>& scratch) {
   if (a.flags().row_contiguous) return a.data<char>();
   const size_t item = a.itemsize(), n = a.size();
   scratch.resize(n * item);
-  const auto& shape = a.shape();
-  const auto& strides = a.strides();
-  const int nd = static_cast<int>(shape.size());
   const char* src = a.data<char>();
   for (size_t i = 0; i < n; ++i) {
-    size_t rem = i;
-    int64_t loc = 0;
-    for (int d = nd - 1; d >= 0; --d) {
-      loc += static_cast<int64_t>(rem % shape[d]) * strides[d];
-      rem /= shape[d];
-    }
-    std::memcpy(scratch.data() + i * item, src + loc * static_cast<int64_t>(item), item);
+    std::memcpy(scratch.data() + i * item, src + strided_offset(a, i) * static_cast<int64_t>(item), item);
   }
   return scratch.data();
 }

@@ -56,18 +56,7 @@ void to_f32(const mx::array& a, float* dst) {
     for (size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
     return;
   }
-  const auto& shape = a.shape();
-  const auto& strides = a.strides();
-  int nd = static_cast<int>(shape.size());
-  for (size_t i = 0; i < n; ++i) {
-    size_t rem = i;
-    int64_t loc = 0;
-    for (int d = nd - 1; d >= 0; --d) {
-      loc += static_cast<int64_t>(rem % shape[d]) * strides[d];
-      rem /= shape[d];
-    }
-    dst[i] = static_cast<float>(src[loc]);
-  }
+  for (size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[strided_offset(a, i)]);
 }
 
 void as_f32(const mx::array& a, float* dst) {

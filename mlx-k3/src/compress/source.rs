@@ -283,16 +283,7 @@ impl Source {
         let g = |s: &str| self.get(&format!("{}.{s}", m.path)).cloned();
         match &m.format {
             SourceFormat::Dense(_) => g("weight")?.astype(Dtype::F32),
-            SourceFormat::Mlx(spec) => {
-                let scales = g("scales")?;
-                self.check_e8m0(m, *spec, &scales)?;
-                let q = Quantized {
-                    weight: g("weight")?,
-                    scales,
-                    biases: if spec.mode.has_biases() { Some(g("biases")?) } else { None },
-                };
-                quant::dequantize(&q, *spec, None, Some(Dtype::F32))
-            }
+            SourceFormat::Mlx(spec) => self.dequantize_mlx(m, *spec, &g),
             SourceFormat::Codebook => {
                 codebook::dequantize_reference(&Codebook { codes: g("codes")?, qh: g("qh")?, scales: g("scales")? })
             }
@@ -332,6 +323,19 @@ impl Source {
         }
     }
 
+    /// An MLX-quantized module (or the part of it `g` returns, by suffix) dequantized to f32, its MX scales
+    /// checked first.
+    fn dequantize_mlx(&self, m: &Module, spec: QuantSpec, g: &dyn Fn(&str) -> Result<Array>) -> Result<Array> {
+        let scales = g("scales")?;
+        self.check_e8m0(m, spec, &scales)?;
+        let q = Quantized {
+            weight: g("weight")?,
+            scales,
+            biases: if spec.mode.has_biases() { Some(g("biases")?) } else { None },
+        };
+        quant::dequantize(&q, spec, None, Some(Dtype::F32))
+    }
+
     /// Refuses MX scales (`part`: all or part of the module's) holding E8M0 0xFF, which is NaN: no encoder
     /// writes it for finite weights. The error names the tensor and the byte's place in the whole tensor.
     fn check_e8m0(&self, m: &Module, spec: QuantSpec, part: &Array) -> Result<()> {
@@ -363,16 +367,7 @@ impl Source {
         let g = |s: &str| self.get(&format!("{}.{s}", m.path)).and_then(&cut);
         match &m.format {
             SourceFormat::Dense(_) => g("weight")?.astype(Dtype::F32),
-            SourceFormat::Mlx(spec) => {
-                let scales = g("scales")?;
-                self.check_e8m0(m, *spec, &scales)?;
-                let q = Quantized {
-                    weight: g("weight")?,
-                    scales,
-                    biases: if spec.mode.has_biases() { Some(g("biases")?) } else { None },
-                };
-                quant::dequantize(&q, *spec, None, Some(Dtype::F32))
-            }
+            SourceFormat::Mlx(spec) => self.dequantize_mlx(m, *spec, &g),
             _ => cut(&self.dense(m)?),
         }
     }
