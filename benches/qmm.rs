@@ -12,6 +12,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use mlx_k3::codebook::{self, Codebook};
+use mlx_k3::kernels::QmmActivations;
 use mlx_k3::quant::{self, Gather, QuantMode, QuantSpec, Quantized};
 use mlx_k3::{kernels, random, Array, Dtype};
 
@@ -77,6 +78,12 @@ fn gemv(c: &mut Criterion) {
         g.bench_function(id("codebook_k3"), |b| {
             b.iter(|| codebook::codebook_qmm(&x, &cb).and_then(|y| y.eval()).unwrap())
         });
+        // q8 mode: int8 activations (what ggml's IQ1_S dot product uses), the op built inside the timer too.
+        g.bench_function(id("codebook_q8_k3"), |b| {
+            kernels::set_qmm_activations(Some(QmmActivations::Q8));
+            b.iter(|| codebook::codebook_qmm(&x, &cb).and_then(|y| y.eval()).unwrap());
+            kernels::set_qmm_activations(None);
+        });
         for (name, spec) in [
             ("affine4", QuantSpec::affine(64, 4)),
             ("affine2", QuantSpec::affine(64, 2)),
@@ -112,6 +119,11 @@ fn experts(c: &mut Criterion) {
     g.bench_function("codebook_k3", |b| {
         b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap())
     });
+    g.bench_function("codebook_q8_k3", |b| {
+        kernels::set_qmm_activations(Some(QmmActivations::Q8));
+        b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
+        kernels::set_qmm_activations(None);
+    });
     let w = randn(&[e, n, k], 6);
     for (name, spec) in [
         ("affine2", QuantSpec::affine(64, 2)),
@@ -146,6 +158,11 @@ fn experts(c: &mut Criterion) {
     g.throughput(Throughput::Bytes(cbytes(&cb)));
     g.bench_function("codebook_k3", |b| {
         b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap())
+    });
+    g.bench_function("codebook_q8_k3", |b| {
+        kernels::set_qmm_activations(Some(QmmActivations::Q8));
+        b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
+        kernels::set_qmm_activations(None);
     });
     let w = randn(&[e, n, k], 9);
     for (name, spec) in [("affine2", QuantSpec::affine(64, 2)), ("affine4", QuantSpec::affine(64, 4))] {

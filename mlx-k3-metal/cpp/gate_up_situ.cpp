@@ -35,6 +35,7 @@ struct GateUpFormat {
   float beta;
   bool has_linear_beta;
   float linear_beta;
+  bool q8 = false;  // int8 activations (act_q8() when the op was built, for formats with q8 kernels)
   bool operator==(const GateUpFormat&) const = default;
 };
 
@@ -136,13 +137,13 @@ class GateUpSitu : public mx::UnaryPrimitive {
     struct Run {
       int expert;
       std::vector<size_t> pairs;
-      std::vector<float> x, permuted, sums, g, u;
-      Activations a;
+      std::vector<float> x, g, u;
+      std::unique_ptr<PreparedActivations> prep;
     };
     std::vector<Run> runs;
     for (size_t i = 0; i < P; ++i) {
       size_t p = by_expert[i];
-      if (runs.empty() || runs.back().expert != (int)rhs[p]) runs.push_back(Run{(int)rhs[p], {}, {}, {}, {}, {}, {}, {}});
+      if (runs.empty() || runs.back().expert != (int)rhs[p]) runs.push_back(Run{(int)rhs[p], {}, {}, {}, {}, nullptr});
       runs.back().pairs.push_back(p);
     }
     for (auto& r : runs) {
@@ -151,10 +152,7 @@ class GateUpSitu : public mx::UnaryPrimitive {
       for (size_t j = 0; j < r.pairs.size(); ++j) {
         std::copy_n(xp + (size_t)lhs[r.pairs[j]] * M * K, (size_t)M * K, r.x.data() + j * M * K);
       }
-      r.sums.resize((size_t)rows * (K / 32));
-      if (order) r.permuted.resize((size_t)rows * K);
-      prepare_activations(r.x.data(), rows, K, order, r.permuted.data(), r.sums.data());
-      r.a = Activations{r.x.data(), order ? r.permuted.data() : r.x.data(), r.sums.data(), rows, K};
+      r.prep = std::make_unique<PreparedActivations>(r.x.data(), rows, K, order, f.q8);
       r.g.resize((size_t)rows * N);
       r.u.resize((size_t)rows * N);
     }
@@ -172,8 +170,8 @@ class GateUpSitu : public mx::UnaryPrimitive {
     parallel_for(tasks.size(), [&](size_t t) {
       auto& r = runs[tasks[t].run];
       const int n0 = tasks[t].n0, n1 = tasks[t].n1;
-      proj_rows(f, gw, r.expert, N, K, r.a, n0, n1, r.g.data(), N);
-      proj_rows(f, uw, r.expert, N, K, r.a, n0, n1, r.u.data(), N);
+      proj_rows(f, gw, r.expert, N, K, r.prep->a, n0, n1, r.g.data(), N);
+      proj_rows(f, uw, r.expert, N, K, r.prep->a, n0, n1, r.u.data(), N);
       // SiTU at store: each (pair, row) gets its slice of the activation written straight to the output.
       for (size_t j = 0; j < r.pairs.size(); ++j) {
         for (int m = 0; m < M; ++m) {
@@ -316,7 +314,8 @@ extern "C" int k3_gather_gate_up_situ(k3_array* res, const k3_array x, const k3_
     } else {
       throw std::invalid_argument("[gather_gate_up_situ] mode must be affine or mxfp4, got " + m);
     }
-    kk::GateUpFormat f{kind, bits, group_size, kk::cpu_has_avx2_fma(), beta, has_linear_beta, linear_beta};
+    const bool q8 = kk::act_q8() && kk::q8_supported(kind, bits, group_size);
+    kk::GateUpFormat f{kind, bits, group_size, kk::cpu_has_avx2_fma(), beta, has_linear_beta, linear_beta, q8};
     std::vector<mx::array> g{k3::arr(gate_w), k3::arr(gate_scales)}, u{k3::arr(up_w), k3::arr(up_scales)};
     if (kind == 'a') {
       g.push_back(k3::arr(gate_biases));
@@ -332,7 +331,7 @@ extern "C" int k3_gather_codebook_gate_up_situ(k3_array* res, const k3_array x, 
                                                const k3_array lhs, const k3_array rhs, float beta, bool has_linear_beta,
                                                float linear_beta, const k3_stream s) {
   K3_TRY({
-    kk::GateUpFormat f{'c', 0, 256, kk::cpu_has_avx2_fma(), beta, has_linear_beta, linear_beta};
+    kk::GateUpFormat f{'c', 0, 256, kk::cpu_has_avx2_fma(), beta, has_linear_beta, linear_beta, kk::act_q8()};
     k3::put(res, kk::gather_gate_up_situ(f, k3::arr(x), {k3::arr(gate_codes), k3::arr(gate_qh), k3::arr(gate_scales)},
                                          {k3::arr(up_codes), k3::arr(up_qh), k3::arr(up_scales)}, k3::opt(lhs),
                                          k3::opt(rhs), "codebook", k3::stream(s)));

@@ -54,6 +54,12 @@ int k3_iq1s_grid_data(const uint64_t** res);
 /* Turns the SIMD code paths off (1) or back on (0); for testing the scalar paths. */
 int k3_kernels_force_scalar(bool on);
 
+/* Activation precision of the codebook kernels (ops built afterwards): 1 = int8 (q8 mode), 0 = f32, -1 = the
+ * environment's K3_QMM_ACT (q8 | f32; unset = f32). k3_kernels_act_q8 writes the current choice
+ * (0/1) and fails, naming the variable, when K3_QMM_ACT holds anything else. */
+int k3_kernels_set_act_q8(int mode);
+int k3_kernels_act_q8(int* res);
+
 /* Worker threads the CPU kernels use (>= 1); 0 restores the default (hardware threads, or K3_NUM_THREADS). */
 int k3_kernels_set_num_threads(int n);
 int k3_kernels_num_threads(void);

@@ -28,8 +28,14 @@ struct Format {
   int bits;
   int group;
   bool simd;  // SIMD kernels chosen when the op was built
+  bool q8 = false;  // int8 activations (act_q8() when the op was built, for formats with q8 kernels)
   bool operator==(const Format&) const = default;
 };
+
+// The format with the activation precision chosen now.
+Format format_now(char kind, int bits, int group, bool simd) {
+  return Format{kind, bits, group, simd, act_q8() && q8_supported(kind, bits, group)};
+}
 
 const char* op_name(char kind, bool gather) {
   switch (kind) {
@@ -67,15 +73,10 @@ struct Weights {
   }
 };
 
-// Prepared activations with their storage.
-struct Prepared {
-  std::vector<float> permuted, sums;
-  Activations a;
-  Prepared(const float* x, int rows, int K, int order) : sums((size_t)rows * (K / 32)) {
-    if (order) permuted.resize((size_t)rows * K);
-    prepare_activations(x, rows, K, order, permuted.data(), sums.data());
-    a = Activations{x, order ? permuted.data() : x, sums.data(), rows, K};
-  }
+// Activations prepared the way format f's kernels read them.
+struct Prepared : PreparedActivations {
+  Prepared(const float* x, int rows, int K, const Format& f)
+      : PreparedActivations(x, rows, K, activation_order(f.kind, f.bits, f.simd), f.q8) {}
 };
 
 constexpr int kMinRowsPerTask = 64;
@@ -156,7 +157,7 @@ class PackedQmm : public mx::UnaryPrimitive {
     const float* xp = x.data<float>();
     if (!gather) {
       const Weights& w = subs[0];
-      Prepared p(xp, M, K, activation_order(w.f.kind, w.f.bits, w.f.simd));
+      Prepared p(xp, M, K, w.f);
       parallel_range(N, kMinRowsPerTask, [&](size_t n0, size_t n1) { w.rows(0, p.a, (int)n0, (int)n1, out, N); });
       return;
     }
@@ -215,7 +216,7 @@ class PackedQmm : public mx::UnaryPrimitive {
         std::copy_n(xp + (size_t)lhs[r.pairs[j]] * M * K, (size_t)M * K, r.x.data() + j * M * K);
       }
       r.y.resize((size_t)rows * N);
-      r.prep = std::make_unique<Prepared>(r.x.data(), rows, K, activation_order(w->f.kind, w->f.bits, w->f.simd));
+      r.prep = std::make_unique<Prepared>(r.x.data(), rows, K, w->f);
     }
     // Tasks: (run, slice of output rows), sized so small runs still split across threads.
     struct Task {
@@ -361,9 +362,9 @@ mx::array gather_tiered_qmm(const mx::array& x_in, const mx::array& tier, const 
   std::vector<mx::array> arrays;
   for (int t = 0; t < kTiers; ++t) {
     if (stacks[t].empty()) continue;
-    Format f = t == kTierCodebook ? Format{'c', 0, 256, simd}
-               : t == kTierMxfp4  ? Format{'m', 4, 32, simd}
-                                  : Format{'a', aff_bits, aff_group, simd};
+    Format f = t == kTierCodebook ? format_now('c', 0, 256, simd)
+               : t == kTierMxfp4  ? format_now('m', 4, 32, simd)
+                                  : format_now('a', aff_bits, aff_group, simd);
     std::vector<mx::array> w = stacks[t];
     if (t == kTierAffine) {
       w[1] = mx::astype(w[1], mx::float32, s);
@@ -412,7 +413,7 @@ extern "C" int k3_codebook_qmm(k3_array* res, const k3_array x, const k3_array c
   K3_TRY({
     auto st = k3::to_stream(s);
     if (st.device != mx::Device::cpu) throw std::invalid_argument("[codebook_qmm] only the CPU back-end has this kernel yet");
-    k3::put(res, kk::packed_qmm({'c', 0, 256, kk::cpu_has_avx2_fma()}, arr(x), {arr(codes), arr(qh), arr(scales)}, st));
+    k3::put(res, kk::packed_qmm(kk::format_now('c', 0, 256, kk::cpu_has_avx2_fma()), arr(x), {arr(codes), arr(qh), arr(scales)}, st));
   })
 }
 
@@ -424,7 +425,7 @@ extern "C" int k3_gather_codebook_qmm(k3_array* res, const k3_array x, const k3_
     if (st.device != mx::Device::cpu) {
       throw std::invalid_argument("[gather_codebook_qmm] only the CPU back-end has this kernel yet");
     }
-    k3::put(res, kk::gather_packed_qmm({'c', 0, 256, kk::cpu_has_avx2_fma()}, arr(x), {arr(codes), arr(qh), arr(scales)}, opt(lhs), opt(rhs), st));
+    k3::put(res, kk::gather_packed_qmm(kk::format_now('c', 0, 256, kk::cpu_has_avx2_fma()), arr(x), {arr(codes), arr(qh), arr(scales)}, opt(lhs), opt(rhs), st));
   })
 }
 
@@ -435,11 +436,11 @@ extern "C" int k3_fast_quantized_matmul(k3_array* res, const k3_array x, const k
     auto st = k3::to_stream(s);
     std::string m = mode ? mode : "affine";
     if (m == "affine" && biases.ctx && kk::fast_affine(arr(x), bits, group_size, st)) {
-      k3::put(res, kk::packed_qmm({'a', bits, group_size, true}, arr(x),
+      k3::put(res, kk::packed_qmm(kk::format_now('a', bits, group_size, true), arr(x),
                                   {arr(w), mx::astype(arr(scales), mx::float32, st), mx::astype(arr(biases), mx::float32, st)},
                                   st));
     } else if (m == "mxfp4" && kk::fast_cpu(arr(x), st)) {
-      k3::put(res, kk::packed_qmm({'m', 4, 32, true}, arr(x), {arr(w), arr(scales)}, st));
+      k3::put(res, kk::packed_qmm(kk::format_now('m', 4, 32, true), arr(x), {arr(w), arr(scales)}, st));
     } else {
       k3::put(res, mx::quantized_matmul(arr(x), arr(w), arr(scales), opt(biases), true, k3::opt_int(group_size),
                                         k3::opt_int(bits), m, st));
@@ -454,12 +455,12 @@ extern "C" int k3_fast_gather_qmm(k3_array* res, const k3_array x, const k3_arra
     auto st = k3::to_stream(s);
     std::string m = mode ? mode : "affine";
     if (m == "affine" && biases.ctx && kk::fast_affine(arr(x), bits, group_size, st)) {
-      k3::put(res, kk::gather_packed_qmm({'a', bits, group_size, true}, arr(x),
+      k3::put(res, kk::gather_packed_qmm(kk::format_now('a', bits, group_size, true), arr(x),
                                          {arr(w), mx::astype(arr(scales), mx::float32, st),
                                           mx::astype(arr(biases), mx::float32, st)},
                                          opt(lhs), opt(rhs), st));
     } else if (m == "mxfp4" && kk::fast_cpu(arr(x), st)) {
-      k3::put(res, kk::gather_packed_qmm({'m', 4, 32, true}, arr(x), {arr(w), arr(scales)}, opt(lhs), opt(rhs), st));
+      k3::put(res, kk::gather_packed_qmm(kk::format_now('m', 4, 32, true), arr(x), {arr(w), arr(scales)}, opt(lhs), opt(rhs), st));
     } else {
       k3::put(res, mx::gather_qmm(arr(x), arr(w), arr(scales), opt(biases), opt(lhs), opt(rhs), true,
                                   k3::opt_int(group_size), k3::opt_int(bits), m, std::nullopt, sorted_indices, st));
@@ -475,6 +476,15 @@ extern "C" int k3_iq1s_grid_data(const uint64_t** res) {
 extern "C" int k3_kernels_force_scalar(bool on) {
   kk::set_force_scalar(on);
   return 0;
+}
+
+extern "C" int k3_kernels_set_act_q8(int mode) {
+  kk::set_act_q8(mode);
+  return 0;
+}
+
+extern "C" int k3_kernels_act_q8(int* res) {
+  K3_TRY({ *res = kk::act_q8() ? 1 : 0; })
 }
 
 extern "C" int k3_gather_tiered_qmm(k3_array* res, const k3_array x, const k3_array tier, const k3_array slot,

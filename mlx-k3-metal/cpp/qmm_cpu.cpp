@@ -6,7 +6,10 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -32,6 +35,21 @@ bool cpu_has_avx2_fma() {
 #else
   return false;
 #endif
+}
+
+static std::atomic<int> act_q8_mode{-1};
+
+void set_act_q8(int mode) {
+  act_q8_mode.store(mode < 0 ? -1 : mode > 0 ? 1 : 0);
+}
+
+bool act_q8() {
+  const int mode = act_q8_mode.load(std::memory_order_relaxed);
+  if (mode >= 0) return mode == 1;
+  const char* env = std::getenv("K3_QMM_ACT");
+  if (!env || !*env || std::strcmp(env, "f32") == 0) return false;
+  if (std::strcmp(env, "q8") == 0) return true;
+  throw std::invalid_argument(std::string("K3_QMM_ACT must be q8 or f32, got '") + env + "'");
 }
 
 const uint64_t* iq1s_grid() {
@@ -100,6 +118,49 @@ void prepare_activations(const float* x, int rows, int K, int order, float* perm
   if (order != 0) permute_for_bits(x, rows, K, order, permuted);
 }
 
+void quantize_activations_q8(const float* x, int rows, int K, int8_t* q, float* d, int16_t* bsums) {
+  const int nsb = codebook_super_blocks(K), nb = K / 32;
+  for (int m = 0; m < rows; ++m) {
+    for (int s = 0; s < nsb; ++s) {
+      const int k0 = 256 * s, len = std::min(256, K - k0);
+      const float* p = x + (size_t)m * K + k0;
+      int8_t* o = q + (size_t)m * K + k0;
+      float amax = 0;
+      for (int i = 0; i < len; ++i) amax = std::max(amax, std::fabs(p[i]));
+      d[(size_t)m * nsb + s] = amax / 127.0f;
+      const float id = amax > 0 ? 127.0f / amax : 0.0f;
+      for (int i = 0; i < len; ++i) {
+        // nearbyint: the default rounding mode, half to even (the vector conversion rounds the same way).
+        o[i] = (int8_t)std::clamp((int)std::nearbyint(p[i] * id), -127, 127);
+      }
+    }
+    for (int b = 0; b < nb; ++b) {
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) sum += q[(size_t)m * K + 32 * b + i];
+      bsums[(size_t)m * nb + b] = (int16_t)sum;
+    }
+  }
+  std::fill_n(bsums + (size_t)rows * nb, 8, (int16_t)0);
+}
+
+PreparedActivations::PreparedActivations(const float* x, int rows, int K, int order, bool q8)
+    : sums_((size_t)rows * (K / 32)) {
+  if (order) permuted_.resize((size_t)rows * K);
+  prepare_activations(x, rows, K, order, permuted_.data(), sums_.data());
+  a = Activations{x, order ? permuted_.data() : x, sums_.data(), rows, K};
+  if (q8) {
+    q8_.resize((size_t)rows * K);
+    q8_d_.resize((size_t)rows * codebook_super_blocks(K));
+    bsums_.resize((size_t)rows * (K / 32) + 8);
+    // From the decoder-ordered copy: the reordering stays within 32-blocks, so the chunk scales and block
+    // sums are those of x, and the int8 rows come out in the order the format's SIMD decoder reads.
+    quantize_activations_q8(a.permuted, rows, K, q8_.data(), q8_d_.data(), bsums_.data());
+    a.q8 = q8_.data();
+    a.q8_d = q8_d_.data();
+    a.q8_bsums = bsums_.data();
+  }
+}
+
 // ------------------------------------------------------------------------------------------------ codebook
 
 static inline void codebook_block(const CodebookRows& w, int n, int b, float& dl, float& delta, int idx[4]) {
@@ -133,6 +194,37 @@ static void codebook_rows_scalar(const CodebookRows& w, const float* x, const fl
         }
       }
       for (int m = 0; m < mb; ++m) out[(size_t)(m0 + m) * ldo + n] = acc[m];
+    }
+  }
+}
+
+// q8 mode: integer block dots (see qmm_cpu.hpp), one f32 multiply-add per super-block.
+static void codebook_rows_q8_scalar(const CodebookRows& w, const Activations& a, int n0, int n1, float* out,
+                                    int ldo) {
+  const int K = w.K, nb = K / 32, nsb = codebook_super_blocks(K);
+  for (int n = n0; n < n1; ++n) {
+    for (int m = 0; m < a.rows; ++m) {
+      const int8_t* q = a.q8 + (size_t)m * K;
+      const int16_t* bs = a.q8_bsums + (size_t)m * nb;
+      float acc = 0;
+      for (int sb = 0; sb < nsb; ++sb) {
+        int32_t S = 0;
+        for (int b = 8 * sb; b < std::min(8 * sb + 8, nb); ++b) {
+          float dl, delta;
+          int idx[4];
+          codebook_block(w, n, b, dl, delta, idx);
+          const uint16_t qh = w.qh[(size_t)n * nb + b];
+          const int ls = 2 * ((qh >> 12) & 7) + 1, d8 = (qh & 0x8000) ? -1 : 1;
+          int dot = 0;
+          for (int l = 0; l < 4; ++l) {
+            const int8_t* g = reinterpret_cast<const int8_t*>(&k3_iq1s_grid[idx[l]]);
+            for (int j = 0; j < 8; ++j) dot += (g[j] + 1) * q[32 * b + 8 * l + j];
+          }
+          S += ls * (8 * dot + (d8 - 8) * bs[b]);
+        }
+        acc += f16_to_f32(w.scales[(size_t)n * nsb + sb]) * a.q8_d[(size_t)m * nsb + sb] * 0.125f * (float)S;
+      }
+      out[(size_t)m * ldo + n] = acc;
     }
   }
 }
@@ -270,12 +362,121 @@ __attribute__((target("avx2,fma,f16c"))) static void codebook_rows_avx2(const Co
     }
   }
 }
+
+// The grid plus one in every byte ({0, 1, 2}: unsigned, as maddubs wants its first operand).
+alignas(64) static uint64_t g_grid_u8[2048];
+static const bool g_grid_u8_ready = [] {
+  for (int i = 0; i < 2048; ++i) {
+    uint64_t v = 0;
+    for (int j = 0; j < 8; ++j) v |= (uint64_t)(uint8_t)(((k3_iq1s_grid[i] >> (8 * j)) & 0xff) + 1) << (8 * j);
+    g_grid_u8[i] = v;
+  }
+  return true;
+}();
+
+// q8 mode, MB activation rows per weight row. Per 32-block: four grid entries (one 8-byte load each) form 32
+// unsigned bytes; maddubs with the int8 activations gives 16 pair sums, madd with 8 * (2L + 1) gives 8
+// int32 partial dots. The delta/offset term (coefficient (2L + 1) * (8 * delta - 8) times the block's
+// activation sum) is added for the super-block's 8 blocks at once; then one convert and one FMA.
+template <int MB>
+__attribute__((target("avx2,fma,f16c"))) static void codebook_q8_row(const CodebookRows& w, const Activations& a,
+                                                                     int m0, int n, float* out, int ldo) {
+  const int K = w.K, nb = K / 32, nsb = codebook_super_blocks(K);
+  const char* grid = reinterpret_cast<const char*>(g_grid_u8);
+  __m256 accf[MB];
+  for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
+  alignas(32) int offs[32];
+  const __m256i seven = _mm256_set1_epi32(7);
+  for (int sb = 0; sb < nsb; ++sb) {
+    const int nblk = std::min(8, nb - 8 * sb);
+    __m256i ls8, coef;  // per block: 8 * (2L + 1) in both 16-bit halves; (2L + 1) * (8 * delta - 8)
+    if (nblk == 8) {
+      const __m256i qh =
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qh + (size_t)n * nb + 8 * sb)));
+      const uint8_t* codes = w.codes + (size_t)n * (K / 8) + 32 * sb;
+      const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9);
+      for (int r = 0; r < 4; ++r) {
+        const __m256i pick =
+            _mm256_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1);
+        __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(qh, pick), shifts), seven);
+        __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * r)));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(offs + 8 * r),
+                           _mm256_slli_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 8)), 3));
+      }
+      const __m256i ls =
+          _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 12), seven), 1), _mm256_set1_epi32(1));
+      ls8 = _mm256_slli_epi32(ls, 3);
+      ls8 = _mm256_or_si256(ls8, _mm256_slli_epi32(ls8, 16));
+      // 8 * delta - 8: -7 (bit 15 clear) or -9 (set).
+      const __m256i dm = _mm256_sub_epi32(_mm256_set1_epi32(-7), _mm256_slli_epi32(_mm256_srli_epi32(qh, 15), 1));
+      coef = _mm256_mullo_epi32(ls, dm);
+    } else {
+      alignas(32) int l8[8] = {0}, cf[8] = {0};
+      for (int bi = 0; bi < nblk; ++bi) {
+        float dl, delta;
+        int idx[4];
+        codebook_block(w, n, 8 * sb + bi, dl, delta, idx);
+        const uint16_t qh = w.qh[(size_t)n * nb + 8 * sb + bi];
+        const int ls = 2 * ((qh >> 12) & 7) + 1;
+        l8[bi] = (8 * ls) | ((8 * ls) << 16);
+        cf[bi] = ls * ((qh & 0x8000) ? -9 : -7);
+        for (int l = 0; l < 4; ++l) offs[4 * bi + l] = idx[l] * 8;
+      }
+      ls8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(l8));
+      coef = _mm256_load_si256(reinterpret_cast<const __m256i*>(cf));
+    }
+    __m256i isum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
+    for (int bi = 0; bi < nblk; ++bi) {
+      const int* o = offs + 4 * bi;
+      const __m256i u = _mm256_setr_epi64x(*reinterpret_cast<const int64_t*>(grid + o[0]),
+                                           *reinterpret_cast<const int64_t*>(grid + o[1]),
+                                           *reinterpret_cast<const int64_t*>(grid + o[2]),
+                                           *reinterpret_cast<const int64_t*>(grid + o[3]));
+      const __m256i l16 = _mm256_permutevar8x32_epi32(ls8, _mm256_set1_epi32(bi));
+      for (int m = 0; m < MB; ++m) {
+        const __m256i qv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 256 * sb + 32 * bi));
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, qv), l16));
+      }
+    }
+    const float d = _cvtsh_ss(w.scales[(size_t)n * nsb + sb]);
+    for (int m = 0; m < MB; ++m) {
+      // The 8 sums of this super-block (entries past a short one's end are multiplied by a zero coef).
+      const __m256i bs = _mm256_cvtepi16_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.q8_bsums + (size_t)(m0 + m) * nb + 8 * sb)));
+      const __m256i S = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(bs, coef));
+      const float sc = d * a.q8_d[(size_t)(m0 + m) * nsb + sb] * 0.125f;
+      accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_set1_ps(sc), accf[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = hsum(accf[m]);
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void codebook_rows_q8_avx2(const CodebookRows& w,
+                                                                           const Activations& a, int n0, int n1,
+                                                                           float* out, int ldo) {
+  (void)g_grid_u8_ready;
+  for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
+    const int mb = std::min(kMaxRows, a.rows - m0);
+    for (int n = n0; n < n1; ++n) {
+      switch (mb) {
+        case 1: codebook_q8_row<1>(w, a, m0, n, out, ldo); break;
+        case 2: codebook_q8_row<2>(w, a, m0, n, out, ldo); break;
+        case 3: codebook_q8_row<3>(w, a, m0, n, out, ldo); break;
+        default: codebook_q8_row<4>(w, a, m0, n, out, ldo); break;
+      }
+    }
+  }
+}
 #endif
 
 void codebook_rows(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
 #ifdef K3_X86
+  if (simd && a.q8) return codebook_rows_q8_avx2(w, a, n0, n1, out, ldo);
   if (simd) return codebook_rows_avx2(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
 #endif
+  if (a.q8) return codebook_rows_q8_scalar(w, a, n0, n1, out, ldo);
   codebook_rows_scalar(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
 }
 
@@ -448,7 +649,175 @@ static void affine_rows_scalar(const AffineRows& w, const Activations& a, int n0
   }
 }
 
+bool q8_supported(char format, int bits, int group) {
+  if (format == 'a') return (bits == 2 || bits == 4 || bits == 8) && group % 32 == 0 && 256 % group == 0;
+  return format == 'c' || format == 'm';
+}
+
+// q8 mode: per group, the integer dot of codes and int8 activations, then scale * dx * dot + bias * sum(x)
+// (the bias term with the exact f32 block sums). A group lies within one 256-chunk (256 % group == 0).
+static void affine_rows_q8_scalar(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
+  const int K = w.K, nb = K / 32, ng = K / w.group, bpg = w.group / 32, nsb = codebook_super_blocks(K);
+  const size_t row_bytes = (size_t)K * w.bits / 8;
+  const uint32_t mask = (1u << w.bits) - 1;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
+    for (int m = 0; m < a.rows; ++m) {
+      const int8_t* q = a.q8 + (size_t)m * K;
+      float acc = 0;
+      for (int g = 0; g < ng; ++g) {
+        int32_t dot = 0;
+        for (int k = g * w.group; k < (g + 1) * w.group; ++k) {
+          const size_t bit = (size_t)k * w.bits;
+          dot += (int32_t)((row[bit / 8] >> (bit % 8)) & mask) * q[k];  // 2/4/8 bits: never across bytes
+        }
+        float xs = 0;
+        for (int b = g * bpg; b < (g + 1) * bpg; ++b) xs += a.sums[(size_t)m * nb + b];
+        const float dx = a.q8_d[(size_t)m * nsb + g * w.group / 256];
+        acc += w.scales[(size_t)n * ng + g] * dx * (float)dot + w.biases[(size_t)n * ng + g] * xs;
+      }
+      out[(size_t)m * ldo + n] = acc;
+    }
+  }
+}
+
+#ifdef K3_X86
+// 32 codes of 2, 4 or 8 bits as bytes, in decoder order (see permute_for_bits).
+template <int BITS>
+__attribute__((target("avx2,fma"))) static inline __m256i codes_u8(const uint8_t* p) {
+  if constexpr (BITS == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  } else if constexpr (BITS == 4) {
+    // Low lane: low nibbles (even elements); high lane: high nibbles (odd elements).
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0f));
+  } else {
+    // Quadword s: the 8 bytes shifted right by 2s, so byte j's low 2 bits are element 4j + s.
+    int64_t v;
+    std::memcpy(&v, p, 8);
+    const __m256i b = _mm256_srlv_epi64(_mm256_set1_epi64x(v), _mm256_setr_epi64x(0, 2, 4, 6));
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x03));
+  }
+}
+
+// Per activation row of a tile, by group: the exact f32 sum of x (for the bias term) and, for 8 bits, the
+// offset term's factor 128 * dx * sum(q) (codes are used as code - 128). Both terms of a weight row are then
+// dot products with its biases / scales, done at the row's end.
+struct AffineQ8Sums {
+  std::vector<float> gx, c8;  // [MB][ng]
+};
+
+__attribute__((target("avx2,fma"))) static float dot_f32(const float* a, const float* b, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float r = hsum(acc);
+  for (; i < n; ++i) r += a[i] * b[i];
+  return r;
+}
+
+template <int BITS, int MB>
+__attribute__((target("avx2,fma"))) static void affine_q8_row(const AffineRows& w, const Activations& a,
+                                                             const AffineQ8Sums& sums, int m0, int n, float* out,
+                                                             int ldo) {
+  const int K = w.K, ng = K / w.group, bpg = w.group / 32, gpc = 256 / w.group, nsb = codebook_super_blocks(K);
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K * BITS / 8;
+  const float* scales = w.scales + (size_t)n * ng;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 accf[MB];
+  for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
+  for (int c = 0; c < nsb; ++c) {
+    // Groups of 256-chunk c: sum of scale * (integer dot) per lane, then times the chunk's dx.
+    __m256 accc[MB];
+    for (int m = 0; m < MB; ++m) accc[m] = _mm256_setzero_ps();
+    const int g1 = std::min(ng, (c + 1) * gpc);
+    for (int g = c * gpc; g < g1; ++g) {
+      // 2/4 bits: maddubs' pair sums stay within int16 over a group of up to 4 blocks (4 * 2 * 15 * 127);
+      // 8 bits: codes - 128 as int8 (the sign trick keeps maddubs' first operand unsigned).
+      __m256i acc[MB];
+      for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
+      for (int bi = 0; bi < bpg; ++bi) {
+        const int b = g * bpg + bi;
+        __m256i wv = codes_u8<BITS>(row + (size_t)b * 4 * BITS);
+        if constexpr (BITS == 8) {
+          wv = _mm256_xor_si256(wv, _mm256_set1_epi8((char)0x80));
+          const __m256i aw = _mm256_abs_epi8(wv);
+          for (int m = 0; m < MB; ++m) {
+            const __m256i q =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 32 * b));
+            acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(q, wv)), ones));
+          }
+        } else {
+          for (int m = 0; m < MB; ++m) {
+            const __m256i q =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 32 * b));
+            acc[m] = _mm256_add_epi16(acc[m], _mm256_maddubs_epi16(wv, q));
+          }
+        }
+      }
+      const __m256 sg = _mm256_broadcast_ss(scales + g);
+      for (int m = 0; m < MB; ++m) {
+        const __m256i S = BITS == 8 ? acc[m] : _mm256_madd_epi16(acc[m], ones);
+        accc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), sg, accc[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      accf[m] = _mm256_fmadd_ps(accc[m], _mm256_broadcast_ss(a.q8_d + (size_t)(m0 + m) * nsb + c), accf[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    float r = hsum(accf[m]) + dot_f32(w.biases + (size_t)n * ng, sums.gx.data() + (size_t)m * ng, ng);
+    if constexpr (BITS == 8) r += dot_f32(scales, sums.c8.data() + (size_t)m * ng, ng);
+    out[(size_t)(m0 + m) * ldo + n] = r;
+  }
+}
+
+template <int BITS>
+__attribute__((target("avx2,fma"))) static void affine_rows_q8_avx2(const AffineRows& w, const Activations& a, int n0,
+                                                                   int n1, float* out, int ldo) {
+  const int K = w.K, nb = K / 32, ng = K / w.group, bpg = w.group / 32, nsb = codebook_super_blocks(K);
+  AffineQ8Sums sums;
+  for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
+    const int mb = std::min(kMaxRows, a.rows - m0);
+    sums.gx.assign((size_t)mb * ng, 0.0f);
+    sums.c8.assign(BITS == 8 ? (size_t)mb * ng : 0, 0.0f);
+    for (int m = 0; m < mb; ++m) {
+      for (int g = 0; g < ng; ++g) {
+        float xs = 0;
+        int32_t qs = 0;
+        for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+          xs += a.sums[(size_t)(m0 + m) * nb + b];
+          qs += a.q8_bsums[(size_t)(m0 + m) * nb + b];
+        }
+        sums.gx[(size_t)m * ng + g] = xs;
+        if (BITS == 8) sums.c8[(size_t)m * ng + g] = a.q8_d[(size_t)(m0 + m) * nsb + g * w.group / 256] * (float)(128 * qs);
+      }
+    }
+    for (int n = n0; n < n1; ++n) {
+      switch (mb) {
+        case 1: affine_q8_row<BITS, 1>(w, a, sums, m0, n, out, ldo); break;
+        case 2: affine_q8_row<BITS, 2>(w, a, sums, m0, n, out, ldo); break;
+        case 3: affine_q8_row<BITS, 3>(w, a, sums, m0, n, out, ldo); break;
+        default: affine_q8_row<BITS, 4>(w, a, sums, m0, n, out, ldo); break;
+      }
+    }
+  }
+}
+#endif
+
 void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
+  if (a.q8 && q8_supported('a', w.bits, w.group)) {
+#ifdef K3_X86
+    if (simd) {
+      switch (w.bits) {
+        case 2: return affine_rows_q8_avx2<2>(w, a, n0, n1, out, ldo);
+        case 4: return affine_rows_q8_avx2<4>(w, a, n0, n1, out, ldo);
+        default: return affine_rows_q8_avx2<8>(w, a, n0, n1, out, ldo);
+      }
+    }
+#endif
+    return affine_rows_q8_scalar(w, a, n0, n1, out, ldo);
+  }
 #ifdef K3_X86
   if (simd && affine_has_simd(w.bits) && w.group % 32 == 0) {
     switch (w.bits) {
@@ -552,7 +921,75 @@ static void mxfp4_rows_scalar(const Mxfp4Rows& w, const Activations& a, int n0, 
   }
 }
 
+// E2M1 values times 2 (integers), by code.
+static const int8_t kE2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// q8 mode: per 32-block, 0.5 * 2^(e - 127) * dx * (integer dot of 2 * E2M1 values and int8 activations).
+static void mxfp4_rows_q8_scalar(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
+  const int K = w.K, nb = K / 32, nsb = codebook_super_blocks(K);
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 2;
+    for (int m = 0; m < a.rows; ++m) {
+      const int8_t* q = a.q8 + (size_t)m * K;
+      float acc = 0;
+      for (int b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int i = 0; i < 32; ++i) {
+          const uint8_t byte = row[16 * b + i / 2];
+          dot += kE2m1x2[(i & 1) ? byte >> 4 : byte & 15] * q[32 * b + i];
+        }
+        acc += 0.5f * e8m0(w.scales[(size_t)n * nb + b]) * a.q8_d[(size_t)m * nsb + b / 8] * (float)dot;
+      }
+      out[(size_t)m * ldo + n] = acc;
+    }
+  }
+}
+
+#ifdef K3_X86
+template <int MB>
+__attribute__((target("avx2,fma"))) static void mxfp4_q8_row(const Mxfp4Rows& w, const Activations& a, int m0, int n,
+                                                            float* out, int ldo) {
+  const int K = w.K, nb = K / 32, nsb = codebook_super_blocks(K);
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 2;
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1x2)));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 accf[MB];
+  for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    // Codes in decoder order (even elements, then odd), then 2 * value as int8 by a byte shuffle.
+    const __m256i wv = _mm256_shuffle_epi8(lut, codes_u8<4>(row + 16 * b));
+    const __m256i aw = _mm256_abs_epi8(wv);
+    const float s = 0.5f * e8m0(w.scales[(size_t)n * nb + b]);
+    for (int m = 0; m < MB; ++m) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 32 * b));
+      const __m256i S = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(q, wv)), ones);
+      const float sdx = s * a.q8_d[(size_t)(m0 + m) * nsb + b / 8];
+      accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_set1_ps(sdx), accf[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = hsum(accf[m]);
+}
+#endif
+
 void mxfp4_rows(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
+  if (a.q8) {
+#ifdef K3_X86
+    if (simd) {
+      for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
+        for (int n = n0; n < n1; ++n) {
+          switch (std::min(kMaxRows, a.rows - m0)) {
+            case 1: mxfp4_q8_row<1>(w, a, m0, n, out, ldo); break;
+            case 2: mxfp4_q8_row<2>(w, a, m0, n, out, ldo); break;
+            case 3: mxfp4_q8_row<3>(w, a, m0, n, out, ldo); break;
+            default: mxfp4_q8_row<4>(w, a, m0, n, out, ldo); break;
+          }
+        }
+      }
+      return;
+    }
+#endif
+    return mxfp4_rows_q8_scalar(w, a, n0, n1, out, ldo);
+  }
 #ifdef K3_X86
   if (simd) {
     for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace k3::kernels {
 
@@ -23,6 +24,18 @@ bool cpu_has_avx2_fma();
 
 // Disables the SIMD paths (tests check the scalar paths on SIMD machines too).
 void set_force_scalar(bool on);
+
+// Activation precision of the packed-weight kernels: false = f32 (the default; MLX formats then match MLX's
+// results within f32 reassociation), true = int8 per 256-chunk (q8 mode, for the formats q8_supported
+// names: integer dot products, about 2x faster; adds the activations' rounding, ~1% of the output scale).
+// Chosen by set_act_q8 (1 / 0; -1 = back to the environment), else K3_QMM_ACT=q8|f32; read when an op is
+// built. Throws std::invalid_argument for any other K3_QMM_ACT value.
+bool act_q8();
+void set_act_q8(int mode);
+
+// Formats with q8 kernels: the codebook, mxfp4, affine 2/4/8-bit with group 32/64/128 (a group within one
+// 256-chunk). Other affine widths keep f32 activations in q8 mode.
+bool q8_supported(char format, int bits, int group);
 
 // The IQ1_S grid: 2048 entries of 8 int8 values in {-1, 0, 1} (byte j of entry i = value j).
 const uint64_t* iq1s_grid();
@@ -36,6 +49,11 @@ struct Activations {
   const float* sums;      // [rows, K / 32]
   int rows;
   int K;
+  // Int8 activations, set only when the op runs the codebook in q8 mode (see quantize_activations_q8); the
+  // codebook kernels then multiply in integers. Null: f32 activations.
+  const int8_t* q8 = nullptr;         // [rows, K]
+  const float* q8_d = nullptr;        // [rows, ceil(K / 256)]
+  const int16_t* q8_bsums = nullptr;  // [rows, K / 32 + 8] (8 zero entries of padding after the last row)
 };
 
 // Bit width whose decoder order `permuted` must follow for this format (0 = natural order). Formats:
@@ -45,6 +63,25 @@ int activation_order(char format, int bits, bool simd);
 
 // Fills `permuted` (when order != 0) and `sums` for x.
 void prepare_activations(const float* x, int rows, int K, int order, float* permuted, float* sums);
+
+// Int8 activations for the codebook's q8 mode (the scheme of llama.cpp's q8_K, which its IQ1_S dot uses):
+// each row's 256-chunks (the last may be short) get d = max|x| / 127 and q = round_half_even(x * (127 /
+// max|x|)) (all zero when max|x| = 0); bsums[b] = sum of q over 32-block b. `bsums` holds rows * (K / 32) + 8
+// entries; the last 8 are zeroed (the kernels read a whole super-block's sums at once).
+void quantize_activations_q8(const float* x, int rows, int K, int8_t* q, float* d, int16_t* bsums);
+
+// Activations prepared for one format, with their storage (shared by all threads of one op).
+struct PreparedActivations {
+  Activations a;
+  PreparedActivations(const float* x, int rows, int K, int order, bool q8);
+  PreparedActivations(const PreparedActivations&) = delete;
+  PreparedActivations& operator=(const PreparedActivations&) = delete;
+
+ private:
+  std::vector<float> permuted_, sums_, q8_d_;
+  std::vector<int8_t> q8_;
+  std::vector<int16_t> bsums_;
+};
 
 // ---------------------------------------------------------------------------------------- codebook (IQ1_S)
 // Planar IQ1_S layout of one [N, K] matrix (K % 32 == 0):
@@ -64,7 +101,9 @@ struct CodebookRows {
   int K;
 };
 
-// out[m * ldo + n] = dot(x_m, W_n) for n in [n0, n1), m in [0, rows).
+// out[m * ldo + n] = dot(x_m, W_n) for n in [n0, n1), m in [0, rows). With q8 activations (a.q8 set) the
+// block dots are exact integers: per super-block s, S = sum_b (2L_b + 1) * (8 * dot(grid_b + 1, q_b) +
+// (8 * delta_b - 8) * bsum_b) and out = sum_s d_s * dx_s * S / 8 (f32).
 void codebook_rows(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd);
 
 // -------------------------------------------------------------------------------------------------- affine

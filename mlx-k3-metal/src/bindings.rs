@@ -93,6 +93,12 @@ unsafe extern "C" {
     pub fn k3_kernels_force_scalar(on: bool) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn k3_kernels_set_act_q8(mode: ::std::os::raw::c_int) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_kernels_act_q8(res: *mut ::std::os::raw::c_int) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn k3_kernels_set_num_threads(n: ::std::os::raw::c_int) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {

@@ -23,7 +23,8 @@ fn randn(shape: &[i32], seed: u64) -> Array {
     random::normal(shape, Dtype::F32, 0.0, 1.0, Some(&random::key(seed).unwrap())).unwrap()
 }
 
-/// force_scalar is process-wide: tests that toggle it hold this lock so each checks the path it names.
+/// force_scalar and the q8 activation mode are process-wide: tests that toggle them, and tests of kernels
+/// they affect, hold this lock so each checks the path it names.
 static SCALAR: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn rel_err(got: &Array, want: &Array) -> f32 {
@@ -271,6 +272,7 @@ fn check_fast_path(spec: QuantSpec, m: i32, n: i32, k: i32, seed: u64) -> f32 {
 
 #[test]
 fn fast_affine_and_mxfp4_match_mlx() {
+    let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
     // MLX's own formats have only SIMD kernels here (elsewhere the op runs MLX's kernel), so one pass.
     {
         let mut worst = 0f32;
@@ -296,6 +298,7 @@ fn fast_affine_and_mxfp4_match_mlx() {
 
 #[test]
 fn fast_gather_qmm_matches_mlx() {
+    let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
     for spec in [
         QuantSpec::affine(64, 4),
         QuantSpec::affine(32, 2),
@@ -339,6 +342,175 @@ fn gather_tiered_qmm_matches_the_dequantized_stack_on_both_paths() {
         }
         kernels::force_scalar(false);
     }
+}
+
+/// The activation rounding of q8 mode, written out independently of the kernels: per row, each 256-chunk
+/// (the last may be short) scaled to [-127, 127] by 127 / max|x|, rounded half to even, then scaled back.
+fn q8_rounded(x: &Array) -> Array {
+    let k = *x.shape().last().unwrap() as usize;
+    let v = x.to_vec_f32().unwrap();
+    let mut out = vec![0f32; v.len()];
+    for (row, o) in v.chunks(k).zip(out.chunks_mut(k)) {
+        for (c, oc) in row.chunks(256).zip(o.chunks_mut(256)) {
+            let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let (d, id) = (amax / 127.0, if amax > 0.0 { 127.0 / amax } else { 0.0 });
+            for (v, o) in c.iter().zip(oc.iter_mut()) {
+                *o = (v * id).round_ties_even().clamp(-127.0, 127.0) * d;
+            }
+        }
+    }
+    Array::from_slice(&out, &x.shape()).unwrap()
+}
+
+/// q8 mode: every codebook kernel (plain, gathered, tiered; SIMD and scalar) equals the f32 reference applied
+/// to the q8-rounded activations, within f32 reassociation (the block dots are exact integers; only the
+/// per-super-block f32 products and their sum are rounded). Against f32 activations the outputs move by the
+/// rounding itself, which the test bounds (and requires to be nonzero, so the mode must have taken effect).
+#[test]
+fn q8_activations_match_the_reference_on_rounded_inputs() {
+    use kernels::QmmActivations::{F32, Q8};
+    let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
+    let mut worst = (0f32, 0f32);
+    for scalar in [false, true] {
+        kernels::force_scalar(scalar);
+        // K % 256 != 0 (short last super-block): 96, 416; M > 4 (several row tiles): 7.
+        for (m, n, k) in [(1, 300, 1024), (3, 65, 512), (7, 33, 768), (2, 33, 96), (1, 41, 416), (5, 20, 288)] {
+            let cb = random_codebook(n, k, 60 + k as u64).to_arrays().unwrap();
+            let x = randn(&[m, k as i32], 61 + n as u64);
+            // One row of zeros: d = 0 must give zeros, not NaN.
+            let x = if m > 2 { x.multiply(mask_row(m, k)).unwrap() } else { x };
+            let deq_t = codebook::dequantize_reference(&cb).unwrap().t().unwrap();
+            kernels::set_qmm_activations(Some(Q8));
+            let got = codebook::codebook_qmm(&x, &cb).unwrap();
+            kernels::set_qmm_activations(Some(F32));
+            let exact = codebook::codebook_qmm(&x, &cb).unwrap();
+            let want = q8_rounded(&x).matmul(&deq_t).unwrap();
+            let e = rel_err(&got, &want);
+            assert!(e <= 2e-5, "q8 codebook_qmm m={m} n={n} k={k} scalar={scalar}: rel err {e}");
+            assert!(got.to_vec_f32().unwrap().iter().all(|v| v.is_finite()));
+            let r = rel_err(&got, &exact);
+            assert!(r > 1e-4 && r < 0.03, "q8 vs f32 activations m={m} n={n} k={k}: {r}");
+            worst = (worst.0.max(e), worst.1.max(r));
+        }
+        // Gathered (unsorted decode shape) and tiered stacks.
+        let (e, n, k) = (6usize, 40usize, 288usize);
+        let hosts: Vec<CodebookHost> = (0..e).map(|i| random_codebook(n, k, 200 + i as u64)).collect();
+        let parts: Vec<Codebook> = hosts.iter().map(|h| h.to_arrays().unwrap()).collect();
+        let st = |f: &dyn Fn(&Codebook) -> &Array| ops::stack(&parts.iter().map(f).collect::<Vec<_>>(), 0).unwrap();
+        let cb = Codebook { codes: st(&|c| &c.codes), qh: st(&|c| &c.qh), scales: st(&|c| &c.scales) };
+        let deq = codebook::dequantize_reference(&cb).unwrap().swapaxes(-1, -2).unwrap();
+        let x = randn(&[2, 3, 1, 1, k as i32], 7);
+        let rhs = Array::from_slice(&[5u32, 0, 2, 2, 1, 3, 0, 0, 4, 1, 3, 5], &[2, 3, 2]).unwrap();
+        kernels::set_qmm_activations(Some(Q8));
+        let got = codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).unwrap();
+        let want = ops::gather_mm(&q8_rounded(&x), &deq, None, Some(&rhs), false).unwrap();
+        let err = rel_err(&got, &want);
+        assert!(err <= 2e-5, "q8 gather scalar={scalar}: {err}");
+        // Tiered (codebook, MXFP4 and affine experts): every tier in q8 mode, each against its reference.
+        use mlx_k3::tiers::{self, Tier};
+        let (n, k) = (40usize, 512usize);
+        let w = randn(&[6, n as i32, k as i32], 21).multiply(0.05f32).unwrap();
+        let tiers_of = [Tier::Codebook, Tier::Mxfp4, Tier::Affine, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
+        let (t, _) = tiers::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
+        let deq = tiers::dequantize_tiered(&t).unwrap().to_vec_f32().unwrap();
+        let (aq, aspec) = t.affine.as_ref().unwrap();
+        let abias = aq.biases.as_ref().unwrap().to_vec_f32().unwrap(); // [affine experts, N, K / 64]
+        let slots = t.slot.to_vec::<u32>().unwrap();
+        let x = randn(&[3, 2, 1, 1, k as i32], 22);
+        let rhs = Array::from_slice(&[5u32, 0, 2, 2, 1, 3, 4, 0, 3, 1, 5, 4], &[3, 2, 2]).unwrap();
+        let got = tiers::gather_tiered_qmm(&x, &t, None, Some(&rhs)).unwrap().to_vec_f32().unwrap();
+        let (xv, xr) = (x.to_vec_f32().unwrap(), q8_rounded(&x).to_vec_f32().unwrap());
+        let ng = k / aspec.group_size as usize;
+        let mut want = Vec::new();
+        for (p, &ex) in rhs.to_vec::<u32>().unwrap().iter().enumerate() {
+            let (xs, rs) = (&xv[p / 2 * k..(p / 2 + 1) * k], &xr[p / 2 * k..(p / 2 + 1) * k]);
+            let wx = &deq[ex as usize * n * k..(ex as usize + 1) * n * k];
+            let bias = matches!(tiers_of[ex as usize], Tier::Affine).then(|| {
+                let s = slots[ex as usize] as usize;
+                (&abias[s * n * ng..(s + 1) * n * ng], aspec.group_size as usize)
+            });
+            want.extend(q8_reference_rows(xs, rs, wx, n, bias));
+        }
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let e = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+        assert!(e <= 2e-5, "tiered q8 scalar={scalar}: rel err {e}");
+    }
+    kernels::force_scalar(false);
+    kernels::set_qmm_activations(None);
+    println!(
+        "q8 codebook kernels vs reference on rounded activations: {:e}; vs f32 activations: {:.4}",
+        worst.0, worst.1
+    );
+}
+
+/// One activation row against `n` weight rows `w` [n, k] in f64: the rounded activations `xr` multiply the
+/// weights; for affine weights (`bias` = (biases [n, k / group], group)) the bias term takes the exact `x`,
+/// as the q8 kernels do (w = scale * q + bias: sum(scale * q * xr) + bias * sum(x)).
+fn q8_reference_rows(x: &[f32], xr: &[f32], w: &[f32], n: usize, bias: Option<(&[f32], usize)>) -> Vec<f32> {
+    let k = x.len();
+    (0..n)
+        .map(|r| {
+            (0..k)
+                .map(|i| {
+                    let b = bias.map_or(0.0, |(b, g)| b[r * (k / g) + i / g] as f64);
+                    (w[r * k + i] as f64 - b) * xr[i] as f64 + b * x[i] as f64
+                })
+                .sum::<f64>() as f32
+        })
+        .collect()
+}
+
+/// q8 mode for MLX's formats (the SIMD paths; the scalar ones are checked through the tiered stack above):
+/// affine 2/4/8-bit with groups 32/64/128 and MXFP4 match `q8_reference_rows`; widths without q8 kernels
+/// (3/5/6-bit) give exactly their f32 results.
+#[test]
+fn q8_activations_for_mlx_formats() {
+    use kernels::QmmActivations::{F32, Q8};
+    let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
+    let (n, k) = (70usize, 512usize);
+    let mut worst = 0f32;
+    let mut specs: Vec<QuantSpec> =
+        [2, 4, 8, 3, 6].iter().flat_map(|&b| [32, 64, 128].map(|g| QuantSpec::affine(g, b))).collect();
+    specs.push(QuantSpec::default_for(QuantMode::Mxfp4));
+    for (i, spec) in specs.into_iter().enumerate() {
+        let w = randn(&[n as i32, k as i32], 70 + i as u64);
+        let q = quant::quantize(&w, spec, None).unwrap();
+        let wd = quant::dequantize(&q, spec, None, Some(Dtype::F32)).unwrap().to_vec_f32().unwrap();
+        let bias = q.biases.as_ref().map(|b| (b.to_vec_f32().unwrap(), spec.group_size as usize));
+        for m in [1, 5] {
+            let x = randn(&[m, k as i32], 80 + i as u64);
+            kernels::set_qmm_activations(Some(Q8));
+            let got = kernels::quantized_matmul(&x, &q, spec).unwrap().to_vec_f32().unwrap();
+            kernels::set_qmm_activations(Some(F32));
+            let exact = kernels::quantized_matmul(&x, &q, spec).unwrap().to_vec_f32().unwrap();
+            if matches!(spec.mode, QuantMode::Affine) && ![2, 4, 8].contains(&spec.bits) {
+                assert_eq!(got, exact, "{spec:?}: no q8 kernel, so f32 results");
+                continue;
+            }
+            let (xv, xr) = (x.to_vec_f32().unwrap(), q8_rounded(&x).to_vec_f32().unwrap());
+            let want: Vec<f32> = (0..m as usize)
+                .flat_map(|r| {
+                    let b = bias.as_ref().map(|(b, g)| (b.as_slice(), *g));
+                    q8_reference_rows(&xv[r * k..(r + 1) * k], &xr[r * k..(r + 1) * k], &wd, n, b)
+                })
+                .collect();
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let e = got.iter().zip(&want).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / scale;
+            assert!(e <= 2e-5, "q8 {spec:?} m={m}: rel err {e}");
+            let r = exact.iter().zip(&got).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / scale;
+            assert!(r > 1e-4 && r < 0.03, "q8 vs f32 activations {spec:?} m={m}: {r}");
+            worst = worst.max(e);
+        }
+    }
+    kernels::set_qmm_activations(None);
+    println!("q8 affine/mxfp4 kernels vs reference: worst rel err {worst:e}");
+}
+
+/// [m, k] ones with row 1 zeroed.
+fn mask_row(m: i32, k: usize) -> Array {
+    let mut v = vec![1f32; m as usize * k];
+    v[k..2 * k].fill(0.0);
+    Array::from_slice(&v, &[m, k as i32]).unwrap()
 }
 
 /// K % 256 != 0: the last super-block of each row is short. The host decoder and the plain-ops reference

@@ -14,10 +14,13 @@ mod common;
 use common::{max_abs, max_abs_diff};
 use mlx_k3::codebook::{self, Codebook};
 use mlx_k3::kernels::{
-    self, force_scalar, gather_codebook_gate_up_situ, gather_gate_up_situ, situ, situ_reference, Situ,
+    self, force_scalar, gather_codebook_gate_up_situ, gather_gate_up_situ, situ, situ_reference, QmmActivations, Situ,
 };
 use mlx_k3::quant::{self, Gather, QuantMode, QuantSpec, Quantized};
 use mlx_k3::{random, with_device, Array, Device, Dtype};
+
+/// force_scalar and the q8 activation mode are process-wide: the tests that set them hold this lock.
+static MODES: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn randn(shape: &[i32], scale: f32, seed: u64) -> Array {
     random::normal(shape, Dtype::F32, 0.0, scale, Some(&random::key(seed).unwrap())).unwrap()
@@ -70,13 +73,17 @@ const ACTS: [Situ; 2] = [Situ { beta: 1.0, linear_beta: Some(8.0) }, Situ { beta
 
 #[test]
 fn fused_gate_up_situ_matches_unfused_affine_and_mxfp4() {
+    let _lock = MODES.lock().unwrap_or_else(|e| e.into_inner());
     with_device(Device::Cpu, || {
         let (e, n, k) = (6, 96, 256);
         let (wg, wu) = (randn(&[e, n, k], 0.05, 10), randn(&[e, n, k], 0.05, 11));
         let mut worst_k3 = 0.0f32;
         let mut worst_mlx = 0.0f32;
-        for scalar in [false, true] {
+        // q8 mode (SIMD only: without SIMD the unfused ops run MLX's kernels) checks fused against unfused;
+        // the q8 kernels themselves are checked against a reference in tests/codebook.rs.
+        for (scalar, q8) in [(false, false), (true, false), (false, true)] {
             force_scalar(scalar);
+            kernels::set_qmm_activations(Some(if q8 { QmmActivations::Q8 } else { QmmActivations::F32 }));
             for spec in [
                 QuantSpec::affine(64, 2),
                 QuantSpec::affine(32, 2),
@@ -90,7 +97,7 @@ fn fused_gate_up_situ_matches_unfused_affine_and_mxfp4() {
                 for (name, x, lhs, rhs) in layouts(k, e as u32) {
                     for act in ACTS {
                         let got = gather_gate_up_situ(&x, &g, &u, spec, lhs.as_ref(), &rhs, act).unwrap();
-                        let what = format!("{spec:?} {name} {act:?} scalar={scalar}");
+                        let what = format!("{spec:?} {name} {act:?} scalar={scalar} q8={q8}");
                         // The project's unfused path (what the model ran before).
                         let k3u = kernels::gather_qmm(&x, &u, spec, lhs.as_ref(), Some(&rhs), false).unwrap();
                         let k3g = kernels::gather_qmm(&x, &g, spec, lhs.as_ref(), Some(&rhs), false).unwrap();
@@ -98,6 +105,9 @@ fn fused_gate_up_situ_matches_unfused_affine_and_mxfp4() {
                         assert_eq!(got.shape(), want.shape(), "{what}: shape");
                         let e1 = rel(&got, &want);
                         assert!(e1 <= 1e-6, "{what}: vs unfused k3 path rel err {e1}");
+                        if q8 {
+                            continue;
+                        }
                         // MLX's own kernels and the plain-ops SiTU.
                         let gq = || Gather { lhs_indices: lhs.as_ref(), rhs_indices: Some(&rhs), ..Default::default() };
                         let mu = quant::gather_qmm(&x, &u, spec, true, gq()).unwrap();
@@ -114,6 +124,7 @@ fn fused_gate_up_situ_matches_unfused_affine_and_mxfp4() {
             }
         }
         force_scalar(false);
+        kernels::set_qmm_activations(None);
         println!("gate/up+SiTU fused vs unfused k3 kernels: max rel err {worst_k3:e}; vs MLX ops: {worst_mlx:e}");
     })
     .unwrap();
@@ -121,13 +132,23 @@ fn fused_gate_up_situ_matches_unfused_affine_and_mxfp4() {
 
 #[test]
 fn fused_gate_up_situ_matches_unfused_codebook() {
+    let _lock = MODES.lock().unwrap_or_else(|e| e.into_inner());
     with_device(Device::Cpu, || {
         let (e, n) = (5, 64);
         let mut worst = 0.0f32;
-        // K = 160: a short last super-block (5 of 8 blocks).
-        for (k, scalar) in [(512, false), (512, true), (160, false), (160, true)] {
+        // K = 160: a short last super-block (5 of 8 blocks). Both activation precisions (the q8 kernels
+        // themselves are checked against a reference in tests/codebook.rs).
+        for (k, scalar, q8) in [
+            (512, false, false),
+            (512, true, false),
+            (160, false, false),
+            (160, true, false),
+            (512, false, true),
+            (160, true, true),
+        ] {
             let (g, u) = (random_codebook(&[e, n, k], 20), random_codebook(&[e, n, k], 30));
             force_scalar(scalar);
+            kernels::set_qmm_activations(Some(if q8 { QmmActivations::Q8 } else { QmmActivations::F32 }));
             for (name, x, lhs, rhs) in layouts(k, e as u32) {
                 for act in ACTS {
                     let got = gather_codebook_gate_up_situ(&x, &g, &u, lhs.as_ref(), &rhs, act).unwrap();
@@ -135,12 +156,13 @@ fn fused_gate_up_situ_matches_unfused_codebook() {
                     let cg = codebook::gather_codebook_qmm(&x, &g, lhs.as_ref(), Some(&rhs)).unwrap();
                     let want = situ(&cu, &cg, act.beta, act.linear_beta).unwrap();
                     let err = rel(&got, &want);
-                    assert!(err <= 1e-6, "codebook K={k} {name} {act:?} scalar={scalar}: rel err {err}");
+                    assert!(err <= 1e-6, "codebook K={k} {name} {act:?} scalar={scalar} q8={q8}: rel err {err}");
                     worst = worst.max(err);
                 }
             }
         }
         force_scalar(false);
+        kernels::set_qmm_activations(None);
         println!("codebook gate/up+SiTU fused vs unfused: max rel err {worst:e}");
     })
     .unwrap();

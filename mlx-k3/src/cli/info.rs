@@ -17,5 +17,10 @@ pub(super) fn run() -> Result<()> {
         .collect();
     println!("distributed back-ends: {}", if backends.is_empty() { "none".into() } else { backends.join(", ") });
     println!("CPU kernel threads: {}", kernels::num_threads());
+    let act = match kernels::qmm_activations()? {
+        kernels::QmmActivations::F32 => "f32",
+        kernels::QmmActivations::Q8 => "q8 (int8, K3_QMM_ACT)",
+    };
+    println!("codebook kernel activations: {act}");
     Ok(())
 }
