@@ -86,7 +86,19 @@ impl MultiLinear {
                     x.matmul(w)
                 }
             }
-            MaybeQuantized::Quantized(q, spec) => quant::quantized_matmul(x, q, *spec, transpose),
+            // x [..., H, L, in] @ W[h]ᵀ per head h is a gathered matmul over the head stack (rhs = head index),
+            // which takes the project's CPU kernels where they apply (MLA's one-token decode runs both of its
+            // per-head products this way); x @ W (no transpose) has only MLX's op.
+            MaybeQuantized::Quantized(q, spec) => {
+                let heads = q.weight.shape()[0];
+                let nd = x.ndim();
+                if transpose && nd >= 3 && x.shape()[nd - 3] == heads {
+                    let rhs = Array::from_slice(&(0..heads as u32).collect::<Vec<u32>>(), &[heads])?;
+                    kernels::gather_qmm(x, q, *spec, None, Some(&rhs), false)
+                } else {
+                    quant::quantized_matmul(x, q, *spec, transpose)
+                }
+            }
             _ => Err(crate::Error::invalid("multi_linear", "unsupported weight format")),
         }
     }
