@@ -41,6 +41,54 @@ fn logits_matches_the_reference() {
     assert!(diff <= 1e-4 * scale, "rel err {}", diff / scale);
 }
 
+/// K3_QMM_ACT: q8 changes a quantized checkpoint's logits by the activations' rounding only; an unknown value
+/// is a one-line error naming the variable, from `info` and from a forward pass alike. This tiny random model
+/// is very sensitive (its 4-bit weights move the logits by ~100% of their scale against the dense fixture
+/// with the same weights); int8 activations (rounding ~0.4% per element, against ~7% for 4-bit weights) must
+/// move them by well under a quarter of that, and keep every row's argmax.
+#[test]
+fn qmm_activation_mode_from_the_environment() {
+    let dir = fixture("a_latent_norm_attnres_q4");
+    let exp = Safetensors::load(dir.join("expected.safetensors")).unwrap();
+    let dense = Safetensors::load(fixture("a_latent_norm_attnres").join("expected.safetensors")).unwrap();
+    let prompt = exp.get("prompt").unwrap().to_vec::<i32>().unwrap();
+    assert_eq!(prompt, dense.get("prompt").unwrap().to_vec::<i32>().unwrap());
+    let tokens: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("logits.safetensors");
+    let run = |mode: &str, args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_mlx-k3")).env("K3_QMM_ACT", mode).args(args).output().unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stdout).to_string(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    let logits_args =
+        ["logits", "--model", dir.to_str().unwrap(), "--tokens", &tokens.join(","), "--out", out.to_str().unwrap()];
+    let (ok, stdout, stderr) = run("q8", &logits_args);
+    assert!(ok, "{stdout}\n{stderr}");
+    let g = Safetensors::load(&out).unwrap().get("logits").unwrap().to_vec::<f32>().unwrap();
+    let w = exp.get("prefill_logits").unwrap().to_vec::<f32>().unwrap();
+    let d = dense.get("prefill_logits").unwrap().to_vec::<f32>().unwrap();
+    let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
+    let (act, weights) = (max_diff(&g, &w), max_diff(&d, &w));
+    assert!(act > 1e-4 && act < 0.25 * weights, "q8 activations move the logits by {act}; 4-bit weights by {weights}");
+    let argmax = |r: &[f32]| r.iter().enumerate().fold(0, |b, (i, v)| if *v > r[b] { i } else { b });
+    for (a, b) in g.chunks(256).zip(w.chunks(256)) {
+        assert_eq!(argmax(a), argmax(b), "q8 changed a row's argmax");
+    }
+    let (ok, stdout, _) = run("q8", &["info"]);
+    assert!(ok && stdout.contains("activations: q8"), "{stdout}");
+    for args in [&["info"][..], &logits_args[..]] {
+        let (ok, _, stderr) = run("int4", args);
+        assert!(!ok, "{args:?} with K3_QMM_ACT=int4 should fail");
+        assert!(stderr.starts_with("mlx-k3: error:") && stderr.contains("K3_QMM_ACT must be q8 or f32"), "{stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    }
+}
+
 #[test]
 fn inspect_summarizes_a_quantized_checkpoint() {
     let (ok, stdout, stderr) = mlx_k3(&["inspect", fixture("a_latent_norm_attnres_mixed_2_8").to_str().unwrap()]);

@@ -19,8 +19,8 @@ pub(super) fn run() -> Result<()> {
     println!("CPU kernel threads: {}", kernels::num_threads());
     let act = match kernels::qmm_activations()? {
         kernels::QmmActivations::F32 => "f32",
-        kernels::QmmActivations::Q8 => "q8 (int8, K3_QMM_ACT)",
+        kernels::QmmActivations::Q8 => "q8 (int8 per 256, K3_QMM_ACT)",
     };
-    println!("codebook kernel activations: {act}");
+    println!("quantized-kernel activations: {act}");
     Ok(())
 }
