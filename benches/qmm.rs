@@ -78,7 +78,7 @@ fn gemv(c: &mut Criterion) {
         g.bench_function(id("codebook_k3"), |b| {
             b.iter(|| codebook::codebook_qmm(&x, &cb).and_then(|y| y.eval()).unwrap())
         });
-        // q8 mode: int8 activations (what ggml's IQ1_S dot product uses), the op built inside the timer too.
+        // q8 mode (`*_q8_k3`): int8 activations, as ggml's dot products use; the op is built inside the timer.
         g.bench_function(id("codebook_q8_k3"), |b| {
             kernels::set_qmm_activations(Some(QmmActivations::Q8));
             b.iter(|| codebook::codebook_qmm(&x, &cb).and_then(|y| y.eval()).unwrap());
@@ -100,6 +100,13 @@ fn gemv(c: &mut Criterion) {
             g.bench_function(id(&format!("{name}_mlx")), |b| {
                 b.iter(|| quant::quantized_matmul(&x, &q, spec, true).and_then(|y| y.eval()).unwrap())
             });
+            if ["affine4", "affine2", "affine8", "mxfp4"].contains(&name) {
+                g.bench_function(id(&format!("{name}_q8_k3")), |b| {
+                    kernels::set_qmm_activations(Some(QmmActivations::Q8));
+                    b.iter(|| kernels::quantized_matmul(&x, &q, spec).and_then(|y| y.eval()).unwrap());
+                    kernels::set_qmm_activations(None);
+                });
+            }
         }
     }
     g.finish();
