@@ -130,7 +130,6 @@ class GateUpSitu : public mx::UnaryPrimitive {
                                 std::to_string(E) + ", row block " + std::to_string(lhs[p]) + " of " + std::to_string(Bx));
       }
     }
-    const int order = activation_order(f.kind, f.bits, f.simd);
     std::vector<size_t> by_expert(P);
     std::iota(by_expert.begin(), by_expert.end(), 0);
     std::stable_sort(by_expert.begin(), by_expert.end(), [&](size_t a, size_t b) { return rhs[a] < rhs[b]; });
@@ -152,7 +151,7 @@ class GateUpSitu : public mx::UnaryPrimitive {
       for (size_t j = 0; j < r.pairs.size(); ++j) {
         std::copy_n(xp + (size_t)lhs[r.pairs[j]] * M * K, (size_t)M * K, r.x.data() + j * M * K);
       }
-      r.prep = std::make_unique<PreparedActivations>(r.x.data(), rows, K, order, f.q8);
+      r.prep = std::make_unique<PreparedActivations>(r.x.data(), rows, K, f.kind, f.bits, f.simd, f.q8);
       r.g.resize((size_t)rows * N);
       r.u.resize((size_t)rows * N);
     }

@@ -76,7 +76,7 @@ struct Weights {
 // Activations prepared the way format f's kernels read them.
 struct Prepared : PreparedActivations {
   Prepared(const float* x, int rows, int K, const Format& f)
-      : PreparedActivations(x, rows, K, activation_order(f.kind, f.bits, f.simd), f.q8) {}
+      : PreparedActivations(x, rows, K, f.kind, f.bits, f.simd, f.q8) {}
 };
 
 constexpr int kMinRowsPerTask = 64;

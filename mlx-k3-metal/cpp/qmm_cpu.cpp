@@ -143,8 +143,29 @@ void quantize_activations_q8(const float* x, int rows, int K, int8_t* q, float* 
   std::fill_n(bsums + (size_t)rows * nb, 8, (int16_t)0);
 }
 
-PreparedActivations::PreparedActivations(const float* x, int rows, int K, int order, bool q8)
+// The q8 layout of 2-bit affine rows for the SIMD kernel: each 128-chunk (4 blocks, 32 bytes of codes) is
+// read as four shifts s of the 32 bytes, byte 8b + j of shift s holding element 32b + 4j + s; so position
+// 32s + 8b + j of the chunk takes that element. A row's last K % 128 values keep the per-block order of
+// permute_for_bits(2) (the kernel reads them block by block).
+static void interleave_2bit_q8(const float* x, int rows, int K, float* out) {
+  const int full = K / 128;
+  for (int m = 0; m < rows; ++m) {
+    const float* src = x + (size_t)m * K;
+    float* dst = out + (size_t)m * K;
+    for (int c = 0; c < full; ++c) {
+      for (int s = 0; s < 4; ++s) {
+        for (int b = 0; b < 4; ++b) {
+          for (int j = 0; j < 8; ++j) dst[128 * c + 32 * s + 8 * b + j] = src[128 * c + 32 * b + 4 * j + s];
+        }
+      }
+    }
+    if (full * 128 < K) permute_for_bits(src + 128 * full, 1, K - 128 * full, 2, dst + 128 * full);
+  }
+}
+
+PreparedActivations::PreparedActivations(const float* x, int rows, int K, char format, int bits, bool simd, bool q8)
     : sums_((size_t)rows * (K / 32)) {
+  const int order = activation_order(format, bits, simd);
   if (order) permuted_.resize((size_t)rows * K);
   prepare_activations(x, rows, K, order, permuted_.data(), sums_.data());
   a = Activations{x, order ? permuted_.data() : x, sums_.data(), rows, K};
@@ -152,9 +173,17 @@ PreparedActivations::PreparedActivations(const float* x, int rows, int K, int or
     q8_.resize((size_t)rows * K);
     q8_d_.resize((size_t)rows * codebook_super_blocks(K));
     bsums_.resize((size_t)rows * (K / 32) + 8);
-    // From the decoder-ordered copy: the reordering stays within 32-blocks, so the chunk scales and block
-    // sums are those of x, and the int8 rows come out in the order the format's SIMD decoder reads.
-    quantize_activations_q8(a.permuted, rows, K, q8_.data(), q8_d_.data(), bsums_.data());
+    // From the order the format's SIMD kernel reads (the reorderings stay within 128 values, so the
+    // 256-chunk scales are those of x; bsums are per 32 values as laid out, which is per block of x except
+    // for the 2-bit interleave, whose kernel does not read them).
+    const float* src = a.permuted;
+    std::vector<float> inter;
+    if (simd && format == 'a' && bits == 2) {
+      inter.resize((size_t)rows * K);
+      interleave_2bit_q8(x, rows, K, inter.data());
+      src = inter.data();
+    }
+    quantize_activations_q8(src, rows, K, q8_.data(), q8_d_.data(), bsums_.data());
     a.q8 = q8_.data();
     a.q8_d = q8_d_.data();
     a.q8_bsums = bsums_.data();
@@ -772,6 +801,57 @@ __attribute__((target("avx2,fma"))) static void affine_q8_row(const AffineRows& 
   }
 }
 
+// 2 bits: 128 weights (32 bytes, 4 blocks) per step, the four 2-bit shifts of one load against the
+// interleaved activations (see interleave_2bit_q8); i32 lane i of the sums belongs to block i / 2, so one FMA
+// applies the four blocks' group scales. A row's last K % 128 weights go block by block.
+template <int MB>
+__attribute__((target("avx2,fma"))) static void affine_q8_row2(const AffineRows& w, const Activations& a,
+                                                              const AffineQ8Sums& sums, int m0, int n, float* out,
+                                                              int ldo) {
+  const int K = w.K, ng = K / w.group, nsb = codebook_super_blocks(K), full = K / 128;
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 4;
+  const float* scales = w.scales + (size_t)n * ng;
+  const __m256i ones = _mm256_set1_epi16(1), three = _mm256_set1_epi8(3);
+  __m256 accf[MB];
+  for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
+  for (int c = 0; c < full; ++c) {
+    const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
+    __m256i acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
+    for (int s = 0; s < 4; ++s) {
+      // Per byte, bits 2s..2s+1 (the 16-bit shift's spill from the next byte is masked off).
+      const __m256i ws = _mm256_and_si256(_mm256_srl_epi16(wb, _mm_cvtsi32_si128(2 * s)), three);
+      for (int m = 0; m < MB; ++m) {
+        const __m256i q =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 128 * c + 32 * s));
+        acc[m] = _mm256_add_epi16(acc[m], _mm256_maddubs_epi16(ws, q));  // 4 * 2 * 3 * 127 fits int16
+      }
+    }
+    const int k0 = 128 * c;
+    const float s0 = scales[k0 / w.group], s1 = scales[(k0 + 32) / w.group];
+    const float s2 = scales[(k0 + 64) / w.group], s3 = scales[(k0 + 96) / w.group];
+    const __m256 sv = _mm256_setr_ps(s0, s0, s1, s1, s2, s2, s3, s3);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 sdx = _mm256_mul_ps(sv, _mm256_broadcast_ss(a.q8_d + (size_t)(m0 + m) * nsb + c / 2));
+      accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m], ones)), sdx, accf[m]);
+    }
+  }
+  for (int b = 4 * full; b < K / 32; ++b) {
+    const __m256i wv = codes_u8<2>(row + (size_t)b * 8);
+    const __m256 sg = _mm256_set1_ps(scales[32 * b / w.group]);
+    for (int m = 0; m < MB; ++m) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 32 * b));
+      const __m256i S = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, q), ones);
+      const __m256 sdx = _mm256_mul_ps(sg, _mm256_broadcast_ss(a.q8_d + (size_t)(m0 + m) * nsb + b / 8));
+      accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), sdx, accf[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    out[(size_t)(m0 + m) * ldo + n] =
+        hsum(accf[m]) + dot_f32(w.biases + (size_t)n * ng, sums.gx.data() + (size_t)m * ng, ng);
+  }
+}
+
 template <int BITS>
 __attribute__((target("avx2,fma"))) static void affine_rows_q8_avx2(const AffineRows& w, const Activations& a, int n0,
                                                                    int n1, float* out, int ldo) {
@@ -792,6 +872,17 @@ __attribute__((target("avx2,fma"))) static void affine_rows_q8_avx2(const Affine
         sums.gx[(size_t)m * ng + g] = xs;
         if (BITS == 8) sums.c8[(size_t)m * ng + g] = a.q8_d[(size_t)(m0 + m) * nsb + g * w.group / 256] * (float)(128 * qs);
       }
+    }
+    if constexpr (BITS == 2) {
+      for (int n = n0; n < n1; ++n) {
+        switch (mb) {
+          case 1: affine_q8_row2<1>(w, a, sums, m0, n, out, ldo); break;
+          case 2: affine_q8_row2<2>(w, a, sums, m0, n, out, ldo); break;
+          case 3: affine_q8_row2<3>(w, a, sums, m0, n, out, ldo); break;
+          default: affine_q8_row2<4>(w, a, sums, m0, n, out, ldo); break;
+        }
+      }
+      continue;
     }
     for (int n = n0; n < n1; ++n) {
       switch (mb) {

@@ -73,7 +73,8 @@ void quantize_activations_q8(const float* x, int rows, int K, int8_t* q, float* 
 // Activations prepared for one format, with their storage (shared by all threads of one op).
 struct PreparedActivations {
   Activations a;
-  PreparedActivations(const float* x, int rows, int K, int order, bool q8);
+  // For format/bits (as in activation_order) and the op's SIMD choice; q8 adds the int8 rows.
+  PreparedActivations(const float* x, int rows, int K, char format, int bits, bool simd, bool q8);
   PreparedActivations(const PreparedActivations&) = delete;
   PreparedActivations& operator=(const PreparedActivations&) = delete;
 

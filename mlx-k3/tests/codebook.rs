@@ -461,18 +461,23 @@ fn q8_reference_rows(x: &[f32], xr: &[f32], w: &[f32], n: usize, bias: Option<(&
 }
 
 /// q8 mode for MLX's formats (the SIMD paths; the scalar ones are checked through the tiered stack above):
-/// affine 2/4/8-bit with groups 32/64/128 and MXFP4 match `q8_reference_rows`; widths without q8 kernels
-/// (3/5/6-bit) give exactly their f32 results.
+/// affine 2/4/8-bit with groups 32/64/128 and MXFP4, K = 512, 544, 576, match `q8_reference_rows`; widths
+/// without q8 kernels (3/5/6-bit) give exactly their f32 results.
 #[test]
 fn q8_activations_for_mlx_formats() {
     use kernels::QmmActivations::{F32, Q8};
     let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
-    let (n, k) = (70usize, 512usize);
+    let n = 70usize;
     let mut worst = 0f32;
-    let mut specs: Vec<QuantSpec> =
-        [2, 4, 8, 3, 6].iter().flat_map(|&b| [32, 64, 128].map(|g| QuantSpec::affine(g, b))).collect();
-    specs.push(QuantSpec::default_for(QuantMode::Mxfp4));
-    for (i, spec) in specs.into_iter().enumerate() {
+    let mut specs: Vec<(QuantSpec, usize)> =
+        [2, 4, 8, 3, 6].iter().flat_map(|&b| [32, 64, 128].map(|g| (QuantSpec::affine(g, b), 512))).collect();
+    specs.push((QuantSpec::default_for(QuantMode::Mxfp4), 512));
+    // K % 128 != 0 (the 2-bit kernel's last blocks go one by one) and K % 256 != 0 (a short last chunk).
+    for (g, b, k) in [(32, 2, 544), (64, 2, 576), (64, 4, 576), (32, 8, 544)] {
+        specs.push((QuantSpec::affine(g, b), k));
+    }
+    specs.push((QuantSpec::default_for(QuantMode::Mxfp4), 544));
+    for (i, (spec, k)) in specs.into_iter().enumerate() {
         let w = randn(&[n as i32, k as i32], 70 + i as u64);
         let q = quant::quantize(&w, spec, None).unwrap();
         let wd = quant::dequantize(&q, spec, None, Some(Dtype::F32)).unwrap().to_vec_f32().unwrap();
@@ -496,9 +501,9 @@ fn q8_activations_for_mlx_formats() {
                 .collect();
             let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
             let e = got.iter().zip(&want).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / scale;
-            assert!(e <= 2e-5, "q8 {spec:?} m={m}: rel err {e}");
+            assert!(e <= 2e-5, "q8 {spec:?} m={m} k={k}: rel err {e}");
             let r = exact.iter().zip(&got).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / scale;
-            assert!(r > 1e-4 && r < 0.03, "q8 vs f32 activations {spec:?} m={m}: {r}");
+            assert!(r > 1e-4 && r < 0.03, "q8 vs f32 activations {spec:?} m={m} k={k}: {r}");
             worst = worst.max(e);
         }
     }
