@@ -54,9 +54,10 @@ void proj_rows(const GateUpFormat& f, const mx::array* w, int e, int N, int K, c
       return codebook_rows(r, a, n0, n1, out, ldo, f.simd);
     }
     case 'a': {
-      int ng = K / f.group;
-      AffineRows r{w[0].data<uint32_t>() + (size_t)e * N * (K * f.bits / 32), w[1].data<float>() + (size_t)e * N * ng,
-                   w[2].data<float>() + (size_t)e * N * ng, K, f.group, f.bits};
+      const mx::Dtype dt = w[1].dtype();
+      const int code = dt == mx::float32 ? 0 : dt == mx::float16 ? 1 : 2;  // check_proj admits only these
+      AffineRows r = affine_view(w[0].data<uint32_t>(), w[1].data<void>(), w[2].data<void>(), code, (size_t)e * N, K,
+                                 f.group, f.bits);
       return affine_rows(r, a, n0, n1, out, ldo, f.simd);
     }
     default: {
@@ -215,6 +216,10 @@ std::pair<int, int> check_proj(const char* which, const GateUpFormat& f, const s
       if (w[1].shape() != mx::Shape{E, N, K / f.group} || w[2].shape() != w[1].shape()) {
         fail(std::string(which) + " scales/biases must be [E, N, K / group]");
       }
+      if ((w[1].dtype() != mx::float32 && w[1].dtype() != mx::float16 && w[1].dtype() != mx::bfloat16) ||
+          w[2].dtype() != w[1].dtype()) {
+        fail(std::string(which) + " scales/biases must both be float32, float16 or bfloat16");
+      }
       break;
     default:
       if (K % 32 != 0) fail("K = " + std::to_string(K) + " is not a multiple of 32");
@@ -248,15 +253,6 @@ mx::array gather_gate_up_situ(GateUpFormat f, const mx::array& x_in, const std::
   if (!mx::issubdtype(x_in.dtype(), mx::floating)) fail("x must be a floating-point array");
   if (!rhs_in) fail("the expert indices (rhs) are required");
   const int K = x_in.shape(-1), M = x_in.shape(-2);
-  // Scales and biases of the affine kernels are f32 (converted here when the checkpoint stores others).
-  auto prep = [&](const std::vector<mx::array>& w) {
-    std::vector<mx::array> r = w;
-    if (f.kind == 'a') {
-      r[1] = mx::astype(r[1], mx::float32, s);
-      r[2] = mx::astype(r[2], mx::float32, s);
-    }
-    return r;
-  };
   const bool fast = s.device == mx::Device::cpu && x_in.dtype() == mx::float32 &&
                     (f.kind == 'c' || (cpu_has_avx2_fma() && (f.kind == 'm' || ((affine_has_simd(f.bits)) &&
                                                                                    f.group % 32 == 0))));
@@ -268,7 +264,8 @@ mx::array gather_gate_up_situ(GateUpFormat f, const mx::array& x_in, const std::
     };
     return situ_ops(mm(up_w), mm(gate_w), f, s);
   }
-  auto gw = prep(gate_w), uw = prep(up_w);
+  const auto& gw = gate_w;
+  const auto& uw = up_w;
   auto [E, N] = check_proj("gate", f, gw, K);
   auto [E2, N2] = check_proj("up", f, uw, K);
   if (E != E2 || N != N2) fail("gate and up stacks differ in shape");

@@ -45,6 +45,11 @@ const char* op_name(char kind, bool gather) {
   }
 }
 
+// The affine kernels' code for a scales/biases dtype (f32, f16, bf16; check_weights admits no other).
+int scale_dtype(mx::Dtype dt) {
+  return dt == mx::float32 ? 0 : dt == mx::float16 ? 1 : 2;
+}
+
 // Pointers of expert e's [N, K] matrix within the weight inputs.
 struct Weights {
   Format f;
@@ -60,9 +65,8 @@ struct Weights {
         return codebook_rows(r, a, n0, n1, out, ldo, f.simd);
       }
       case 'a': {
-        int ng = K / f.group;
-        AffineRows r{w[0]->data<uint32_t>() + (size_t)e * N * (K * f.bits / 32), w[1]->data<float>() + (size_t)e * N * ng,
-                     w[2]->data<float>() + (size_t)e * N * ng, K, f.group, f.bits};
+        AffineRows r = affine_view(w[0]->data<uint32_t>(), w[1]->data<void>(), w[2]->data<void>(),
+                                   scale_dtype(w[1]->dtype()), (size_t)e * N, K, f.group, f.bits);
         return affine_rows(r, a, n0, n1, out, ldo, f.simd);
       }
       default: {
@@ -275,8 +279,11 @@ int check_weights(const char* op, Format f, const std::vector<mx::array>& w, int
     case 'a':
       if (f.group <= 0 || K % f.group != 0) fail(op, "group size " + std::to_string(f.group) + " does not divide K = " + std::to_string(K));
       expect(op, "weight", w[0], with(K * f.bits / 32), mx::uint32);
-      expect(op, "scales", w[1], with(K / f.group), mx::float32);
-      expect(op, "biases", w[2], with(K / f.group), mx::float32);
+      if (w[1].dtype() != mx::float32 && w[1].dtype() != mx::float16 && w[1].dtype() != mx::bfloat16) {
+        fail(op, "scales must be float32, float16 or bfloat16");
+      }
+      expect(op, "scales", w[1], with(K / f.group), w[1].dtype());
+      expect(op, "biases", w[2], with(K / f.group), w[1].dtype());
       break;
     default:
       if (K % 32 != 0) fail(op, "K = " + std::to_string(K) + " is not a multiple of 32");
@@ -366,10 +373,6 @@ mx::array gather_tiered_qmm(const mx::array& x_in, const mx::array& tier, const 
                : t == kTierMxfp4  ? format_now('m', 4, 32, simd)
                                   : format_now('a', aff_bits, aff_group, simd);
     std::vector<mx::array> w = stacks[t];
-    if (t == kTierAffine) {
-      w[1] = mx::astype(w[1], mx::float32, s);
-      w[2] = mx::astype(w[2], mx::float32, s);
-    }
     int n = check_weights(op, f, w, K, true);
     if (N >= 0 && n != N) fail(op, "the tiers' stacks have different output sizes");
     N = n;
@@ -437,7 +440,7 @@ extern "C" int k3_fast_quantized_matmul(k3_array* res, const k3_array x, const k
     std::string m = mode ? mode : "affine";
     if (m == "affine" && biases.ctx && kk::fast_affine(arr(x), bits, group_size, st)) {
       k3::put(res, kk::packed_qmm(kk::format_now('a', bits, group_size, true), arr(x),
-                                  {arr(w), mx::astype(arr(scales), mx::float32, st), mx::astype(arr(biases), mx::float32, st)},
+                                  {arr(w), arr(scales), arr(biases)},
                                   st));
     } else if (m == "mxfp4" && kk::fast_cpu(arr(x), st)) {
       k3::put(res, kk::packed_qmm(kk::format_now('m', 4, 32, true), arr(x), {arr(w), arr(scales)}, st));
@@ -456,8 +459,7 @@ extern "C" int k3_fast_gather_qmm(k3_array* res, const k3_array x, const k3_arra
     std::string m = mode ? mode : "affine";
     if (m == "affine" && biases.ctx && kk::fast_affine(arr(x), bits, group_size, st)) {
       k3::put(res, kk::gather_packed_qmm(kk::format_now('a', bits, group_size, true), arr(x),
-                                         {arr(w), mx::astype(arr(scales), mx::float32, st),
-                                          mx::astype(arr(biases), mx::float32, st)},
+                                         {arr(w), arr(scales), arr(biases)},
                                          opt(lhs), opt(rhs), st));
     } else if (m == "mxfp4" && kk::fast_cpu(arr(x), st)) {
       k3::put(res, kk::gather_packed_qmm(kk::format_now('m', 4, 32, true), arr(x), {arr(w), arr(scales)}, opt(lhs), opt(rhs), st));

@@ -896,7 +896,37 @@ __attribute__((target("avx2,fma"))) static void affine_rows_q8_avx2(const Affine
 }
 #endif
 
+static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo,
+                            bool simd);
+
 void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
+  if (!w.scales_h) return affine_rows_f32(w, a, n0, n1, out, ldo, simd);
+  // f16/bf16 scales and biases: 16 rows' worth converted to f32, then the f32 kernels on those rows.
+  constexpr int R = 16;
+  const int ng = w.K / w.group;
+  std::vector<float> s((size_t)R * ng), b((size_t)R * ng);
+  for (int r0 = n0; r0 < n1; r0 += R) {
+    const int r1 = std::min(n1, r0 + R);
+    const uint16_t* sh = w.scales_h + (size_t)r0 * ng;
+    const uint16_t* bh = w.biases_h + (size_t)r0 * ng;
+    const size_t cnt = (size_t)(r1 - r0) * ng;
+    for (size_t i = 0; i < cnt; ++i) {
+      if (w.bf16) {
+        const uint32_t sb = (uint32_t)sh[i] << 16, bb = (uint32_t)bh[i] << 16;
+        std::memcpy(&s[i], &sb, 4);
+        std::memcpy(&b[i], &bb, 4);
+      } else {
+        s[i] = f16_to_f32(sh[i]);
+        b[i] = f16_to_f32(bh[i]);
+      }
+    }
+    AffineRows v{w.wq + (size_t)r0 * (w.K * w.bits / 32), s.data(), b.data(), w.K, w.group, w.bits};
+    affine_rows_f32(v, a, 0, r1 - r0, out + r0, ldo, simd);
+  }
+}
+
+static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo,
+                            bool simd) {
   if (a.q8 && q8_supported('a', w.bits, w.group)) {
 #ifdef K3_X86
     if (simd) {

@@ -108,8 +108,9 @@ struct CodebookRows {
 void codebook_rows(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd);
 
 // -------------------------------------------------------------------------------------------------- affine
-// MLX affine layout: wq uint32 [N, K*bits/32] (LSB-first bitstream per row), scales/biases [N, K/group] as f32
-// (converted by the op from the checkpoint's dtype). w = scale * q + bias.
+// MLX affine layout: wq uint32 [N, K*bits/32] (LSB-first bitstream per row), scales/biases [N, K/group] in
+// the checkpoint's dtype: f32 (`scales`/`biases`) or f16/bf16 (`scales_h`/`biases_h`, with `bf16`; the
+// kernels convert 16 rows' worth at a time, so no per-call cast of the whole arrays). w = scale * q + bias.
 struct AffineRows {
   const uint32_t* wq;
   const float* scales;
@@ -117,7 +118,27 @@ struct AffineRows {
   int K;
   int group;
   int bits;
+  const uint16_t* scales_h = nullptr;
+  const uint16_t* biases_h = nullptr;
+  bool bf16 = false;
 };
+
+// Scale/bias dtypes of the affine kernels: 0 f32, 1 f16, 2 bf16.
+// The view of rows starting at row `first` (of the stack) for arrays in dtype `dt`.
+inline AffineRows affine_view(const uint32_t* wq, const void* scales, const void* biases, int dt, size_t first, int K,
+                              int group, int bits) {
+  const size_t ng = (size_t)(K / group);
+  AffineRows r{wq + first * (size_t)(K * bits / 32), nullptr, nullptr, K, group, bits};
+  if (dt == 0) {
+    r.scales = static_cast<const float*>(scales) + first * ng;
+    r.biases = static_cast<const float*>(biases) + first * ng;
+  } else {
+    r.scales_h = static_cast<const uint16_t*>(scales) + first * ng;
+    r.biases_h = static_cast<const uint16_t*>(biases) + first * ng;
+    r.bf16 = dt == 2;
+  }
+  return r;
+}
 
 void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd);
 

@@ -292,6 +292,36 @@ fn fast_affine_and_mxfp4_match_mlx() {
         for m in [1, 4, 9] {
             worst = worst.max(check_fast_path(QuantSpec::default_for(QuantMode::Mxfp4), m, 70, 512, m as u64));
         }
+        // Scales and biases as the checkpoint stores them (f16 / bf16, quantized from f16 / bf16 weights): the
+        // kernels read them directly; both q8 and f32 activations.
+        for dt in [Dtype::F16, Dtype::BF16] {
+            for (bits, group) in [(2, 64), (4, 32), (8, 128), (3, 64)] {
+                let spec = QuantSpec::affine(group, bits);
+                let w = randn(&[70, 512], 90 + bits as u64).astype(dt).unwrap();
+                let q = quant::quantize(&w, spec, None).unwrap();
+                assert_eq!(q.scales.dtype(), dt);
+                let x = randn(&[3, 512], 91);
+                let got = kernels::quantized_matmul(&x, &q, spec).unwrap();
+                let q32 = quant::Quantized {
+                    weight: q.weight.clone(),
+                    scales: q.scales.astype(Dtype::F32).unwrap(),
+                    biases: Some(q.biases.as_ref().unwrap().astype(Dtype::F32).unwrap()),
+                };
+                // The same values as f32 arrays: identical products, so identical results.
+                let want = kernels::quantized_matmul(&x, &q32, spec).unwrap();
+                assert_eq!(got.to_vec_f32().unwrap(), want.to_vec_f32().unwrap(), "{dt:?} {spec:?}");
+                let e = rel_err(&got, &quant::quantized_matmul(&x, &q, spec, true).unwrap());
+                assert!(e <= 2e-5, "{dt:?} {spec:?} vs MLX: {e}");
+                kernels::set_qmm_activations(Some(kernels::QmmActivations::Q8));
+                let (g8, w8) = (
+                    kernels::quantized_matmul(&x, &q, spec).unwrap(),
+                    kernels::quantized_matmul(&x, &q32, spec).unwrap(),
+                );
+                kernels::set_qmm_activations(None);
+                assert_eq!(g8.to_vec_f32().unwrap(), w8.to_vec_f32().unwrap(), "q8 {dt:?} {spec:?}");
+                worst = worst.max(e);
+            }
+        }
         println!("fast affine/mxfp4: worst rel err vs MLX {worst:e}");
     }
 }
@@ -299,14 +329,16 @@ fn fast_affine_and_mxfp4_match_mlx() {
 #[test]
 fn fast_gather_qmm_matches_mlx() {
     let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
-    for spec in [
-        QuantSpec::affine(64, 4),
-        QuantSpec::affine(32, 2),
-        QuantSpec::affine(32, 3),
-        QuantSpec::affine(64, 6),
-        QuantSpec::default_for(QuantMode::Mxfp4),
+    for (spec, dt) in [
+        (QuantSpec::affine(64, 4), Dtype::F32),
+        (QuantSpec::affine(32, 2), Dtype::F32),
+        (QuantSpec::affine(32, 3), Dtype::F32),
+        (QuantSpec::affine(64, 6), Dtype::F32),
+        (QuantSpec::default_for(QuantMode::Mxfp4), Dtype::F32),
+        (QuantSpec::affine(64, 2), Dtype::BF16),
+        (QuantSpec::affine(32, 8), Dtype::F16),
     ] {
-        let w = randn(&[5, 48, 256], 7);
+        let w = randn(&[5, 48, 256], 7).astype(dt).unwrap();
         let q = quant::quantize(&w, spec, None).unwrap();
         let x = randn(&[2, 4, 1, 1, 256], 8);
         let rhs = Array::from_slice(&[0u32, 4, 1, 1, 3, 2, 2, 0], &[2, 4, 1]).unwrap();
