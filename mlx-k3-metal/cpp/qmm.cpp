@@ -2,7 +2,8 @@
 // mxfp4 formats (same layouts as MLX, so checkpoints load unchanged), each plain and gathered over an expert
 // stack. One primitive class serves all formats; the op functions validate shapes and route anything the
 // fast CPU kernels do not cover (GPU streams, other bit widths) to MLX's own op, so results never depend on
-// a silent approximation.
+// a silent approximation. The one approximation, int8 activations (q8 mode), is opt-in (act_q8) and fixed in
+// each op's Format when the op is built.
 //
 // The gathered form follows MLX's gather_qmm: x (*Bx, M, K), weights (E, N, ...), lhs/rhs index arrays that
 // broadcast together; out (*broadcast, M, N). The kernel groups the (token, expert) pairs by expert so each

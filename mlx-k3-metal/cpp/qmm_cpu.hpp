@@ -7,7 +7,8 @@
 // time (`cpu_has_avx2_fma`), so one binary runs on any x86-64 and uses AVX2 where present. The codebook has
 // a scalar path for other CPUs (the compiler auto-vectorizes it). MLX's own formats (affine, mxfp4) have
 // scalar paths too, but plain affine/mxfp4 ops use MLX's kernels where there is no AVX2; only tiered expert
-// stacks (which MLX cannot run) take them.
+// stacks (which MLX cannot run) take them. In q8 mode (act_q8) the activations are also prepared as int8 and
+// the codebook, affine 2/4/8-bit and mxfp4 kernels multiply in integers (`maddubs`), as llama.cpp's do.
 #pragma once
 
 #include <cstddef>
