@@ -278,14 +278,12 @@ static const bool g_grid_ready = [] {
   return true;
 }();
 
-// Decodes one super-block's metadata with vector ops: the 32 grid offsets (index * 8) and, per 32-block,
-// dl = d * (2L + 1) and dd = dl * delta.
-__attribute__((target("avx2,fma,f16c"))) static inline void codebook_superblock(const CodebookRows& w, int n, int sb,
-                                                                                int offs[32], float dl[8],
-                                                                                float dd[8]) {
+// A full super-block's 32 grid offsets (index * 8) into offs; returns its 8 qh words as int32 lanes.
+__attribute__((target("avx2,fma,f16c"))) static inline __m256i codebook_offsets(const CodebookRows& w, int n, int sb,
+                                                                               int offs[32]) {
   const int K = w.K;
-  const __m128i qh16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qh + (size_t)n * (K / 32) + 8 * sb));
-  const __m256i qh = _mm256_cvtepu16_epi32(qh16);
+  const __m256i qh =
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qh + (size_t)n * (K / 32) + 8 * sb)));
   const uint8_t* codes = w.codes + (size_t)n * (K / 8) + 32 * sb;
   const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9);
   const __m256i seven = _mm256_set1_epi32(7);
@@ -297,6 +295,17 @@ __attribute__((target("avx2,fma,f16c"))) static inline void codebook_superblock(
     __m256i idx = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(offs + 8 * r), _mm256_slli_epi32(idx, 3));
   }
+  return qh;
+}
+
+// Decodes one super-block's metadata with vector ops: the 32 grid offsets (index * 8) and, per 32-block,
+// dl = d * (2L + 1) and dd = dl * delta.
+__attribute__((target("avx2,fma,f16c"))) static inline void codebook_superblock(const CodebookRows& w, int n, int sb,
+                                                                                int offs[32], float dl[8],
+                                                                                float dd[8]) {
+  const int K = w.K;
+  const __m256i qh = codebook_offsets(w, n, sb, offs);
+  const __m256i seven = _mm256_set1_epi32(7);
   const float d = _cvtsh_ss(w.scales[(size_t)n * codebook_super_blocks(K) + sb]);
   __m256 mult = _mm256_cvtepi32_ps(
       _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 12), seven), 1), _mm256_set1_epi32(1)));
@@ -420,18 +429,7 @@ __attribute__((target("avx2,fma,f16c"))) static void codebook_q8_row(const Codeb
     const int nblk = std::min(8, nb - 8 * sb);
     __m256i ls8, coef;  // per block: 8 * (2L + 1) in both 16-bit halves; (2L + 1) * (8 * delta - 8)
     if (nblk == 8) {
-      const __m256i qh =
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qh + (size_t)n * nb + 8 * sb)));
-      const uint8_t* codes = w.codes + (size_t)n * (K / 8) + 32 * sb;
-      const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9);
-      for (int r = 0; r < 4; ++r) {
-        const __m256i pick =
-            _mm256_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1);
-        __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(qh, pick), shifts), seven);
-        __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * r)));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(offs + 8 * r),
-                           _mm256_slli_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 8)), 3));
-      }
+      const __m256i qh = codebook_offsets(w, n, sb, offs);
       const __m256i ls =
           _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 12), seven), 1), _mm256_set1_epi32(1));
       ls8 = _mm256_slli_epi32(ls, 3);
@@ -956,6 +954,9 @@ static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, i
 
 // --------------------------------------------------------------------------------------------------- mxfp4
 
+// E2M1 values times 2 (integers), by code: the f32 and q8 kernels' decoding table.
+static const int8_t kE2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
 static inline float e8m0(uint8_t e) {
   // 2^(e - 127); MLX decodes e = 0 as 2^-127 (a subnormal) and 0xFF as NaN.
   if (e == 0xff) return NAN;
@@ -974,7 +975,7 @@ __attribute__((target("avx2,fma"))) static void mxfp4_tile_avx2(const Mxfp4Rows&
   const size_t row_bytes = (size_t)K / 2;
   const uint8_t* rows = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
   // E2M1 values x2 as int8, so a byte shuffle decodes 16 codes at once; the 0.5 goes into the scale.
-  const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1x2));
   const __m128i mask = _mm_set1_epi8(0x0f);
   __m256 acc[MB][NB];
   for (int m = 0; m < MB; ++m) {
@@ -1041,9 +1042,6 @@ static void mxfp4_rows_scalar(const Mxfp4Rows& w, const Activations& a, int n0, 
     }
   }
 }
-
-// E2M1 values times 2 (integers), by code.
-static const int8_t kE2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // q8 mode: per 32-block, 0.5 * 2^(e - 127) * dx * (integer dot of 2 * E2M1 values and int8 activations).
 static void mxfp4_rows_q8_scalar(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
