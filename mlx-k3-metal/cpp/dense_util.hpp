@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "mlx/array.h"
+#include "mlx/ops.h"
 
 namespace k3::kernels {
 
@@ -33,6 +34,14 @@ inline const void* dense_data(const mlx::core::array& a, std::vector<char>& scra
     std::memcpy(scratch.data() + i * item, src + strided_offset(a, i) * static_cast<int64_t>(item), item);
   }
   return scratch.data();
+}
+
+// A weight input as the op's primitive gets it: `a` itself when it is already evaluated and row-contiguous
+// (loaded weights, in practice), else a `contiguous` node. A decode step builds hundreds of these ops, so
+// skipping a no-op node per weight array keeps the graph (and MLX's per-node cost) small.
+inline mlx::core::array contiguous_input(const mlx::core::array& a, mlx::core::Stream s) {
+  if (a.status() != mlx::core::array::Status::unscheduled && a.flags().row_contiguous) return a;
+  return mlx::core::contiguous(a, false, s);
 }
 
 }  // namespace k3::kernels

@@ -14,6 +14,7 @@
 #include <memory>
 #include <numeric>
 
+#include "dense_util.hpp"
 #include "k3_internal.hpp"
 #include "k3_kernels.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -90,10 +91,11 @@ class GateUpSitu : public mx::UnaryPrimitive {
  public:
   GateUpSitu(mx::Stream s, GateUpFormat f) : mx::UnaryPrimitive(s), f_(f) {}
 
-  // Inputs: x [Bx, M, K] f32, lhs [P] u32, rhs [P] u32, gate weights (n_w arrays), up weights (n_w arrays).
+  // Inputs: x [..., M, K] f32, lhs [P] u32, rhs [P] u32 (these three may be strided views, packed in the
+  // task), gate weights (n_w arrays), up weights (n_w arrays).
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    for (auto& in : inputs) {
-      if (!in.flags().row_contiguous) throw std::runtime_error("[gather_gate_up_situ] non-contiguous input");
+    for (size_t i = 3; i < inputs.size(); ++i) {
+      if (!inputs[i].flags().row_contiguous) throw std::runtime_error("[gather_gate_up_situ] non-contiguous input");
     }
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
@@ -119,11 +121,12 @@ class GateUpSitu : public mx::UnaryPrimitive {
     const int nw = n_weights(f.kind);
     const mx::array* gw = &in[3];
     const mx::array* uw = &in[3 + nw];
-    const int M = in[0].shape(1), K = in[0].shape(2), N = gw[0].shape(1), E = gw[0].shape(0);
-    const int Bx = in[0].shape(0);
-    const float* xp = in[0].data<float>();
-    const uint32_t* lhs = in[1].data<uint32_t>();
-    const uint32_t* rhs = in[2].data<uint32_t>();
+    const int M = in[0].shape(-2), K = in[0].shape(-1), N = gw[0].shape(1), E = gw[0].shape(0);
+    const int Bx = (int)(in[0].size() / ((size_t)M * K));
+    std::vector<char> x_scratch, lhs_scratch, rhs_scratch;
+    const float* xp = static_cast<const float*>(dense_data(in[0], x_scratch));
+    const uint32_t* lhs = static_cast<const uint32_t*>(dense_data(in[1], lhs_scratch));
+    const uint32_t* rhs = static_cast<const uint32_t*>(dense_data(in[2], rhs_scratch));
     const size_t P = in[1].size();
     for (size_t p = 0; p < P; ++p) {
       if ((int)rhs[p] >= E || (int)lhs[p] >= Bx) {
@@ -276,18 +279,15 @@ mx::array gather_gate_up_situ(GateUpFormat f, const mx::array& x_in, const std::
   auto rhs = mx::astype(*rhs_in, mx::uint32, s);
   auto bc = mx::broadcast_arrays({lhs, rhs}, s);
   mx::Shape bshape = bc[0].shape();
-  auto lflat = mx::contiguous(mx::flatten(bc[0], s), false, s);
-  auto rflat = mx::contiguous(mx::flatten(bc[1], s), false, s);
-  const int P = lflat.size();
-  auto x = mx::contiguous(mx::reshape(x_in, {nbx, M, K}, s), false, s);
-  std::vector<mx::array> inputs{x, lflat, rflat};
-  for (auto& a : gw) inputs.push_back(mx::contiguous(a, false, s));
-  for (auto& a : uw) inputs.push_back(mx::contiguous(a, false, s));
-  auto y = mx::array({P, M, N}, mx::float32, std::make_shared<GateUpSitu>(s, f), inputs);
+  if (K == 0 || M == 0) fail("x has an empty M or K axis");
+  // One graph node (no reshape or contiguous nodes): x, lhs and rhs go in as they are.
+  std::vector<mx::array> inputs{x_in, mx::flatten(bc[0], s), mx::flatten(bc[1], s)};
+  for (auto& a : gw) inputs.push_back(contiguous_input(a, s));
+  for (auto& a : uw) inputs.push_back(contiguous_input(a, s));
   mx::Shape out_shape = bshape;
   out_shape.push_back(M);
   out_shape.push_back(N);
-  return mx::reshape(y, out_shape, s);
+  return mx::array(out_shape, mx::float32, std::make_shared<GateUpSitu>(s, f), inputs);
 }
 
 }  // namespace k3::kernels

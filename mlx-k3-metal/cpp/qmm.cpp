@@ -12,6 +12,7 @@
 #include <memory>
 #include <numeric>
 
+#include "dense_util.hpp"
 #include "k3_internal.hpp"
 #include "k3_kernels.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -104,11 +105,12 @@ class PackedQmm : public mx::UnaryPrimitive {
  public:
   PackedQmm(mx::Stream s, Layout layout, bool gather) : mx::UnaryPrimitive(s), layout_(std::move(layout)), gather_(gather) {}
 
-  // Inputs: x [B, M, K] f32 (B = 1 unless gathered); when gathered lhs [P], rhs [P] uint32; when tiered
-  // tier [E] uint8 and slot [E] uint32; then the arrays of each present format in order.
+  // Inputs: x f32, [..., K] (plain) or [..., M, K] (gathered); when gathered lhs [P], rhs [P] uint32; when
+  // tiered tier [E] uint8 and slot [E] uint32; then the arrays of each present format in order. x, lhs and
+  // rhs may be strided views (packed in the task); the rest are row-contiguous (see contiguous_input).
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    for (auto& in : inputs) {
-      if (!in.flags().row_contiguous) throw std::runtime_error(std::string("[") + name() + "] non-contiguous input");
+    for (size_t i = gather_ ? 3 : 1; i < inputs.size(); ++i) {
+      if (!inputs[i].flags().row_contiguous) throw std::runtime_error(std::string("[") + name() + "] non-contiguous input");
     }
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(this->stream());
@@ -138,7 +140,8 @@ class PackedQmm : public mx::UnaryPrimitive {
   // Runs on the stream's worker thread; `in` are the (evaluated) inputs.
   static void run(const std::vector<mx::array>& in, const Layout& layout, bool gather, float* out) {
     const auto& x = in[0];
-    int M = x.shape(-2), K = x.shape(-1);
+    const int K = x.shape(-1), M = gather ? x.shape(-2) : (int)(x.size() / K);
+    std::vector<char> x_scratch, lhs_scratch, rhs_scratch;
     size_t next = gather ? 3 : 1;
     const uint8_t* tier = nullptr;
     const uint32_t* slot = nullptr;
@@ -159,15 +162,15 @@ class PackedQmm : public mx::UnaryPrimitive {
       subs.push_back(w);
     }
     const int N = subs[0].N;
-    const float* xp = x.data<float>();
+    const float* xp = static_cast<const float*>(dense_data(x, x_scratch));
     if (!gather) {
       const Weights& w = subs[0];
       Prepared p(xp, M, K, w.f);
       parallel_range(N, kMinRowsPerTask, [&](size_t n0, size_t n1) { w.rows(0, p.a, (int)n0, (int)n1, out, N); });
       return;
     }
-    const uint32_t* lhs = in[1].data<uint32_t>();
-    const uint32_t* rhs = in[2].data<uint32_t>();
+    const uint32_t* lhs = static_cast<const uint32_t*>(dense_data(in[1], lhs_scratch));
+    const uint32_t* rhs = static_cast<const uint32_t*>(dense_data(in[2], rhs_scratch));
     size_t P = in[1].size();
     int E = layout.tiered ? (int)in[3].size() : in[3].shape(0);
     int Bx = (int)(x.size() / ((size_t)M * K));
@@ -301,15 +304,14 @@ mx::array packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::arra
   if (!mx::issubdtype(x_in.dtype(), mx::floating)) fail(op, "x must be a floating-point array");
   int K = x_in.shape(-1);
   int N = check_weights(op, f, w, K, false);
-  auto out_dtype = x_in.dtype();
-  auto x = mx::contiguous(mx::reshape(mx::astype(x_in, mx::float32, s), {-1, K}, s), false, s);
-  int M = x.shape(0);
-  std::vector<mx::array> inputs{mx::reshape(x, {1, M, K}, s)};
-  for (auto& a : w) inputs.push_back(mx::contiguous(a, false, s));
-  auto y = mx::array({M, N}, mx::float32, std::make_shared<PackedQmm>(s, Layout{{f}, false}, false), inputs);
+  if (K == 0) fail(op, "x has K = 0");
+  // One graph node per call (plus a cast for non-f32 x): no reshape or contiguous nodes around it.
+  std::vector<mx::array> inputs{mx::astype(x_in, mx::float32, s)};
+  for (auto& a : w) inputs.push_back(contiguous_input(a, s));
   mx::Shape out_shape(x_in.shape().begin(), x_in.shape().end() - 1);
   out_shape.push_back(N);
-  return mx::astype(mx::reshape(y, out_shape, s), out_dtype, s);
+  auto y = mx::array(out_shape, mx::float32, std::make_shared<PackedQmm>(s, Layout{{f}, false}, false), inputs);
+  return mx::astype(y, x_in.dtype(), s);
 }
 
 // Broadcast, flattened uint32 lhs/rhs index arrays for x (*Bx, M, K) and E experts; also the output's batch
@@ -325,7 +327,7 @@ std::tuple<mx::array, mx::array, mx::Shape> gather_indices(const char* op, const
   auto rhs = rhs_in ? mx::astype(*rhs_in, mx::uint32, s) : mx::reshape(mx::arange(E, mx::uint32, s), bx, s);
   auto bc = mx::broadcast_arrays({lhs, rhs}, s);
   mx::Shape bshape = bc[0].shape();
-  return {mx::contiguous(mx::flatten(bc[0], s), false, s), mx::contiguous(mx::flatten(bc[1], s), false, s), bshape};
+  return {mx::flatten(bc[0], s), mx::flatten(bc[1], s), bshape};
 }
 
 mx::array gather_packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::array>& w,
@@ -337,17 +339,15 @@ mx::array gather_packed_qmm(Format f, const mx::array& x_in, const std::vector<m
   if (!mx::issubdtype(x_in.dtype(), mx::floating)) fail(op, "x must be a floating-point array");
   int K = x_in.shape(-1), M = x_in.shape(-2);
   int N = check_weights(op, f, w, K, true);
+  if (K == 0 || M == 0) fail(op, "x has an empty M or K axis");
   auto [lflat, rflat, bshape] = gather_indices(op, x_in, w[0].shape(0), lhs_in, rhs_in, s);
-  int P = lflat.size();
-  int nbx = x_in.size() / ((size_t)M * K);
-  auto x = mx::contiguous(mx::reshape(mx::astype(x_in, mx::float32, s), {nbx, M, K}, s), false, s);
-  std::vector<mx::array> inputs{x, lflat, rflat};
-  for (auto& a : w) inputs.push_back(mx::contiguous(a, false, s));
-  auto y = mx::array({P, M, N}, mx::float32, std::make_shared<PackedQmm>(s, Layout{{f}, false}, true), inputs);
+  std::vector<mx::array> inputs{mx::astype(x_in, mx::float32, s), lflat, rflat};
+  for (auto& a : w) inputs.push_back(contiguous_input(a, s));
   mx::Shape out_shape = bshape;
   out_shape.push_back(M);
   out_shape.push_back(N);
-  return mx::astype(mx::reshape(y, out_shape, s), x_in.dtype(), s);
+  auto y = mx::array(out_shape, mx::float32, std::make_shared<PackedQmm>(s, Layout{{f}, false}, true), inputs);
+  return mx::astype(y, x_in.dtype(), s);
 }
 
 // A mixed expert stack: tier [E] uint8 (0 codebook, 1 mxfp4, 2 affine) and slot [E] uint32 (index within
@@ -378,21 +378,20 @@ mx::array gather_tiered_qmm(const mx::array& x_in, const mx::array& tier, const 
     if (N >= 0 && n != N) fail(op, "the tiers' stacks have different output sizes");
     N = n;
     layout.formats[t] = f;
-    for (auto& a : w) arrays.push_back(mx::contiguous(a, false, s));
+    for (auto& a : w) arrays.push_back(contiguous_input(a, s));
   }
   if (N < 0) fail(op, "no tier holds any expert");
   int E = tier.shape(0);
+  if (K == 0 || M == 0) fail(op, "x has an empty M or K axis");
   auto [lflat, rflat, bshape] = gather_indices(op, x_in, E, lhs_in, rhs_in, s);
-  int P = lflat.size();
-  int nbx = x_in.size() / ((size_t)M * K);
-  auto x = mx::contiguous(mx::reshape(mx::astype(x_in, mx::float32, s), {nbx, M, K}, s), false, s);
-  std::vector<mx::array> inputs{x, lflat, rflat, mx::contiguous(tier, false, s), mx::contiguous(slot, false, s)};
+  std::vector<mx::array> inputs{mx::astype(x_in, mx::float32, s), lflat, rflat, contiguous_input(tier, s),
+                                contiguous_input(slot, s)};
   inputs.insert(inputs.end(), arrays.begin(), arrays.end());
-  auto y = mx::array({P, M, N}, mx::float32, std::make_shared<PackedQmm>(s, layout, true), inputs);
   mx::Shape out_shape = bshape;
   out_shape.push_back(M);
   out_shape.push_back(N);
-  return mx::astype(mx::reshape(y, out_shape, s), x_in.dtype(), s);
+  auto y = mx::array(out_shape, mx::float32, std::make_shared<PackedQmm>(s, layout, true), inputs);
+  return mx::astype(y, x_in.dtype(), s);
 }
 
 // The fast paths take f32 activations on the CPU (the CPU default); half-precision activations keep MLX's

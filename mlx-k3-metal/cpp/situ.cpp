@@ -6,6 +6,7 @@
 // vectorize. GPU: the same formula as a custom kernel (kernels/situ.cu, kernels/situ.metal).
 #include <cmath>
 
+#include "dense_util.hpp"
 #include "k3_internal.hpp"
 #include "k3_kernels.h"
 #include "kernel_sources.h"
@@ -55,9 +56,6 @@ class Situ : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& up = inputs[0];
     const auto& gate = inputs[1];
-    if (!up.flags().row_contiguous || !gate.flags().row_contiguous) {
-      throw std::runtime_error("[situ] inputs must be row-contiguous (the op makes them so)");
-    }
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(this->stream());
     enc.set_input_array(up);
@@ -101,10 +99,16 @@ class Situ : public mx::UnaryPrimitive {
   }
 
  private:
+  // up and gate have the output's shape; a strided view (e.g. a slice of a fused projection) is packed in the
+  // task, so the op adds no `contiguous` node.
   template <typename T>
   static void dispatch(mx::cpu::CommandEncoder& enc, const mx::array& up, const mx::array& gate, mx::array& out,
                        size_t n, SituParams p) {
-    enc.dispatch([up_ptr = up.data<T>(), gate_ptr = gate.data<T>(), out_ptr = out.data<T>(), n, p]() {
+    enc.dispatch([up = mx::array::unsafe_weak_copy(up), gate = mx::array::unsafe_weak_copy(gate),
+                  out_ptr = out.data<T>(), n, p]() {
+      std::vector<char> us, gs;
+      const T* up_ptr = static_cast<const T*>(dense_data(up, us));
+      const T* gate_ptr = static_cast<const T*>(dense_data(gate, gs));
       parallel_range(n, 1 << 14, [&](size_t b, size_t e) {
         situ_rows<T>(up_ptr + b, gate_ptr + b, out_ptr + b, e - b, p);
       });
@@ -146,14 +150,17 @@ mx::array situ(const mx::array& up_in, const mx::array& gate_in, SituParams p, m
     throw std::invalid_argument("[situ] inputs must be float32, float16 or bfloat16");
   }
   auto s = mx::to_stream(sd);
-  auto bc = mx::broadcast_arrays({mx::astype(up_in, dt, s), mx::astype(gate_in, dt, s)}, s);
-  auto up = mx::contiguous(bc[0], false, s);
-  auto gate = mx::contiguous(bc[1], false, s);
+  auto up = mx::astype(up_in, dt, s), gate = mx::astype(gate_in, dt, s);
+  if (up.shape() != gate.shape()) {
+    auto bc = mx::broadcast_arrays({up, gate}, s);
+    up = bc[0];
+    gate = bc[1];
+  }
   if (up.size() > static_cast<size_t>(INT32_MAX)) {
     throw std::invalid_argument("[situ] more than 2^31 - 1 elements");
   }
   if (s.device == mx::Device::gpu) {
-    return situ_gpu(up, gate, p, s);
+    return situ_gpu(mx::contiguous(up, false, s), mx::contiguous(gate, false, s), p, s);
   }
   return mx::array(up.shape(), dt, std::make_shared<Situ>(s, p), {up, gate});
 }
