@@ -16,6 +16,11 @@ extern "C" {
 int k3_situ(k3_array* res, const k3_array up, const k3_array gate, float beta, bool has_linear_beta,
             float linear_beta, const k3_stream s);
 
+/* RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight (weight may be null). f32 on a CPU stream:
+ * one K3RmsNorm primitive (MLX's CPU fallback expands to ~10 graph nodes); anything else calls MLX's
+ * fast::rms_norm. */
+int k3_kernels_rms_norm(k3_array* res, const k3_array x, const k3_array weight, float eps, const k3_stream s);
+
 /* Ternary codebook matmul (IQ1_S semantics, planar layout; see cpp/qmm_cpu.hpp): y = x @ W^T with
  * x [..., K] and W [N, K] given as codes uint8 [N, K/8], qh uint16 [N, K/32], scales f16 [N, K/256].
  * Computed in f32, returned in x's dtype. CPU only for now. */

@@ -15,6 +15,15 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn k3_kernels_rms_norm(
+        res: *mut k3_array,
+        x: k3_array,
+        weight: k3_array,
+        eps: f32,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn k3_codebook_qmm(
         res: *mut k3_array,
         x: k3_array,

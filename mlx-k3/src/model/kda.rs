@@ -12,7 +12,7 @@ use super::linear::{Linear, RmsNorm};
 use super::shard::{Comm, Part, Shard};
 use super::weights::WeightStore;
 use crate::ops::{stack, zeros};
-use crate::{fast, ops, Array, Dtype, Result};
+use crate::{ops, Array, Dtype, Result};
 
 /// Low-rank or full-rank output gate.
 #[derive(Debug)]
@@ -150,8 +150,8 @@ impl Kda {
         // normalize_qk: L2 norm via rms_norm (eps 1e-6 on sum(x^2) = eps/d on mean), readout scale folded in q.
         let inv_scale = (d as f32).powf(-0.5);
         let rms_eps = 1e-6 * inv_scale * inv_scale;
-        let q = fast::rms_norm(&q, None, rms_eps)?.multiply(inv_scale * inv_scale)?;
-        let k = fast::rms_norm(&k, None, rms_eps)?.multiply(inv_scale)?;
+        let q = crate::kernels::rms_norm(&q, None, rms_eps)?.multiply(inv_scale * inv_scale)?;
+        let k = crate::kernels::rms_norm(&k, None, rms_eps)?.multiply(inv_scale)?;
 
         let a = self.f_b.forward(&self.f_a.forward(x)?)?.reshape(&[b, t, h, d])?;
         let beta = self.b_proj.forward(x)?.reshape(&[b, t, h])?.sigmoid()?;

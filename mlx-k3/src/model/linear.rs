@@ -243,7 +243,7 @@ impl RmsNorm {
 
     /// Applies the norm.
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        crate::fast::rms_norm(x, Some(&self.weight), self.eps)
+        crate::kernels::rms_norm(x, Some(&self.weight), self.eps)
     }
 
     /// The scale vector.

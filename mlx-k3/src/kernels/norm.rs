@@ -1,0 +1,17 @@
+//! RMSNorm as one primitive on the CPU.
+
+use crate::array::s;
+use crate::{Array, Result};
+
+/// `x / sqrt(mean(x²) + eps) * weight` over the last axis, as [`crate::fast::rms_norm`] computes it. For f32
+/// on a CPU stream this is one `K3RmsNorm` node (MLX's CPU path builds about ten: square, sum, scale, add,
+/// rsqrt, broadcasts, multiplies); the arithmetic is MLX's except for the order of the sum of squares.
+/// Other dtypes and GPU streams run MLX's op unchanged.
+#[track_caller]
+pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
+    let st = s();
+    // SAFETY: live handles (or null) in, new handle out; the C++ op validates the arguments.
+    Array::try_from_op("rms_norm", |res| unsafe {
+        mlx_k3_metal::k3_kernels_rms_norm(res, x.as_raw(), Array::raw_opt(weight), eps, st)
+    })
+}
