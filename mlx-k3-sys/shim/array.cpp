@@ -1,5 +1,9 @@
 // Arrays: errors, dtypes, creation, read-back, evaluation; devices, streams and memory.
 #include <sstream>
+#include <string>
+#include <unordered_set>
+
+#include "mlx/primitives.h"
 
 #include "k3_internal.hpp"
 
@@ -192,6 +196,23 @@ extern "C" int k3_eval(const k3_array* arrays, size_t n) {
 
 extern "C" int k3_async_eval(const k3_array* arrays, size_t n) {
   K3_TRY(mx::async_eval(k3::arrays(arrays, n)))
+}
+
+extern "C" int k3_graph_nodes(size_t* res, const k3_array* arrays, size_t n, const char* primitive) {
+  K3_TRY({
+    std::unordered_set<std::uintptr_t> seen;
+    std::vector<mx::array> stack = k3::arrays(arrays, n);
+    size_t count = 0;
+    while (!stack.empty()) {
+      mx::array a = stack.back();
+      stack.pop_back();
+      if (!seen.insert(a.id()).second) continue;
+      if (a.status() != mx::array::Status::unscheduled || !a.has_primitive()) continue;
+      if (!primitive || std::string(a.primitive().name()) == primitive) ++count;
+      for (auto& in : a.inputs()) stack.push_back(in);
+    }
+    *res = count;
+  })
 }
 
 // ---------------------------------------------------------------- devices, streams, memory

@@ -81,6 +81,9 @@ void k3_string_free(char* s);
 
 int k3_eval(const k3_array* arrays, size_t n);
 int k3_async_eval(const k3_array* arrays, size_t n);
+/* Size of the pending graph behind `arrays`: *res = the unscheduled arrays (each one node MLX will schedule)
+ * reachable from them, counting only those whose primitive is named `primitive` unless it is null. */
+int k3_graph_nodes(size_t* res, const k3_array* arrays, size_t n, const char* primitive);
 
 /* ---------------------------------------------------------------- devices, streams, memory */
 int k3_device_is_available(bool* res, k3_device_type type);

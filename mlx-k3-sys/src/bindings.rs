@@ -185,6 +185,14 @@ unsafe extern "C" {
     pub fn k3_async_eval(arrays: *const k3_array, n: usize) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn k3_graph_nodes(
+        res: *mut usize,
+        arrays: *const k3_array,
+        n: usize,
+        primitive: *const ::std::os::raw::c_char,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn k3_device_is_available(res: *mut bool, type_: k3_device_type) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {

@@ -340,6 +340,24 @@ pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     check("async_eval", unsafe { sys::k3_async_eval(raws.as_ptr(), raws.len()) })
 }
 
+/// Nodes of the pending graph behind `arrays`: the unscheduled arrays MLX would schedule to evaluate them
+/// (evaluated arrays and constants are not counted), only those whose primitive is named `primitive` when
+/// given (MLX's names, e.g. `"Contiguous"`, or ours, e.g. `"K3RmsNorm"`). A diagnostic: each node costs MLX
+/// scheduling work in every decode step, so the decode tests bound it.
+pub fn graph_nodes(arrays: &[&Array], primitive: Option<&str>) -> Result<usize> {
+    let raws: Vec<sys::k3_array> = arrays.iter().map(|a| a.raw).collect();
+    let name = primitive
+        .map(std::ffi::CString::new)
+        .transpose()
+        .map_err(|_| crate::Error::invalid("graph_nodes", "the primitive name contains a NUL byte"))?;
+    let mut n = 0usize;
+    // SAFETY: live handles and a NUL-terminated name (or null) for the duration of the call; writes one usize.
+    check("graph_nodes", unsafe {
+        sys::k3_graph_nodes(&mut n, raws.as_ptr(), raws.len(), name.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()))
+    })?;
+    Ok(n)
+}
+
 /// The stream argument for shim calls made now on this thread.
 pub(crate) fn s() -> sys::k3_stream {
     current_raw()
