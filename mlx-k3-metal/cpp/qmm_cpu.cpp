@@ -263,7 +263,8 @@ static void codebook_rows_q8_scalar(const CodebookRows& w, const Activations& a,
 // the hardware prefetchers do not run across 4 KiB pages, so each new page of a stream starts with a miss.
 // Touching the line kPrefetchAhead bytes ahead keeps the next page in flight. (Prefetching past the end of a
 // buffer never faults.) Measured on the 2-core AVX2 development machine, mid-size K3 decode, three alternated
-// runs: f32 activations 10.3-10.6 -> 14.7-15.2 tok/s, q8 15.3-17.1 -> 15.1-18.2 (README, "End-to-end").
+// runs: f32 activations 10.3-10.6 -> 14.7-15.2 tok/s, q8 15.3-17.1 -> 15.1-18.2 (README: the mid-size K3
+// table under "Benchmarks"). 2 KiB and 8 KiB ahead were tried too: 4 KiB was the most consistent.
 #ifndef K3_PREFETCH_AHEAD
 #define K3_PREFETCH_AHEAD 4096
 #endif
