@@ -156,6 +156,8 @@ void gemm_block(const Mat& A, const Mat& B, float* C, int ldc, int i0, int i1, i
   }
 }
 
+}  // namespace
+
 __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int n) {
   __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
   int k = 0;
@@ -174,6 +176,8 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
   for (; k < n; ++k) r += a[k] * b[k];
   return r;
 }
+
+namespace {
 
 // y[j] (stride incy) = alpha * sum_k x[k] * W[k, j] + beta * y, W row-major [K, n] (ld) over columns [j0, j1).
 __attribute__((target("avx2,fma"))) void axpy_rows(const float* x, const float* W, int ld, int K, int j0, int j1,

@@ -274,6 +274,11 @@ static inline void prefetch_ahead(const void* p) {
 }
 // Whether block i of `bytes` bytes is the first to start in its 64-byte line: one prefetch per line.
 static inline bool starts_line(int i, int bytes) { return (i * bytes) % 64 < bytes; }
+// A codebook row's two streams at super-block sb: 32 bytes of codes and 16 bytes of qh each.
+static inline void prefetch_codebook(const CodebookRows& w, int n, int sb) {
+  if (starts_line(sb, 32)) prefetch_ahead(w.codes + (size_t)n * (w.K / 8) + 32 * sb);
+  if (starts_line(sb, 16)) prefetch_ahead(w.qh + (size_t)n * (w.K / 32) + 8 * sb);
+}
 
 __attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -364,8 +369,7 @@ __attribute__((target("avx2,fma,f16c"))) static void codebook_tile_avx2(const Co
   for (int sb = 0; sb < codebook_super_blocks(K); ++sb) {
     const int nblk = std::min(8, nb - 8 * sb);
     for (int j = 0; j < NB; ++j) {
-      if ((sb & 1) == 0) prefetch_ahead(w.codes + (size_t)(n + j) * (K / 8) + 32 * sb);
-      if ((sb & 3) == 0) prefetch_ahead(w.qh + (size_t)(n + j) * nb + 8 * sb);
+      prefetch_codebook(w, n + j, sb);
       if (nblk == 8) {
         codebook_superblock(w, n + j, sb, offs[j], dl[j], dd[j]);
       } else {
@@ -446,8 +450,7 @@ __attribute__((target("avx2,fma,f16c"))) static void codebook_q8_row(const Codeb
   for (int sb = 0; sb < nsb; ++sb) {
     const int nblk = std::min(8, nb - 8 * sb);
     __m256i ls8, coef;  // per block: 8 * (2L + 1) in both 16-bit halves; (2L + 1) * (8 * delta - 8)
-    if ((sb & 1) == 0) prefetch_ahead(w.codes + (size_t)n * (K / 8) + 32 * sb);
-    if ((sb & 3) == 0) prefetch_ahead(w.qh + (size_t)n * nb + 8 * sb);
+    prefetch_codebook(w, n, sb);
     if (nblk == 8) {
       const __m256i qh = codebook_offsets(w, n, sb, offs);
       const __m256i ls =
@@ -835,7 +838,7 @@ __attribute__((target("avx2,fma"))) static void affine_q8_row2(const AffineRows&
   __m256 accf[MB];
   for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
   for (int c = 0; c < full; ++c) {
-    if ((c & 1) == 0) prefetch_ahead(row + 32 * c);
+    if (starts_line(c, 32)) prefetch_ahead(row + 32 * c);
     const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
     __m256i acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
@@ -1007,7 +1010,7 @@ __attribute__((target("avx2,fma"))) static void mxfp4_tile_avx2(const Mxfp4Rows&
   for (int b = 0; b < nb; ++b) {
     __m256 v[NB][4], s[NB];
     for (int j = 0; j < NB; ++j) {
-      if ((b & 3) == 0) prefetch_ahead(rows + j * row_bytes + 16 * b);
+      if (starts_line(b, 16)) prefetch_ahead(rows + j * row_bytes + 16 * b);
       __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + j * row_bytes + 16 * b));
       __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, mask));
       __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
@@ -1100,7 +1103,7 @@ __attribute__((target("avx2,fma"))) static void mxfp4_q8_row(const Mxfp4Rows& w,
   for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
   for (int b = 0; b < nb; ++b) {
     // Codes in decoder order (even elements, then odd), then 2 * value as int8 by a byte shuffle.
-    if ((b & 3) == 0) prefetch_ahead(row + 16 * b);
+    if (starts_line(b, 16)) prefetch_ahead(row + 16 * b);
     const __m256i wv = _mm256_shuffle_epi8(lut, codes_u8<4>(row + 16 * b));
     const __m256i aw = _mm256_abs_epi8(wv);
     const float s = 0.5f * e8m0(w.scales[(size_t)n * nb + b]);

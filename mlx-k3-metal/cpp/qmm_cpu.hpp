@@ -23,6 +23,10 @@ constexpr int kMaxRows = 4;
 // Whether the CPU supports AVX2 and FMA (checked once) and the SIMD paths are enabled.
 bool cpu_has_avx2_fma();
 
+// f32 dot product of n elements with AVX2+FMA (dense_sgemm.cpp; x86-64 builds only, call where
+// cpu_has_avx2_fma()).
+float dot_avx2(const float* a, const float* b, int n);
+
 // Disables the SIMD paths (tests check the scalar paths on SIMD machines too).
 void set_force_scalar(bool on);
 

@@ -18,8 +18,7 @@
 #include "qmm_cpu.hpp"
 
 #if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define K3_X86 1
+#define K3_X86 1  // dot_avx2 exists
 #endif
 
 namespace mx = mlx::core;
@@ -33,32 +32,13 @@ float sum_squares_scalar(const float* x, int d) {
   return s;
 }
 
-#ifdef K3_X86
-__attribute__((target("avx2,fma"))) float sum_squares_avx2(const float* x, int d) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= d; i += 16) {
-    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
-    a0 = _mm256_fmadd_ps(v0, v0, a0);
-    a1 = _mm256_fmadd_ps(v1, v1, a1);
-  }
-  a0 = _mm256_add_ps(a0, a1);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  float r = _mm_cvtss_f32(s);
-  for (; i < d; ++i) r += x[i] * x[i];
-  return r;
-}
-#endif
-
 void norm_rows(const float* x, const float* w, float* out, size_t r0, size_t r1, int d, float eps, bool simd) {
   const float inv_d = static_cast<float>(1.0 / d);
   for (size_t r = r0; r < r1; ++r) {
     const float* xr = x + r * d;
     float* o = out + r * d;
 #ifdef K3_X86
-    const float ss = simd ? sum_squares_avx2(xr, d) : sum_squares_scalar(xr, d);
+    const float ss = simd ? dot_avx2(xr, xr, d) : sum_squares_scalar(xr, d);
 #else
     (void)simd;
     const float ss = sum_squares_scalar(xr, d);

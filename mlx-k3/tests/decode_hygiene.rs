@@ -13,7 +13,7 @@ use mlx_k3::generate::{
     generate_tokens, tripwire, GenerateOptions, PromptCache, RecentTokens, Sampler, SamplerConfig, SYNC_EVERY,
 };
 use mlx_k3::model::shard::Comm;
-use mlx_k3::model::{KimiK3, LoadOptions};
+use mlx_k3::model::{KimiK3, LoadOptions, ModelCache};
 use mlx_k3::sync_trace::{self, Counts, Event, Kind};
 use mlx_k3::{Array, Dtype};
 
@@ -62,6 +62,19 @@ fn prefill_chunks(prompt_len: usize, chunk: usize) -> u64 {
     (prompt_len - 1).div_ceil(chunk) as u64
 }
 
+/// The model in `dir` with its cache prefilled on all but the last prompt token (taken modulo its vocabulary),
+/// as the decode loop leaves it; also that prompt.
+fn prefilled(dir: &Path) -> (KimiK3, ModelCache, Vec<u32>) {
+    let model = KimiK3::load(dir, LoadOptions::default()).unwrap();
+    let vocab = model.config().vocab_size as u32;
+    let prompt: Vec<u32> = PROMPT.iter().map(|t| t % vocab).collect();
+    let mut cache = model.make_cache();
+    let ids = Array::from_slice(&prompt[..prompt.len() - 1], &[1, prompt.len() as i32 - 1]).unwrap();
+    model.forward(&ids, Some(&mut cache)).unwrap();
+    mlx_k3::eval(&cache.arrays()).unwrap();
+    (model, cache, prompt)
+}
+
 fn kinds(events: &[Event]) -> Vec<Kind> {
     events.iter().map(|e| e.kind).collect()
 }
@@ -71,13 +84,8 @@ fn building_a_decode_step_waits_for_nothing() {
     let mut dirs = fixture_dirs();
     dirs.push(nano_dir());
     for dir in dirs {
-        let model = KimiK3::load(&dir, LoadOptions::default()).unwrap();
+        let (model, mut cache, prompt) = prefilled(&dir);
         let vocab = model.config().vocab_size as u32;
-        let prompt: Vec<u32> = PROMPT.iter().map(|t| t % vocab).collect();
-        let mut cache = model.make_cache();
-        let ids = Array::from_slice(&prompt[..prompt.len() - 1], &[1, prompt.len() as i32 - 1]).unwrap();
-        model.forward(&ids, Some(&mut cache)).unwrap();
-        mlx_k3::eval(&cache.arrays()).unwrap();
         let cfg = SamplerConfig { logit_bias: vec![(3, 0.5)], penalty_context: 10, ..with_penalties(sampled()) };
         let mut sampler = Sampler::new(cfg.clone()).unwrap();
         let mut recent = RecentTokens::new(&cfg, &prompt).unwrap();
@@ -310,13 +318,7 @@ fn a_decode_step_graph_has_no_layout_copies_or_unfused_norms() {
     let mut dirs = fixture_dirs();
     dirs.push(nano_dir());
     for dir in dirs {
-        let model = KimiK3::load(&dir, LoadOptions::default()).unwrap();
-        let vocab = model.config().vocab_size as u32;
-        let prompt: Vec<u32> = PROMPT.iter().map(|t| t % vocab).collect();
-        let mut cache = model.make_cache();
-        let ids = Array::from_slice(&prompt[..prompt.len() - 1], &[1, prompt.len() as i32 - 1]).unwrap();
-        model.forward(&ids, Some(&mut cache)).unwrap();
-        mlx_k3::eval(&cache.arrays()).unwrap();
+        let (model, mut cache, prompt) = prefilled(&dir);
         let token = Array::from_slice(&prompt[prompt.len() - 1..], &[1, 1]).unwrap();
         let logits = model.forward(&token, Some(&mut cache)).unwrap();
         let state = cache.arrays();
