@@ -107,6 +107,17 @@ fn gemv(c: &mut Criterion) {
                     kernels::set_qmm_activations(None);
                 });
             }
+            if ["affine4", "affine2"].contains(&name) {
+                // bf16 scales and biases, as bf16 checkpoints carry them (4.5 / 2.5 bits per weight at group 64:
+                // q4_0's size, and a little under q2_K's 2.625).
+                let qh = packed(&w.astype(Dtype::BF16).unwrap(), spec);
+                g.throughput(Throughput::Bytes(qbytes(&qh)));
+                g.bench_function(id(&format!("{name}_bf16_q8_k3")), |b| {
+                    kernels::set_qmm_activations(Some(QmmActivations::Q8));
+                    b.iter(|| kernels::quantized_matmul(&x, &qh, spec).and_then(|y| y.eval()).unwrap());
+                    kernels::set_qmm_activations(None);
+                });
+            }
         }
     }
     g.finish();

@@ -163,6 +163,24 @@ static void interleave_2bit_q8(const float* x, int rows, int K, float* out) {
   }
 }
 
+// The q8 layout of 4-bit affine rows for the SIMD kernel: in each 64-chunk (32 bytes of codes), position j
+// takes element 2j (byte j's low nibble) and position 32 + j element 2j + 1 (its high nibble). A row's last
+// K % 64 values (one 32-block) keep the order of permute_for_bits(4).
+static void interleave_4bit_q8(const float* x, int rows, int K, float* out) {
+  const int full = K / 64;
+  for (int m = 0; m < rows; ++m) {
+    const float* src = x + (size_t)m * K;
+    float* dst = out + (size_t)m * K;
+    for (int c = 0; c < full; ++c) {
+      for (int j = 0; j < 32; ++j) {
+        dst[64 * c + j] = src[64 * c + 2 * j];
+        dst[64 * c + 32 + j] = src[64 * c + 2 * j + 1];
+      }
+    }
+    if (full * 64 < K) permute_for_bits(src + 64 * full, 1, K - 64 * full, 4, dst + 64 * full);
+  }
+}
+
 PreparedActivations::PreparedActivations(const float* x, int rows, int K, char format, int bits, bool simd, bool q8)
     : sums_((size_t)rows * (K / 32)) {
   const int order = activation_order(format, bits, simd);
@@ -175,12 +193,13 @@ PreparedActivations::PreparedActivations(const float* x, int rows, int K, char f
     bsums_.resize((size_t)rows * (K / 32) + 8);
     // From the order the format's SIMD kernel reads (the reorderings stay within 128 values, so the
     // 256-chunk scales are those of x; bsums are per 32 values as laid out, which is per block of x except
-    // for the 2-bit interleave, whose kernel does not read them).
+    // for the 2/4-bit interleaves, whose kernels do not read them).
     const float* src = a.permuted;
     std::vector<float> inter;
-    if (simd && format == 'a' && bits == 2) {
+    if (simd && format == 'a' && (bits == 2 || bits == 4)) {
       inter.resize((size_t)rows * K);
-      interleave_2bit_q8(x, rows, K, inter.data());
+      if (bits == 2) interleave_2bit_q8(x, rows, K, inter.data());
+      else interleave_4bit_q8(x, rows, K, inter.data());
       src = inter.data();
     }
     quantize_activations_q8(src, rows, K, q8_.data(), q8_d_.data(), bsums_.data());
@@ -733,12 +752,10 @@ static void affine_rows_q8_scalar(const AffineRows& w, const Activations& a, int
 }
 
 #ifdef K3_X86
-// 32 codes of 2, 4 or 8 bits as bytes, in decoder order (see permute_for_bits).
+// 32 codes of 2 or 4 bits as bytes, in decoder order (see permute_for_bits): the kernels' last 32-blocks.
 template <int BITS>
 __attribute__((target("avx2,fma"))) static inline __m256i codes_u8(const uint8_t* p) {
-  if constexpr (BITS == 8) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  } else if constexpr (BITS == 4) {
+  if constexpr (BITS == 4) {
     // Low lane: low nibbles (even elements); high lane: high nibbles (odd elements).
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0f));
@@ -758,22 +775,77 @@ struct AffineQ8Sums {
   std::vector<float> gx, c8;  // [MB][ng]
 };
 
-__attribute__((target("avx2,fma"))) static float dot_f32(const float* a, const float* b, int n) {
+// Scale/bias element type read directly by the q8 affine kernels (f16/bf16 scales are not converted first).
+enum class Sdt { f32, f16, bf16 };
+
+template <Sdt T>
+__attribute__((target("avx2,fma,f16c"))) static inline float scale_at(const void* p, size_t i) {
+  if constexpr (T == Sdt::f32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (T == Sdt::bf16) {
+    const uint32_t b = (uint32_t) static_cast<const uint16_t*>(p)[i] << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  } else {
+    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+// n (1, 2, 4 or 8) consecutive values from element i, as f32 in the low n lanes (the others unspecified); reads
+// exactly n elements.
+template <Sdt T>
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 load_scales(const void* p, size_t i, int n) {
+  if constexpr (T == Sdt::f32) {
+    const float* f = static_cast<const float*>(p) + i;
+    switch (n) {
+      case 8: return _mm256_loadu_ps(f);
+      case 4: return _mm256_castps128_ps256(_mm_loadu_ps(f));
+      case 2: return _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f))));
+      default: return _mm256_set1_ps(*f);
+    }
+  } else {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + i;
+    __m128i v;
+    switch (n) {
+      case 8: v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h)); break;
+      case 4: v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)); break;
+      case 2: {
+        int32_t u;
+        std::memcpy(&u, h, 4);
+        v = _mm_cvtsi32_si128(u);
+        break;
+      }
+      default: v = _mm_cvtsi32_si128(*h); break;
+    }
+    if constexpr (T == Sdt::f16) return _mm256_cvtph_ps(v);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  }
+}
+
+template <Sdt T>
+__attribute__((target("avx2,fma,f16c"))) static float dot_scales(const void* p, size_t i0, const float* b, int n) {
   __m256 acc = _mm256_setzero_ps();
   int i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(load_scales<T>(p, i0 + i, 8), _mm256_loadu_ps(b + i), acc);
   float r = hsum(acc);
-  for (; i < n; ++i) r += a[i] * b[i];
+  // An explicit FMA: every scale dtype rounds the same way (f16/bf16 give bit-identical results to f32 arrays
+  // holding the same values).
+  for (; i < n; ++i) r = std::fma(scale_at<T>(p, i0 + i), b[i], r);
   return r;
 }
 
-template <int BITS, int MB>
-__attribute__((target("avx2,fma"))) static void affine_q8_row(const AffineRows& w, const Activations& a,
-                                                             const AffineQ8Sums& sums, int m0, int n, float* out,
-                                                             int ldo) {
+// 8 bits: codes - 128 as int8 against the activations (the sign trick keeps maddubs' first operand unsigned),
+// per group an i32 sum times the group's scale; the offset term 128 * scale * dx * sum(q) is one dot product
+// at the row's end (AffineQ8Sums::c8).
+template <int MB, Sdt T>
+__attribute__((target("avx2,fma,f16c"))) static void affine_q8_row8(const AffineRows& w, const void* scales,
+                                                                   const void* biases, const Activations& a,
+                                                                   const AffineQ8Sums& sums, int m0, int n,
+                                                                   float* out, int ldo) {
   const int K = w.K, ng = K / w.group, bpg = w.group / 32, gpc = 256 / w.group, nsb = codebook_super_blocks(K);
-  const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K * BITS / 8;
-  const float* scales = w.scales + (size_t)n * ng;
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K;
+  const size_t s0 = (size_t)n * ng;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 accf[MB];
   for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
@@ -783,86 +855,110 @@ __attribute__((target("avx2,fma"))) static void affine_q8_row(const AffineRows& 
     for (int m = 0; m < MB; ++m) accc[m] = _mm256_setzero_ps();
     const int g1 = std::min(ng, (c + 1) * gpc);
     for (int g = c * gpc; g < g1; ++g) {
-      // 2/4 bits: maddubs' pair sums stay within int16 over a group of up to 4 blocks (4 * 2 * 15 * 127);
-      // 8 bits: codes - 128 as int8 (the sign trick keeps maddubs' first operand unsigned).
       __m256i acc[MB];
       for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
       for (int bi = 0; bi < bpg; ++bi) {
         const int b = g * bpg + bi;
-        if (starts_line(b, 4 * BITS)) prefetch_ahead(row + (size_t)b * 4 * BITS);
-        __m256i wv = codes_u8<BITS>(row + (size_t)b * 4 * BITS);
-        if constexpr (BITS == 8) {
-          wv = _mm256_xor_si256(wv, _mm256_set1_epi8((char)0x80));
-          const __m256i aw = _mm256_abs_epi8(wv);
-          for (int m = 0; m < MB; ++m) {
-            const __m256i q =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 32 * b));
-            acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(q, wv)), ones));
-          }
-        } else {
-          for (int m = 0; m < MB; ++m) {
-            const __m256i q =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 32 * b));
-            acc[m] = _mm256_add_epi16(acc[m], _mm256_maddubs_epi16(wv, q));
-          }
+        if (starts_line(b, 32)) prefetch_ahead(row + (size_t)b * 32);
+        const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (size_t)b * 32)),
+                                            _mm256_set1_epi8((char)0x80));
+        const __m256i aw = _mm256_abs_epi8(wv);
+        for (int m = 0; m < MB; ++m) {
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 32 * b));
+          acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(q, wv)), ones));
         }
       }
-      const __m256 sg = _mm256_broadcast_ss(scales + g);
-      for (int m = 0; m < MB; ++m) {
-        const __m256i S = BITS == 8 ? acc[m] : _mm256_madd_epi16(acc[m], ones);
-        accc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), sg, accc[m]);
-      }
+      const __m256 sg = _mm256_set1_ps(scale_at<T>(scales, s0 + g));
+      for (int m = 0; m < MB; ++m) accc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), sg, accc[m]);
     }
     for (int m = 0; m < MB; ++m) {
       accf[m] = _mm256_fmadd_ps(accc[m], _mm256_broadcast_ss(a.q8_d + (size_t)(m0 + m) * nsb + c), accf[m]);
     }
   }
   for (int m = 0; m < MB; ++m) {
-    float r = hsum(accf[m]) + dot_f32(w.biases + (size_t)n * ng, sums.gx.data() + (size_t)m * ng, ng);
-    if constexpr (BITS == 8) r += dot_f32(scales, sums.c8.data() + (size_t)m * ng, ng);
-    out[(size_t)(m0 + m) * ldo + n] = r;
+    out[(size_t)(m0 + m) * ldo + n] = hsum(accf[m]) +
+                                      dot_scales<T>(biases, s0, sums.gx.data() + (size_t)m * ng, ng) +
+                                      dot_scales<T>(scales, s0, sums.c8.data() + (size_t)m * ng, ng);
   }
 }
 
-// 2 bits: 128 weights (32 bytes, 4 blocks) per step, the four 2-bit shifts of one load against the
-// interleaved activations (see interleave_2bit_q8); i32 lane i of the sums belongs to block i / 2, so one FMA
-// applies the four blocks' group scales. A row's last K % 128 weights go block by block.
-template <int MB>
-__attribute__((target("avx2,fma"))) static void affine_q8_row2(const AffineRows& w, const Activations& a,
-                                                              const AffineQ8Sums& sums, int m0, int n, float* out,
-                                                              int ldo) {
-  const int K = w.K, ng = K / w.group, nsb = codebook_super_blocks(K), full = K / 128;
+// 2 bits: 256 weights (64 bytes, 8 blocks) per step against the interleaved activations (see
+// interleave_2bit_q8). Of each 32-byte half, bits 0-1 and 4-5 of every byte (masks 3 after shifts 0 and 4) and
+// bits 2-3 and 6-7 (mask 12, i.e. 4x the code) meet their activations in maddubs; the 4x sums are exact
+// multiples of 4 and are shifted back before the pairs are added (all within int16: 2 * 12 * 127 * 2). i32
+// lane i of a half's sums belongs to its block i / 2, so one FMA applies the blocks' group scales, read once
+// per 256 weights (in the row's scale dtype) and spread over the lanes by one permute. The 256-chunk's
+// activation scale dx is applied once. The last K % 256 weights go 128 / 32 at a time.
+template <int MB, Sdt T>
+__attribute__((target("avx2,fma,f16c"))) static void affine_q8_row2(const AffineRows& w, const void* scales,
+                                                                   const void* biases, const Activations& a,
+                                                                   const AffineQ8Sums& sums, int m0, int n,
+                                                                   float* out, int ldo) {
+  const int K = w.K, G = w.group, ng = K / G, nsb = codebook_super_blocks(K), gpc = 256 / G, full = K / 256;
   const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 4;
-  const float* scales = w.scales + (size_t)n * ng;
-  const __m256i ones = _mm256_set1_epi16(1), three = _mm256_set1_epi8(3);
+  const size_t s0 = (size_t)n * ng;
+  // Lane i of half h: block 4h + i / 2, in group (128h + 32 (i / 2)) / G of the chunk.
+  __m256i idx[2];
+  for (int h = 0; h < 2; ++h) {
+    alignas(32) int32_t l[8];
+    for (int i = 0; i < 8; ++i) l[i] = (128 * h + 32 * (i / 2)) / G;
+    idx[h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(l));
+  }
+  const __m256i ones = _mm256_set1_epi16(1), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12);
   __m256 accf[MB];
   for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
   for (int c = 0; c < full; ++c) {
-    if (starts_line(c, 32)) prefetch_ahead(row + 32 * c);
-    const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
-    __m256i acc[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
-    for (int s = 0; s < 4; ++s) {
-      // Per byte, bits 2s..2s+1 (the 16-bit shift's spill from the next byte is masked off).
-      const __m256i ws = _mm256_and_si256(_mm256_srl_epi16(wb, _mm_cvtsi32_si128(2 * s)), three);
+    const uint8_t* p = row + 64 * c;
+    prefetch_ahead(p);
+    const __m256 sc = load_scales<T>(scales, s0 + (size_t)c * gpc, gpc);
+    __m256 accc[MB];
+    for (int m = 0; m < MB; ++m) accc[m] = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+      const __m256i t = _mm256_srli_epi16(wb, 4);
+      const __m256i w0 = _mm256_and_si256(wb, m3), w1 = _mm256_and_si256(wb, m12);
+      const __m256i w2 = _mm256_and_si256(t, m3), w3 = _mm256_and_si256(t, m12);
+      const __m256 sv = _mm256_permutevar8x32_ps(sc, idx[h]);
       for (int m = 0; m < MB; ++m) {
-        const __m256i q =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 128 * c + 32 * s));
-        acc[m] = _mm256_add_epi16(acc[m], _mm256_maddubs_epi16(ws, q));  // 4 * 2 * 3 * 127 fits int16
+        const int8_t* q = a.q8 + (size_t)(m0 + m) * K + 256 * c + 128 * h;
+        auto ld = [&](int o) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + o)); };
+        const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w0, ld(0)), _mm256_maddubs_epi16(w2, ld(64)));
+        const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(w1, ld(32)), _mm256_maddubs_epi16(w3, ld(96)));
+        const __m256i S = _mm256_madd_epi16(_mm256_add_epi16(lo, _mm256_srai_epi16(hi, 2)), ones);
+        accc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), sv, accc[m]);
       }
     }
-    const int k0 = 128 * c;
-    const float s0 = scales[k0 / w.group], s1 = scales[(k0 + 32) / w.group];
-    const float s2 = scales[(k0 + 64) / w.group], s3 = scales[(k0 + 96) / w.group];
-    const __m256 sv = _mm256_setr_ps(s0, s0, s1, s1, s2, s2, s3, s3);
     for (int m = 0; m < MB; ++m) {
-      const __m256 sdx = _mm256_mul_ps(sv, _mm256_broadcast_ss(a.q8_d + (size_t)(m0 + m) * nsb + c / 2));
-      accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m], ones)), sdx, accf[m]);
+      accf[m] = _mm256_fmadd_ps(accc[m], _mm256_broadcast_ss(a.q8_d + (size_t)(m0 + m) * nsb + c), accf[m]);
     }
   }
-  for (int b = 4 * full; b < K / 32; ++b) {
+  // Tail: one interleaved 128-chunk if K % 256 >= 128, then 32-blocks in the order of permute_for_bits(2).
+  int b = 8 * full;
+  if (K - 32 * b >= 128) {
+    const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 8 * b));
+    const __m256 sv = _mm256_setr_ps(scale_at<T>(scales, s0 + 32 * b / G), scale_at<T>(scales, s0 + 32 * b / G),
+                                     scale_at<T>(scales, s0 + 32 * (b + 1) / G),
+                                     scale_at<T>(scales, s0 + 32 * (b + 1) / G),
+                                     scale_at<T>(scales, s0 + 32 * (b + 2) / G),
+                                     scale_at<T>(scales, s0 + 32 * (b + 2) / G),
+                                     scale_at<T>(scales, s0 + 32 * (b + 3) / G),
+                                     scale_at<T>(scales, s0 + 32 * (b + 3) / G));
+    for (int m = 0; m < MB; ++m) {
+      __m256i acc = _mm256_setzero_si256();
+      for (int s = 0; s < 4; ++s) {
+        const __m256i ws = _mm256_and_si256(_mm256_srl_epi16(wb, _mm_cvtsi32_si128(2 * s)), m3);
+        const __m256i q =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 32 * b + 32 * s));
+        acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(ws, q));
+      }
+      const __m256 sdx = _mm256_mul_ps(sv, _mm256_broadcast_ss(a.q8_d + (size_t)(m0 + m) * nsb + full));
+      accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc, ones)), sdx, accf[m]);
+    }
+    b += 4;
+  }
+  for (; b < K / 32; ++b) {
     const __m256i wv = codes_u8<2>(row + (size_t)b * 8);
-    const __m256 sg = _mm256_set1_ps(scales[32 * b / w.group]);
+    const __m256 sg = _mm256_set1_ps(scale_at<T>(scales, s0 + 32 * b / G));
     for (int m = 0; m < MB; ++m) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 32 * b));
       const __m256i S = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, q), ones);
@@ -871,52 +967,127 @@ __attribute__((target("avx2,fma"))) static void affine_q8_row2(const AffineRows&
     }
   }
   for (int m = 0; m < MB; ++m) {
-    out[(size_t)(m0 + m) * ldo + n] =
-        hsum(accf[m]) + dot_f32(w.biases + (size_t)n * ng, sums.gx.data() + (size_t)m * ng, ng);
+    out[(size_t)(m0 + m) * ldo + n] = hsum(accf[m]) + dot_scales<T>(biases, s0, sums.gx.data() + (size_t)m * ng, ng);
+  }
+}
+
+// 4 bits: 256 weights (128 bytes) per step against the interleaved activations (see interleave_4bit_q8): each
+// 32-byte load holds 64 weights, the low nibbles (even elements) meeting the chunk's first 32 activations and
+// the high nibbles the next 32 in maddubs; the two are added in int16 (2 * 15 * 127 * 2 fits). i32 lane i of
+// a 64-chunk's sums belongs to its block i / 4; the group scales are read once per 256 weights (in the row's
+// scale dtype) and spread over the lanes by one permute. A row's last K % 256 weights go 64 / 32 at a time.
+template <int MB, Sdt T>
+__attribute__((target("avx2,fma,f16c"))) static void affine_q8_row4(const AffineRows& w, const void* scales,
+                                                                   const void* biases, const Activations& a,
+                                                                   const AffineQ8Sums& sums, int m0, int n,
+                                                                   float* out, int ldo) {
+  const int K = w.K, G = w.group, ng = K / G, nsb = codebook_super_blocks(K), gpc = 256 / G, full = K / 256;
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 2;
+  const size_t s0 = (size_t)n * ng;
+  // Lane i of 64-chunk j: block 2j + i / 4, in group (64j + 32 (i / 4)) / G of the 256-chunk.
+  __m256i idx[4];
+  for (int j = 0; j < 4; ++j) {
+    alignas(32) int32_t l[8];
+    for (int i = 0; i < 8; ++i) l[i] = (64 * j + 32 * (i / 4)) / G;
+    idx[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(l));
+  }
+  const __m256i ones = _mm256_set1_epi16(1), m15 = _mm256_set1_epi8(15);
+  auto chunk64 = [&](const uint8_t* p, int k, int m) {
+    const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i w0 = _mm256_and_si256(wb, m15), w1 = _mm256_and_si256(_mm256_srli_epi16(wb, 4), m15);
+    const int8_t* q = a.q8 + (size_t)(m0 + m) * K + k;
+    const __m256i lo = _mm256_maddubs_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+    const __m256i hi = _mm256_maddubs_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32)));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones));
+  };
+  __m256 accf[MB];
+  for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
+  for (int c = 0; c < full; ++c) {
+    const uint8_t* p = row + 128 * c;
+    prefetch_ahead(p);
+    prefetch_ahead(p + 64);
+    const __m256 sc = load_scales<T>(scales, s0 + (size_t)c * gpc, gpc);
+    __m256 accc[MB];
+    for (int m = 0; m < MB; ++m) accc[m] = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      const __m256 sv = _mm256_permutevar8x32_ps(sc, idx[j]);
+      for (int m = 0; m < MB; ++m) accc[m] = _mm256_fmadd_ps(chunk64(p + 32 * j, 256 * c + 64 * j, m), sv, accc[m]);
+    }
+    for (int m = 0; m < MB; ++m) {
+      accf[m] = _mm256_fmadd_ps(accc[m], _mm256_broadcast_ss(a.q8_d + (size_t)(m0 + m) * nsb + c), accf[m]);
+    }
+  }
+  int k = 256 * full;
+  for (; k + 64 <= K; k += 64) {
+    const __m256 sv = _mm256_set_m128(_mm_set1_ps(scale_at<T>(scales, s0 + (k + 32) / G)),
+                                      _mm_set1_ps(scale_at<T>(scales, s0 + k / G)));
+    for (int m = 0; m < MB; ++m) {
+      const __m256 sdx = _mm256_mul_ps(sv, _mm256_broadcast_ss(a.q8_d + (size_t)(m0 + m) * nsb + full));
+      accf[m] = _mm256_fmadd_ps(chunk64(row + k / 2, k, m), sdx, accf[m]);
+    }
+  }
+  if (k < K) {  // one 32-block, in the order of permute_for_bits(4)
+    const __m256i wv = codes_u8<4>(row + k / 2);
+    const __m256 sg = _mm256_set1_ps(scale_at<T>(scales, s0 + k / G));
+    for (int m = 0; m < MB; ++m) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + k));
+      const __m256i S = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, q), ones);
+      const __m256 sdx = _mm256_mul_ps(sg, _mm256_broadcast_ss(a.q8_d + (size_t)(m0 + m) * nsb + full));
+      accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), sdx, accf[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    out[(size_t)(m0 + m) * ldo + n] = hsum(accf[m]) + dot_scales<T>(biases, s0, sums.gx.data() + (size_t)m * ng, ng);
+  }
+}
+
+// Per activation row of the tile m0 .. m0 + mb: the group sums of x and, for 8 bits, the offset factors.
+static void affine_q8_sums(const AffineRows& w, const Activations& a, int m0, int mb, AffineQ8Sums& sums) {
+  const int K = w.K, nb = K / 32, ng = K / w.group, bpg = w.group / 32, nsb = codebook_super_blocks(K);
+  sums.gx.assign((size_t)mb * ng, 0.0f);
+  sums.c8.assign(w.bits == 8 ? (size_t)mb * ng : 0, 0.0f);
+  for (int m = 0; m < mb; ++m) {
+    for (int g = 0; g < ng; ++g) {
+      float xs = 0;
+      int32_t qs = 0;
+      for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+        xs += a.sums[(size_t)(m0 + m) * nb + b];
+        qs += a.q8_bsums[(size_t)(m0 + m) * nb + b];
+      }
+      sums.gx[(size_t)m * ng + g] = xs;
+      if (w.bits == 8) sums.c8[(size_t)m * ng + g] = a.q8_d[(size_t)(m0 + m) * nsb + g * w.group / 256] * (float)(128 * qs);
+    }
+  }
+}
+
+// The row kernel of a width for a tile of mb activation rows.
+template <int BITS, Sdt T, int MB>
+constexpr auto affine_q8_row_fn() {
+  if constexpr (BITS == 2) return affine_q8_row2<MB, T>;
+  else if constexpr (BITS == 4) return affine_q8_row4<MB, T>;
+  else return affine_q8_row8<MB, T>;
+}
+
+// Affine 2/4/8 bits in q8 mode, with the scales and biases read in their own dtype T.
+template <int BITS, Sdt T>
+static void affine_rows_q8_direct(const AffineRows& w, const void* scales, const void* biases, const Activations& a,
+                                  int n0, int n1, float* out, int ldo) {
+  constexpr decltype(affine_q8_row_fn<BITS, T, 1>()) rows[4] = {
+      affine_q8_row_fn<BITS, T, 1>(), affine_q8_row_fn<BITS, T, 2>(), affine_q8_row_fn<BITS, T, 3>(),
+      affine_q8_row_fn<BITS, T, 4>()};
+  AffineQ8Sums sums;
+  for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
+    const int mb = std::min(kMaxRows, a.rows - m0);
+    affine_q8_sums(w, a, m0, mb, sums);
+    for (int n = n0; n < n1; ++n) rows[mb - 1](w, scales, biases, a, sums, m0, n, out, ldo);
   }
 }
 
 template <int BITS>
-__attribute__((target("avx2,fma"))) static void affine_rows_q8_avx2(const AffineRows& w, const Activations& a, int n0,
-                                                                   int n1, float* out, int ldo) {
-  const int K = w.K, nb = K / 32, ng = K / w.group, bpg = w.group / 32, nsb = codebook_super_blocks(K);
-  AffineQ8Sums sums;
-  for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
-    const int mb = std::min(kMaxRows, a.rows - m0);
-    sums.gx.assign((size_t)mb * ng, 0.0f);
-    sums.c8.assign(BITS == 8 ? (size_t)mb * ng : 0, 0.0f);
-    for (int m = 0; m < mb; ++m) {
-      for (int g = 0; g < ng; ++g) {
-        float xs = 0;
-        int32_t qs = 0;
-        for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
-          xs += a.sums[(size_t)(m0 + m) * nb + b];
-          qs += a.q8_bsums[(size_t)(m0 + m) * nb + b];
-        }
-        sums.gx[(size_t)m * ng + g] = xs;
-        if (BITS == 8) sums.c8[(size_t)m * ng + g] = a.q8_d[(size_t)(m0 + m) * nsb + g * w.group / 256] * (float)(128 * qs);
-      }
-    }
-    if constexpr (BITS == 2) {
-      for (int n = n0; n < n1; ++n) {
-        switch (mb) {
-          case 1: affine_q8_row2<1>(w, a, sums, m0, n, out, ldo); break;
-          case 2: affine_q8_row2<2>(w, a, sums, m0, n, out, ldo); break;
-          case 3: affine_q8_row2<3>(w, a, sums, m0, n, out, ldo); break;
-          default: affine_q8_row2<4>(w, a, sums, m0, n, out, ldo); break;
-        }
-      }
-      continue;
-    }
-    for (int n = n0; n < n1; ++n) {
-      switch (mb) {
-        case 1: affine_q8_row<BITS, 1>(w, a, sums, m0, n, out, ldo); break;
-        case 2: affine_q8_row<BITS, 2>(w, a, sums, m0, n, out, ldo); break;
-        case 3: affine_q8_row<BITS, 3>(w, a, sums, m0, n, out, ldo); break;
-        default: affine_q8_row<BITS, 4>(w, a, sums, m0, n, out, ldo); break;
-      }
-    }
-  }
+static void affine_rows_q8_direct(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
+  if (!w.scales_h) return affine_rows_q8_direct<BITS, Sdt::f32>(w, w.scales, w.biases, a, n0, n1, out, ldo);
+  if (w.bf16) return affine_rows_q8_direct<BITS, Sdt::bf16>(w, w.scales_h, w.biases_h, a, n0, n1, out, ldo);
+  return affine_rows_q8_direct<BITS, Sdt::f16>(w, w.scales_h, w.biases_h, a, n0, n1, out, ldo);
 }
 #endif
 
@@ -924,6 +1095,16 @@ static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, i
                             bool simd);
 
 void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
+#ifdef K3_X86
+  // The q8 kernels read f16/bf16 scales and biases directly; the others convert them 16 rows at a time.
+  if (simd && a.q8 && q8_supported('a', w.bits, w.group)) {
+    switch (w.bits) {
+      case 2: return affine_rows_q8_direct<2>(w, a, n0, n1, out, ldo);
+      case 4: return affine_rows_q8_direct<4>(w, a, n0, n1, out, ldo);
+      default: return affine_rows_q8_direct<8>(w, a, n0, n1, out, ldo);
+    }
+  }
+#endif
   if (!w.scales_h) return affine_rows_f32(w, a, n0, n1, out, ldo, simd);
   // f16/bf16 scales and biases: 16 rows' worth converted to f32, then the f32 kernels on those rows.
   constexpr int R = 16;
@@ -951,18 +1132,8 @@ void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, floa
 
 static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo,
                             bool simd) {
-  if (a.q8 && q8_supported('a', w.bits, w.group)) {
-#ifdef K3_X86
-    if (simd) {
-      switch (w.bits) {
-        case 2: return affine_rows_q8_avx2<2>(w, a, n0, n1, out, ldo);
-        case 4: return affine_rows_q8_avx2<4>(w, a, n0, n1, out, ldo);
-        default: return affine_rows_q8_avx2<8>(w, a, n0, n1, out, ldo);
-      }
-    }
-#endif
-    return affine_rows_q8_scalar(w, a, n0, n1, out, ldo);
-  }
+  // (q8 mode with SIMD returned in affine_rows.)
+  if (a.q8 && q8_supported('a', w.bits, w.group)) return affine_rows_q8_scalar(w, a, n0, n1, out, ldo);
 #ifdef K3_X86
   if (simd && affine_has_simd(w.bits) && w.group % 32 == 0) {
     switch (w.bits) {

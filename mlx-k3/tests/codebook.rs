@@ -12,7 +12,7 @@ use half::f16;
 use mlx_k3::codebook::{self, Codebook, CodebookHost};
 use mlx_k3::gguf::GgufFile;
 use mlx_k3::io::Safetensors;
-use mlx_k3::quant::{self, Gather, QuantMode, QuantSpec};
+use mlx_k3::quant::{self, Gather, QuantMode, QuantSpec, Quantized};
 use mlx_k3::{kernels, ops, random, Array, Dtype};
 
 fn fixture(name: &str) -> PathBuf {
@@ -493,31 +493,57 @@ fn q8_reference_rows(x: &[f32], xr: &[f32], w: &[f32], n: usize, bias: Option<(&
 }
 
 /// q8 mode for MLX's formats (the SIMD paths; the scalar ones are checked through the tiered stack above):
-/// affine 2/4/8-bit with groups 32/64/128 and MXFP4, K = 512, 544, 576, match `q8_reference_rows`; widths
-/// without q8 kernels (3/5/6-bit) give exactly their f32 results.
+/// affine 2/4/8-bit with groups 32/64/128 and MXFP4, K = 512, 544, 576, 640, 704, match `q8_reference_rows`;
+/// f32, bf16 and f16 scales/biases (the 2-bit kernel reads them in their own dtype); widths without q8
+/// kernels (3/5/6-bit) give exactly their f32 results.
 #[test]
 fn q8_activations_for_mlx_formats() {
     use kernels::QmmActivations::{F32, Q8};
     let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
     let n = 70usize;
     let mut worst = 0f32;
-    let mut specs: Vec<(QuantSpec, usize)> =
-        [2, 4, 8, 3, 6].iter().flat_map(|&b| [32, 64, 128].map(|g| (QuantSpec::affine(g, b), 512))).collect();
-    specs.push((QuantSpec::default_for(QuantMode::Mxfp4), 512));
-    // K % 128 != 0 (the 2-bit kernel's last blocks go one by one) and K % 256 != 0 (a short last chunk).
-    for (g, b, k) in [(32, 2, 544), (64, 2, 576), (64, 4, 576), (32, 8, 544)] {
-        specs.push((QuantSpec::affine(g, b), k));
+    let mut specs: Vec<(QuantSpec, usize, Dtype)> = [2, 4, 8, 3, 6]
+        .iter()
+        .flat_map(|&b| [32, 64, 128].map(|g| (QuantSpec::affine(g, b), 512, Dtype::F32)))
+        .collect();
+    specs.push((QuantSpec::default_for(QuantMode::Mxfp4), 512, Dtype::F32));
+    // K % 256 != 0: the kernels' tails (2 bits: an interleaved 128-chunk and/or single 32-blocks; 4 bits: 64-chunks
+    // and/or one 32-block) and a short last activation chunk.
+    for (g, b, k) in
+        [(32, 2, 544), (64, 2, 576), (64, 2, 640), (32, 2, 704), (64, 4, 576), (32, 4, 544), (32, 4, 608), (32, 8, 544)]
+    {
+        specs.push((QuantSpec::affine(g, b), k, Dtype::F32));
     }
-    specs.push((QuantSpec::default_for(QuantMode::Mxfp4), 544));
-    for (i, (spec, k)) in specs.into_iter().enumerate() {
-        let w = randn(&[n as i32, k as i32], 70 + i as u64);
+    specs.push((QuantSpec::default_for(QuantMode::Mxfp4), 544, Dtype::F32));
+    // Half-precision scales and biases (what bf16/f16 checkpoints carry).
+    for (g, b, k, dt) in [
+        (32, 2, 512, Dtype::BF16),
+        (64, 2, 704, Dtype::F16),
+        (128, 2, 512, Dtype::F16),
+        (64, 2, 576, Dtype::BF16),
+        (64, 4, 512, Dtype::BF16),
+        (32, 8, 512, Dtype::F16),
+    ] {
+        specs.push((QuantSpec::affine(g, b), k, dt));
+    }
+    for (i, (spec, k, wdt)) in specs.into_iter().enumerate() {
+        let w = randn(&[n as i32, k as i32], 70 + i as u64).astype(wdt).unwrap();
         let q = quant::quantize(&w, spec, None).unwrap();
-        let wd = quant::dequantize(&q, spec, None, Some(Dtype::F32)).unwrap().to_vec_f32().unwrap();
+        // The reference decodes with f32 scales and biases (MLX's dequantize of half scales rounds each weight
+        // to that precision; the kernels keep w = scale * code + bias in f32).
+        let f32_scales = |a: &Array| if a.dtype() == Dtype::U8 { a.clone() } else { a.astype(Dtype::F32).unwrap() };
+        let qf = Quantized {
+            weight: q.weight.clone(),
+            scales: f32_scales(&q.scales),
+            biases: q.biases.as_ref().map(|b| b.astype(Dtype::F32).unwrap()),
+        };
+        let wd = quant::dequantize(&qf, spec, None, Some(Dtype::F32)).unwrap().to_vec_f32().unwrap();
         let bias = q.biases.as_ref().map(|b| (b.to_vec_f32().unwrap(), spec.group_size as usize));
         for m in [1, 5] {
             let x = randn(&[m, k as i32], 80 + i as u64);
             kernels::set_qmm_activations(Some(Q8));
             let got = kernels::quantized_matmul(&x, &q, spec).unwrap().to_vec_f32().unwrap();
+            assert_eq!(q.scales.dtype(), if matches!(spec.mode, QuantMode::Affine) { wdt } else { Dtype::U8 });
             kernels::set_qmm_activations(Some(F32));
             let exact = kernels::quantized_matmul(&x, &q, spec).unwrap().to_vec_f32().unwrap();
             if matches!(spec.mode, QuantMode::Affine) && ![2, 4, 8].contains(&spec.bits) {
@@ -533,7 +559,7 @@ fn q8_activations_for_mlx_formats() {
                 .collect();
             let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
             let e = got.iter().zip(&want).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / scale;
-            assert!(e <= 2e-5, "q8 {spec:?} m={m} k={k}: rel err {e}");
+            assert!(e <= 2e-5, "q8 {spec:?} {wdt:?} m={m} k={k}: rel err {e}");
             let r = exact.iter().zip(&got).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / scale;
             assert!(r > 1e-4 && r < 0.03, "q8 vs f32 activations {spec:?} m={m} k={k}: {r}");
             worst = worst.max(e);
