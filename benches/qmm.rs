@@ -14,7 +14,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use mlx_k3::codebook::{self, Codebook};
 use mlx_k3::kernels::QmmActivations;
 use mlx_k3::quant::{self, Gather, QuantMode, QuantSpec, Quantized};
-use mlx_k3::{kernels, random, Array, Dtype};
+use mlx_k3::{kernels, ops, random, Array, Dtype};
 
 fn randn(shape: &[i32], seed: u64) -> Array {
     let a = random::normal(shape, Dtype::F32, 0.0, 0.02, Some(&random::key(seed).unwrap())).unwrap();
@@ -47,6 +47,26 @@ fn random_codebook(shape: &[i32], seed: u64) -> Codebook {
 }
 
 fn packed(w: &Array, spec: QuantSpec) -> Quantized {
+    let sh = w.shape();
+    if sh.len() == 3 && sh[0] > 8 {
+        // An expert stack, 8 experts at a time: MLX 0.32.4's quantize crashes (SIGSEGV in a broadcast subtract)
+        // on the 64 x 3072 x 3584 f32 stack in MXFP4 mode.
+        let parts: Vec<Quantized> = (0..sh[0])
+            .step_by(8)
+            .map(|e| packed(&w.slice(&[e, 0, 0], &[(e + 8).min(sh[0]), sh[1], sh[2]], &[1, 1, 1]).unwrap(), spec))
+            .collect();
+        let cat = |f: &dyn Fn(&Quantized) -> &Array| {
+            let a = ops::concatenate(&parts.iter().map(f).collect::<Vec<_>>(), 0).unwrap();
+            a.eval().unwrap();
+            a
+        };
+        let has_biases = parts[0].biases.is_some();
+        return Quantized {
+            weight: cat(&|q| &q.weight),
+            scales: cat(&|q| &q.scales),
+            biases: has_biases.then(|| cat(&|q| q.biases.as_ref().unwrap())),
+        };
+    }
     let q = quant::quantize(w, spec, None).unwrap();
     let mut arrays = vec![&q.weight, &q.scales];
     arrays.extend(q.biases.iter());
@@ -153,6 +173,11 @@ fn experts(c: &mut Criterion) {
         g.bench_function(format!("{name}_k3"), |b| {
             b.iter(|| kernels::gather_qmm(&x, &q, spec, None, Some(&rhs), false).and_then(|y| y.eval()).unwrap())
         });
+        g.bench_function(format!("{name}_q8_k3"), |b| {
+            kernels::set_qmm_activations(Some(QmmActivations::Q8));
+            b.iter(|| kernels::gather_qmm(&x, &q, spec, None, Some(&rhs), false).and_then(|y| y.eval()).unwrap());
+            kernels::set_qmm_activations(None);
+        });
         g.bench_function(format!("{name}_mlx"), |b| {
             b.iter(|| {
                 quant::gather_qmm(&x, &q, spec, true, Gather { rhs_indices: Some(&rhs), ..Default::default() })
@@ -188,6 +213,11 @@ fn experts(c: &mut Criterion) {
         g.throughput(Throughput::Bytes(qbytes(&q)));
         g.bench_function(format!("{name}_k3"), |b| {
             b.iter(|| kernels::gather_qmm(&x, &q, spec, None, Some(&rhs), true).and_then(|y| y.eval()).unwrap())
+        });
+        g.bench_function(format!("{name}_q8_k3"), |b| {
+            kernels::set_qmm_activations(Some(QmmActivations::Q8));
+            b.iter(|| kernels::gather_qmm(&x, &q, spec, None, Some(&rhs), true).and_then(|y| y.eval()).unwrap());
+            kernels::set_qmm_activations(None);
         });
         g.bench_function(format!("{name}_mlx"), |b| {
             b.iter(|| {
