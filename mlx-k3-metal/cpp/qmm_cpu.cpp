@@ -118,13 +118,57 @@ void prepare_activations(const float* x, int rows, int K, int order, float* perm
   if (order != 0) permute_for_bits(x, rows, K, order, permuted);
 }
 
+#ifdef K3_X86
+// One full 256-chunk: the same values as the scalar loop below (max ignores NaN the same way: _mm256_max_ps
+// returns its second operand, the running max, when the first is NaN; the conversion rounds half to even, as
+// nearbyint does in the default mode), with the 32-block sums of q.
+__attribute__((target("avx2,fma"))) static float quantize_chunk_q8_avx2(const float* p, int8_t* o, int16_t* bsums) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < 256; i += 8) mx = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(p + i), abs_mask), mx);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  const __m256 id = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int b = 0; b < 8; ++b) {
+    __m256i v[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + 32 * b + 8 * j), id));
+      v[j] = _mm256_min_epi32(_mm256_max_epi32(r, lo), hi);
+    }
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * b), _mm256_permutevar8x32_epi32(packed, order));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    bsums[b] = (int16_t)_mm_cvtsi128_si32(t);
+  }
+  return amax / 127.0f;
+}
+#endif
+
 void quantize_activations_q8(const float* x, int rows, int K, int8_t* q, float* d, int16_t* bsums) {
   const int nsb = codebook_super_blocks(K), nb = K / 32;
+#ifdef K3_X86
+  const bool simd = cpu_has_avx2_fma();
+#else
+  const bool simd = false;
+#endif
   for (int m = 0; m < rows; ++m) {
     for (int s = 0; s < nsb; ++s) {
       const int k0 = 256 * s, len = std::min(256, K - k0);
       const float* p = x + (size_t)m * K + k0;
       int8_t* o = q + (size_t)m * K + k0;
+#ifdef K3_X86
+      if (len == 256 && simd) {
+        d[(size_t)m * nsb + s] = quantize_chunk_q8_avx2(p, o, bsums + (size_t)m * nb + 8 * s);
+        continue;
+      }
+#endif
       float amax = 0;
       for (int i = 0; i < len; ++i) amax = std::max(amax, std::fabs(p[i]));
       d[(size_t)m * nsb + s] = amax / 127.0f;
@@ -134,7 +178,7 @@ void quantize_activations_q8(const float* x, int rows, int K, int8_t* q, float* 
         o[i] = (int8_t)std::clamp((int)std::nearbyint(p[i] * id), -127, 127);
       }
     }
-    for (int b = 0; b < nb; ++b) {
+    for (int b = simd ? 8 * (K / 256) : 0; b < nb; ++b) {  // (the SIMD path summed its full chunks' blocks)
       int sum = 0;
       for (int i = 0; i < 32; ++i) sum += q[(size_t)m * K + 32 * b + i];
       bsums[(size_t)m * nb + b] = (int16_t)sum;
