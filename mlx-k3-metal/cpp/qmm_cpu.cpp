@@ -187,42 +187,33 @@ void quantize_activations_q8(const float* x, int rows, int K, int8_t* q, float* 
   std::fill_n(bsums + (size_t)rows * nb, 8, (int16_t)0);
 }
 
-// The q8 layout of 2-bit affine rows for the SIMD kernel: each 128-chunk (4 blocks, 32 bytes of codes) is
-// read as four shifts s of the 32 bytes, byte 8b + j of shift s holding element 32b + 4j + s; so position
-// 32s + 8b + j of the chunk takes that element. A row's last K % 128 values keep the per-block order of
-// permute_for_bits(2) (the kernel reads them block by block).
-static void interleave_2bit_q8(const float* x, int rows, int K, float* out) {
-  const int full = K / 128;
+// Reorders each row's full `chunk`-sized pieces (position p of a piece takes its element from(p)); a row's last
+// K % chunk values keep the per-block order of permute_for_bits(bits).
+template <class From>
+static void interleave_rows(const float* x, int rows, int K, int chunk, int bits, From from, float* out) {
+  const int full = K / chunk;
   for (int m = 0; m < rows; ++m) {
     const float* src = x + (size_t)m * K;
     float* dst = out + (size_t)m * K;
     for (int c = 0; c < full; ++c) {
-      for (int s = 0; s < 4; ++s) {
-        for (int b = 0; b < 4; ++b) {
-          for (int j = 0; j < 8; ++j) dst[128 * c + 32 * s + 8 * b + j] = src[128 * c + 32 * b + 4 * j + s];
-        }
-      }
+      for (int p = 0; p < chunk; ++p) dst[chunk * c + p] = src[chunk * c + from(p)];
     }
-    if (full * 128 < K) permute_for_bits(src + 128 * full, 1, K - 128 * full, 2, dst + 128 * full);
+    if (full * chunk < K) permute_for_bits(src + chunk * full, 1, K - chunk * full, bits, dst + chunk * full);
   }
+}
+
+// The q8 layout of 2-bit affine rows for the SIMD kernel: each 128-chunk (4 blocks, 32 bytes of codes) is
+// read as four shifts s of the 32 bytes, byte 8b + j of shift s holding element 32b + 4j + s; so position
+// 32s + 8b + j of the chunk takes that element. A row's last K % 128 values are read block by block.
+static void interleave_2bit_q8(const float* x, int rows, int K, float* out) {
+  interleave_rows(x, rows, K, 128, 2, [](int p) { return 32 * (p % 32 / 8) + 4 * (p % 8) + p / 32; }, out);
 }
 
 // The q8 layout of 4-bit affine rows for the SIMD kernel: in each 64-chunk (32 bytes of codes), position j
 // takes element 2j (byte j's low nibble) and position 32 + j element 2j + 1 (its high nibble). A row's last
-// K % 64 values (one 32-block) keep the order of permute_for_bits(4).
+// K % 64 values (one 32-block) are read as one block.
 static void interleave_4bit_q8(const float* x, int rows, int K, float* out) {
-  const int full = K / 64;
-  for (int m = 0; m < rows; ++m) {
-    const float* src = x + (size_t)m * K;
-    float* dst = out + (size_t)m * K;
-    for (int c = 0; c < full; ++c) {
-      for (int j = 0; j < 32; ++j) {
-        dst[64 * c + j] = src[64 * c + 2 * j];
-        dst[64 * c + 32 + j] = src[64 * c + 2 * j + 1];
-      }
-    }
-    if (full * 64 < K) permute_for_bits(src + 64 * full, 1, K - 64 * full, 4, dst + 64 * full);
-  }
+  interleave_rows(x, rows, K, 64, 4, [](int p) { return p < 32 ? 2 * p : 2 * (p - 32) + 1; }, out);
 }
 
 PreparedActivations::PreparedActivations(const float* x, int rows, int K, char format, int bits, bool simd, bool q8)
@@ -926,6 +917,17 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row8(const Affine
   }
 }
 
+// For each step j (of `span` weights) of a 256-chunk, the permute that spreads the chunk's group scales over the
+// i32 lanes of the step's sums, whose every `lanes_per_block` consecutive lanes belong to one 32-block: lane i
+// takes group (span * j + 32 * (i / lanes_per_block)) / G of the chunk.
+__attribute__((target("avx2,fma"))) static inline void scale_lanes(int span, int lanes_per_block, int G, __m256i* idx) {
+  for (int j = 0; j < 256 / span; ++j) {
+    alignas(32) int32_t l[8];
+    for (int i = 0; i < 8; ++i) l[i] = (span * j + 32 * (i / lanes_per_block)) / G;
+    idx[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(l));
+  }
+}
+
 // 2 bits: 256 weights (64 bytes, 8 blocks) per step against the interleaved activations (see
 // interleave_2bit_q8). Of each 32-byte half, bits 0-1 and 4-5 of every byte (masks 3 after shifts 0 and 4) and
 // bits 2-3 and 6-7 (mask 12, i.e. 4x the code) meet their activations in maddubs; the 4x sums are exact
@@ -941,13 +943,8 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row2(const Affine
   const int K = w.K, G = w.group, ng = K / G, nsb = codebook_super_blocks(K), gpc = 256 / G, full = K / 256;
   const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 4;
   const size_t s0 = (size_t)n * ng;
-  // Lane i of half h: block 4h + i / 2, in group (128h + 32 (i / 2)) / G of the chunk.
-  __m256i idx[2];
-  for (int h = 0; h < 2; ++h) {
-    alignas(32) int32_t l[8];
-    for (int i = 0; i < 8; ++i) l[i] = (128 * h + 32 * (i / 2)) / G;
-    idx[h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(l));
-  }
+  __m256i idx[2];  // lane i of half h: block 4h + i / 2
+  scale_lanes(128, 2, G, idx);
   const __m256i ones = _mm256_set1_epi16(1), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12);
   __m256 accf[MB];
   for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
@@ -1028,13 +1025,8 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row4(const Affine
   const int K = w.K, G = w.group, ng = K / G, nsb = codebook_super_blocks(K), gpc = 256 / G, full = K / 256;
   const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 2;
   const size_t s0 = (size_t)n * ng;
-  // Lane i of 64-chunk j: block 2j + i / 4, in group (64j + 32 (i / 4)) / G of the 256-chunk.
-  __m256i idx[4];
-  for (int j = 0; j < 4; ++j) {
-    alignas(32) int32_t l[8];
-    for (int i = 0; i < 8; ++i) l[i] = (64 * j + 32 * (i / 4)) / G;
-    idx[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(l));
-  }
+  __m256i idx[4];  // lane i of 64-chunk j: block 2j + i / 4
+  scale_lanes(64, 4, G, idx);
   const __m256i ones = _mm256_set1_epi16(1), m15 = _mm256_set1_epi8(15);
   auto chunk64 = [&](const uint8_t* p, int k, int m) {
     const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
