@@ -1108,7 +1108,8 @@ constexpr auto affine_q8_row_fn() {
 template <int BITS, Sdt T>
 static void affine_rows_q8_direct(const AffineRows& w, const void* scales, const void* biases, const Activations& a,
                                   int n0, int n1, float* out, int ldo) {
-  constexpr decltype(affine_q8_row_fn<BITS, T, 1>()) rows[4] = {
+  static_assert(kMaxRows == 4, "one row kernel per tile height 1..kMaxRows");
+  constexpr decltype(affine_q8_row_fn<BITS, T, 1>()) rows[kMaxRows] = {
       affine_q8_row_fn<BITS, T, 1>(), affine_q8_row_fn<BITS, T, 2>(), affine_q8_row_fn<BITS, T, 3>(),
       affine_q8_row_fn<BITS, T, 4>()};
   AffineQ8Sums sums;

@@ -494,7 +494,7 @@ fn q8_reference_rows(x: &[f32], xr: &[f32], w: &[f32], n: usize, bias: Option<(&
 
 /// q8 mode for MLX's formats (the SIMD paths; the scalar ones are checked through the tiered stack above):
 /// affine 2/4/8-bit with groups 32/64/128 and MXFP4, K = 512, 544, 576, 640, 704, match `q8_reference_rows`;
-/// f32, bf16 and f16 scales/biases (the 2-bit kernel reads them in their own dtype); widths without q8
+/// f32, bf16 and f16 scales/biases (the 2/4/8-bit q8 kernels read them in their own dtype); widths without q8
 /// kernels (3/5/6-bit) give exactly their f32 results.
 #[test]
 fn q8_activations_for_mlx_formats() {
