@@ -928,6 +928,22 @@ __attribute__((target("avx2,fma"))) static inline void scale_lanes(int span, int
   }
 }
 
+// One 32-block at element k of a row's tail (codes in the order of permute_for_bits(BITS)), group scale sg:
+// adds sg * dx * (integer dot) to each activation row's accumulator.
+template <int BITS, int MB>
+__attribute__((target("avx2,fma"))) static inline void q8_block_tail(const uint8_t* codes, float sg,
+                                                                    const Activations& a, int m0, int k,
+                                                                    __m256 accf[MB]) {
+  const __m256i wv = codes_u8<BITS>(codes);
+  const int nsb = codebook_super_blocks(a.K);
+  for (int m = 0; m < MB; ++m) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * a.K + k));
+    const __m256i S = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, q), _mm256_set1_epi16(1));
+    const __m256 sdx = _mm256_mul_ps(_mm256_set1_ps(sg), _mm256_broadcast_ss(a.q8_d + (size_t)(m0 + m) * nsb + k / 256));
+    accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), sdx, accf[m]);
+  }
+}
+
 // 2 bits: 256 weights (64 bytes, 8 blocks) per step against the interleaved activations (see
 // interleave_2bit_q8). Of each 32-byte half, bits 0-1 and 4-5 of every byte (masks 3 after shifts 0 and 4) and
 // bits 2-3 and 6-7 (mask 12, i.e. 4x the code) meet their activations in maddubs; the 4x sums are exact
@@ -997,16 +1013,7 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row2(const Affine
     }
     b += 4;
   }
-  for (; b < K / 32; ++b) {
-    const __m256i wv = codes_u8<2>(row + (size_t)b * 8);
-    const __m256 sg = _mm256_set1_ps(scale_at<T>(scales, s0 + 32 * b / G));
-    for (int m = 0; m < MB; ++m) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 32 * b));
-      const __m256i S = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, q), ones);
-      const __m256 sdx = _mm256_mul_ps(sg, _mm256_broadcast_ss(a.q8_d + (size_t)(m0 + m) * nsb + b / 8));
-      accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), sdx, accf[m]);
-    }
-  }
+  for (; b < K / 32; ++b) q8_block_tail<2, MB>(row + (size_t)b * 8, scale_at<T>(scales, s0 + 32 * b / G), a, m0, 32 * b, accf);
   for (int m = 0; m < MB; ++m) {
     out[(size_t)(m0 + m) * ldo + n] = hsum(accf[m]) + dot_scales<T>(biases, s0, sums.gx.data() + (size_t)m * ng, ng);
   }
@@ -1062,16 +1069,7 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row4(const Affine
       accf[m] = _mm256_fmadd_ps(chunk64(row + k / 2, k, m), sdx, accf[m]);
     }
   }
-  if (k < K) {  // one 32-block, in the order of permute_for_bits(4)
-    const __m256i wv = codes_u8<4>(row + k / 2);
-    const __m256 sg = _mm256_set1_ps(scale_at<T>(scales, s0 + k / G));
-    for (int m = 0; m < MB; ++m) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + k));
-      const __m256i S = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, q), ones);
-      const __m256 sdx = _mm256_mul_ps(sg, _mm256_broadcast_ss(a.q8_d + (size_t)(m0 + m) * nsb + full));
-      accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), sdx, accf[m]);
-    }
-  }
+  if (k < K) q8_block_tail<4, MB>(row + k / 2, scale_at<T>(scales, s0 + k / G), a, m0, k, accf);  // one 32-block
   for (int m = 0; m < MB; ++m) {
     out[(size_t)(m0 + m) * ldo + n] = hsum(accf[m]) + dot_scales<T>(biases, s0, sums.gx.data() + (size_t)m * ng, ng);
   }
