@@ -105,6 +105,28 @@ static void permute_for_bits(const float* x, int rows, int K, int bits, float* x
   }
 }
 
+// Reorders each row's full `chunk`-sized pieces (position p of a piece takes its element from(p)); a row's last
+// K % chunk values keep the per-block order of permute_for_bits(bits).
+template <class From>
+static void interleave_rows(const float* x, int rows, int K, int chunk, int bits, From from, float* out) {
+  const int full = K / chunk;
+  for (int m = 0; m < rows; ++m) {
+    const float* src = x + (size_t)m * K;
+    float* dst = out + (size_t)m * K;
+    for (int c = 0; c < full; ++c) {
+      for (int p = 0; p < chunk; ++p) dst[chunk * c + p] = src[chunk * c + from(p)];
+    }
+    if (full * chunk < K) permute_for_bits(src + chunk * full, 1, K - chunk * full, bits, dst + chunk * full);
+  }
+}
+
+// The f32 layout of 2-bit affine rows for the SIMD kernel (affine2_tile_avx2): position 8s + i of each 128-chunk
+// takes element 16i + s (lane i of shift s of the chunk's eight u32 words). A row's last K % 128 values keep the
+// per-block order of permute_for_bits(2).
+static void interleave_2bit_f32(const float* x, int rows, int K, float* out) {
+  interleave_rows(x, rows, K, 128, 2, [](int p) { return 16 * (p % 8) + p / 8; }, out);
+}
+
 void prepare_activations(const float* x, int rows, int K, int order, float* permuted, float* sums) {
   int nb = K / 32;
   for (int m = 0; m < rows; ++m) {
@@ -115,7 +137,8 @@ void prepare_activations(const float* x, int rows, int K, int order, float* perm
       sums[(size_t)m * nb + b] = s;
     }
   }
-  if (order != 0) permute_for_bits(x, rows, K, order, permuted);
+  if (order == 2) interleave_2bit_f32(x, rows, K, permuted);
+  else if (order != 0) permute_for_bits(x, rows, K, order, permuted);
 }
 
 #ifdef K3_X86
@@ -185,21 +208,6 @@ void quantize_activations_q8(const float* x, int rows, int K, int8_t* q, float* 
     }
   }
   std::fill_n(bsums + (size_t)rows * nb, 8, (int16_t)0);
-}
-
-// Reorders each row's full `chunk`-sized pieces (position p of a piece takes its element from(p)); a row's last
-// K % chunk values keep the per-block order of permute_for_bits(bits).
-template <class From>
-static void interleave_rows(const float* x, int rows, int K, int chunk, int bits, From from, float* out) {
-  const int full = K / chunk;
-  for (int m = 0; m < rows; ++m) {
-    const float* src = x + (size_t)m * K;
-    float* dst = out + (size_t)m * K;
-    for (int c = 0; c < full; ++c) {
-      for (int p = 0; p < chunk; ++p) dst[chunk * c + p] = src[chunk * c + from(p)];
-    }
-    if (full * chunk < K) permute_for_bits(src + chunk * full, 1, K - chunk * full, bits, dst + chunk * full);
-  }
 }
 
 // The q8 layout of 2-bit affine rows for the SIMD kernel: each 128-chunk (4 blocks, 32 bytes of codes) is
@@ -642,33 +650,29 @@ __attribute__((target("avx2,fma"))) static inline void decode32(const uint8_t* p
   }
 }
 
-template <int BITS, int MB, int NB>
+// BPG: 32-blocks per group when known at compile time (0: read from w). The biases meet the activations' group
+// sums gx ([MB][ng], affine_group_sums) once per row.
+template <int BITS, int MB, int NB, int BPG>
 __attribute__((target("avx2,fma"))) static void affine_tile_avx2(const AffineRows& w, const float* xp,
-                                                                 const float* xsums, int m0, int n, float* out,
+                                                                 const float* gx, int m0, int n, float* out,
                                                                  int ldo) {
-  const int K = w.K, nb = K / 32, ng = K / w.group, bpg = w.group / 32;
+  const int K = w.K, nb = K / 32, ng = K / w.group, bpg = BPG ? BPG : w.group / 32;
   const size_t row_bytes = (size_t)K * BITS / 8;
   const uint8_t* rows = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
   __m256 acc[MB][NB];
-  float bacc[MB][NB];
   for (int m = 0; m < MB; ++m) {
-    for (int j = 0; j < NB; ++j) {
-      acc[m][j] = _mm256_setzero_ps();
-      bacc[m][j] = 0;
-    }
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
   }
   for (int g = 0; g < ng; ++g) {
     __m256 s[NB];
-    float bias[NB];
-    for (int j = 0; j < NB; ++j) {
-      s[j] = _mm256_set1_ps(w.scales[(size_t)(n + j) * ng + g]);
-      bias[j] = w.biases[(size_t)(n + j) * ng + g];
-    }
-    for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+    for (int j = 0; j < NB; ++j) s[j] = _mm256_broadcast_ss(w.scales + (size_t)(n + j) * ng + g);
+#pragma GCC unroll 8
+    for (int bi = 0; bi < bpg; ++bi) {
+      const int b = g * bpg + bi;
       __m256 v[NB][4];
       for (int j = 0; j < NB; ++j) {
         const uint8_t* src = rows + j * row_bytes + (size_t)b * 32 * BITS / 8;
-        if (starts_line(b, 4 * BITS)) prefetch_ahead(src);
+        if ((unsigned)(b * 4 * BITS) % 64 < 4 * BITS) prefetch_ahead(src);  // first block of a 64-byte line
         if constexpr (BITS == 3 || BITS == 5 || BITS == 6) {
           // The odd-width decoder reads up to 16 bytes past a block's start; a row's last block is copied so
           // the matrix's last row never reads past its buffer.
@@ -687,30 +691,164 @@ __attribute__((target("avx2,fma"))) static void affine_tile_avx2(const AffineRow
         const float* xm = xp + (size_t)(m0 + m) * K + 32 * b;
         const __m256 x0 = _mm256_loadu_ps(xm), x1 = _mm256_loadu_ps(xm + 8);
         const __m256 x2 = _mm256_loadu_ps(xm + 16), x3 = _mm256_loadu_ps(xm + 24);
-        const float xs = xsums[(size_t)(m0 + m) * nb + b];
         for (int j = 0; j < NB; ++j) {
           __m256 p0 = _mm256_mul_ps(v[j][0], x0);
           __m256 p1 = _mm256_mul_ps(v[j][1], x1);
           p0 = _mm256_fmadd_ps(v[j][2], x2, p0);
           p1 = _mm256_fmadd_ps(v[j][3], x3, p1);
           acc[m][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), s[j], acc[m][j]);
-          bacc[m][j] += bias[j] * xs;
         }
       }
     }
   }
   for (int m = 0; m < MB; ++m) {
-    for (int j = 0; j < NB; ++j) out[(size_t)(m0 + m) * ldo + n + j] = hsum(acc[m][j]) + bacc[m][j];
+    for (int j = 0; j < NB; ++j) {
+      out[(size_t)(m0 + m) * ldo + n + j] =
+          hsum(acc[m][j]) + dot_avx2(w.biases + (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
+    }
   }
+}
+
+// Per (activation row, group) sums of x for rows m0 .. m0 + mb: [mb][ng], the factor each group's bias multiplies.
+static void affine_group_sums(const AffineRows& w, const float* xsums, int m0, int mb, std::vector<float>& gx) {
+  const int nb = w.K / 32, ng = w.K / w.group, bpg = w.group / 32;
+  gx.assign((size_t)mb * ng, 0.0f);
+  for (int m = 0; m < mb; ++m) {
+    for (int g = 0; g < ng; ++g) {
+      float xs = 0;
+      for (int b = g * bpg; b < (g + 1) * bpg; ++b) xs += xsums[(size_t)(m0 + m) * nb + b];
+      gx[(size_t)m * ng + g] = xs;
+    }
+  }
+}
+
+// 2-bit rows with f32 activations. Each 128-chunk of a row is 32 bytes, eight little-endian u32 words; word i
+// holds elements 16i + s at bits 2s. Shift s of the words leaves code 16i + s in the low two bits of lane i, and
+// vpermilps reads only those two bits of each index lane, so with the table {0, 1, 2, 3} it yields the 8 codes as
+// floats without masking or converting. Activations are interleaved to match (interleave_2bit_f32: position
+// 8s + i of a chunk holds element 16i + s). Lanes 2q and 2q + 1 cover 32-block q of the chunk, so the chunk's
+// dots are scaled per block (a lane-permuted vector of the four blocks' scales); the biases meet the activations'
+// group sums gx ([MB][ng], affine_group_sums) once per row. GK: how the blocks' scales are found (1: group 32, 2: group 64, 4: groups that are
+// a multiple of 128, 0: any other multiple of 32). A row's last K % 128 values are read block by block in the
+// order of permute_for_bits(2).
+template <int MB, int NB, int GK>
+__attribute__((target("avx2,fma"))) static void affine2_tile_avx2(const AffineRows& w, const float* xp,
+                                                                  const float* gx, int m0, int n, float* out,
+                                                                  int ldo) {
+  const int K = w.K, nb = K / 32, ng = K / w.group, nc = K / 128;
+  const size_t row_bytes = (size_t)K / 4;
+  const uint8_t* rows = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
+  const __m256 table = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
+  const __m256i lanes = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  __m256 acc[MB][NB];
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+  }
+  // The four blocks' scales of chunk c of row n + j.
+  auto scales4 = [&](int j, int c) -> __m128 {
+    const float* r = w.scales + (size_t)(n + j) * ng;
+    if constexpr (GK == 1) {
+      return _mm_loadu_ps(r + 4 * c);
+    } else if constexpr (GK == 2) {
+      const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(r + 2 * c)));
+      return _mm_unpacklo_ps(two, two);
+    } else if constexpr (GK == 4) {
+      return _mm_set1_ps(r[128 * c / w.group]);
+    } else {
+      const int G = w.group;
+      return _mm_setr_ps(r[128 * c / G], r[(128 * c + 32) / G], r[(128 * c + 64) / G], r[(128 * c + 96) / G]);
+    }
+  };
+  for (int c = 0; c < nc; ++c) {
+    __m256i v[NB];
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* src = rows + j * row_bytes + 32 * (size_t)c;
+      if ((c & 1) == 0) prefetch_ahead(src);
+      v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    }
+    __m256 p[MB][NB][2];
+    for (int m = 0; m < MB; ++m) {
+      for (int j = 0; j < NB; ++j) p[m][j][0] = p[m][j][1] = _mm256_setzero_ps();
+    }
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; ++s) {
+      __m256 wv[NB];
+      for (int j = 0; j < NB; ++j) {
+        const __m256i idx = s == 0 ? v[j] : _mm256_srli_epi32(v[j], 2 * s);
+        wv[j] = _mm256_permutevar_ps(table, idx);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256 x = _mm256_loadu_ps(xp + (size_t)(m0 + m) * K + 128 * (size_t)c + 8 * s);
+        for (int j = 0; j < NB; ++j) p[m][j][s & 1] = _mm256_fmadd_ps(wv[j], x, p[m][j][s & 1]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scales4(j, c)), lanes);
+      for (int m = 0; m < MB; ++m) acc[m][j] = _mm256_fmadd_ps(_mm256_add_ps(p[m][j][0], p[m][j][1]), sv, acc[m][j]);
+    }
+  }
+  for (int b = 4 * nc; b < nb; ++b) {
+    __m256 v[NB][4];
+    for (int j = 0; j < NB; ++j) decode32<2>(rows + j * row_bytes + 8 * (size_t)b, v[j]);
+    for (int m = 0; m < MB; ++m) {
+      const float* xm = xp + (size_t)(m0 + m) * K + 32 * b;
+      for (int j = 0; j < NB; ++j) {
+        __m256 d = _mm256_mul_ps(v[j][0], _mm256_loadu_ps(xm));
+        for (int i = 1; i < 4; ++i) d = _mm256_fmadd_ps(v[j][i], _mm256_loadu_ps(xm + 8 * i), d);
+        acc[m][j] = _mm256_fmadd_ps(d, _mm256_set1_ps(w.scales[(size_t)(n + j) * ng + 32 * b / w.group]), acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      out[(size_t)(m0 + m) * ldo + n + j] =
+          hsum(acc[m][j]) + dot_avx2(w.biases + (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
+    }
+  }
+}
+
+template <int MB, int GK>
+__attribute__((target("avx2,fma"))) static void affine2_rows_mb(const AffineRows& w, const float* xp,
+                                                                const float* gx, int m0, int n0, int n1,
+                                                                float* out, int ldo) {
+  // Two weight rows per step for one activation row; one when several activation rows share each decode (more
+  // accumulators would not fit in the 16 registers).
+  constexpr int NB = MB == 1 ? 2 : 1;
+  int n = n0;
+  for (; n + NB <= n1; n += NB) affine2_tile_avx2<MB, NB, GK>(w, xp, gx, m0, n, out, ldo);
+  for (; n < n1; ++n) affine2_tile_avx2<MB, 1, GK>(w, xp, gx, m0, n, out, ldo);
+}
+
+template <int BITS, int MB, int BPG>
+__attribute__((target("avx2,fma"))) static void affine_rows_bpg(const AffineRows& w, const float* xp, const float* gx,
+                                                                int m0, int n0, int n1, float* out, int ldo) {
+  int n = n0;
+  for (; n + 2 <= n1; n += 2) affine_tile_avx2<BITS, MB, 2, BPG>(w, xp, gx, m0, n, out, ldo);
+  for (; n < n1; ++n) affine_tile_avx2<BITS, MB, 1, BPG>(w, xp, gx, m0, n, out, ldo);
 }
 
 template <int BITS, int MB>
 __attribute__((target("avx2,fma"))) static void affine_rows_mb(const AffineRows& w, const float* xp,
                                                                const float* xsums, int m0, int n0, int n1, float* out,
                                                                int ldo) {
-  int n = n0;
-  for (; n + 2 <= n1; n += 2) affine_tile_avx2<BITS, MB, 2>(w, xp, xsums, m0, n, out, ldo);
-  for (; n < n1; ++n) affine_tile_avx2<BITS, MB, 1>(w, xp, xsums, m0, n, out, ldo);
+  std::vector<float> gx;
+  affine_group_sums(w, xsums, m0, MB, gx);
+  if constexpr (BITS == 2) {
+    switch (w.group) {
+      case 32: return affine2_rows_mb<MB, 1>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+      case 64: return affine2_rows_mb<MB, 2>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+      default:
+        if (w.group % 128 == 0) return affine2_rows_mb<MB, 4>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+        return affine2_rows_mb<MB, 0>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+    }
+  } else {
+    switch (w.group) {
+      case 32: return affine_rows_bpg<BITS, MB, 1>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+      case 64: return affine_rows_bpg<BITS, MB, 2>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+      case 128: return affine_rows_bpg<BITS, MB, 4>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+      default: return affine_rows_bpg<BITS, MB, 0>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+    }
+  }
 }
 
 template <int BITS>
@@ -873,15 +1011,17 @@ __attribute__((target("avx2,fma,f16c"))) static float dot_scales(const void* p, 
 // 8 bits: codes - 128 as int8 against the activations (the sign trick keeps maddubs' first operand unsigned),
 // per group an i32 sum times the group's scale; the offset term 128 * scale * dx * sum(q) is one dot product
 // at the row's end (AffineQ8Sums::c8).
-template <int MB, Sdt T>
+// BPG: 32-blocks per group (group 32, 64, 128 or 256).
+template <int MB, Sdt T, int BPG>
 __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row8(const AffineRows& w, const void* scales,
                                                                    const void* biases, const Activations& a,
                                                                    const AffineQ8Sums& sums, int m0, int n,
                                                                    float* out, int ldo) {
-  const int K = w.K, ng = K / w.group, bpg = w.group / 32, gpc = 256 / w.group, nsb = codebook_super_blocks(K);
+  constexpr int G = 32 * BPG, gpc = 256 / G;
+  const int K = w.K, ng = K / G, nsb = codebook_super_blocks(K);
   const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K;
   const size_t s0 = (size_t)n * ng;
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
   __m256 accf[MB];
   for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
   for (int c = 0; c < nsb; ++c) {
@@ -892,11 +1032,12 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row8(const Affine
     for (int g = c * gpc; g < g1; ++g) {
       __m256i acc[MB];
       for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
-      for (int bi = 0; bi < bpg; ++bi) {
-        const int b = g * bpg + bi;
-        if (starts_line(b, 32)) prefetch_ahead(row + (size_t)b * 32);
-        const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (size_t)b * 32)),
-                                            _mm256_set1_epi8((char)0x80));
+#pragma GCC unroll 8
+      for (int bi = 0; bi < BPG; ++bi) {
+        const int b = g * BPG + bi;
+        if ((b & 1) == 0) prefetch_ahead(row + (size_t)b * 32);  // first block of a 64-byte line
+        const __m256i wv =
+            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (size_t)b * 32)), flip);
         const __m256i aw = _mm256_abs_epi8(wv);
         for (int m = 0; m < MB; ++m) {
           const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 32 * b));
@@ -1078,38 +1219,34 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row4(const Affine
 // Per activation row of the tile m0 .. m0 + mb: the group sums of x and, for 8 bits, the offset factors.
 static void affine_q8_sums(const AffineRows& w, const Activations& a, int m0, int mb, AffineQ8Sums& sums) {
   const int K = w.K, nb = K / 32, ng = K / w.group, bpg = w.group / 32, nsb = codebook_super_blocks(K);
-  sums.gx.assign((size_t)mb * ng, 0.0f);
+  affine_group_sums(w, a.sums, m0, mb, sums.gx);
   sums.c8.assign(w.bits == 8 ? (size_t)mb * ng : 0, 0.0f);
+  if (w.bits != 8) return;
   for (int m = 0; m < mb; ++m) {
     for (int g = 0; g < ng; ++g) {
-      float xs = 0;
       int32_t qs = 0;
-      for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
-        xs += a.sums[(size_t)(m0 + m) * nb + b];
-        qs += a.q8_bsums[(size_t)(m0 + m) * nb + b];
-      }
-      sums.gx[(size_t)m * ng + g] = xs;
-      if (w.bits == 8) sums.c8[(size_t)m * ng + g] = a.q8_d[(size_t)(m0 + m) * nsb + g * w.group / 256] * (float)(128 * qs);
+      for (int b = g * bpg; b < (g + 1) * bpg; ++b) qs += a.q8_bsums[(size_t)(m0 + m) * nb + b];
+      sums.c8[(size_t)m * ng + g] = a.q8_d[(size_t)(m0 + m) * nsb + g * w.group / 256] * (float)(128 * qs);
     }
   }
 }
 
-// The row kernel of a width for a tile of mb activation rows.
-template <int BITS, Sdt T, int MB>
+// The row kernel of a width for a tile of mb activation rows (BPG: the 8-bit kernel's 32-blocks per group).
+template <int BITS, Sdt T, int MB, int BPG>
 constexpr auto affine_q8_row_fn() {
   if constexpr (BITS == 2) return affine_q8_row2<MB, T>;
   else if constexpr (BITS == 4) return affine_q8_row4<MB, T>;
-  else return affine_q8_row8<MB, T>;
+  else return affine_q8_row8<MB, T, BPG>;
 }
 
 // Affine 2/4/8 bits in q8 mode, with the scales and biases read in their own dtype T.
-template <int BITS, Sdt T>
+template <int BITS, Sdt T, int BPG>
 static void affine_rows_q8_direct(const AffineRows& w, const void* scales, const void* biases, const Activations& a,
                                   int n0, int n1, float* out, int ldo) {
   static_assert(kMaxRows == 4, "one row kernel per tile height 1..kMaxRows");
-  constexpr decltype(affine_q8_row_fn<BITS, T, 1>()) rows[kMaxRows] = {
-      affine_q8_row_fn<BITS, T, 1>(), affine_q8_row_fn<BITS, T, 2>(), affine_q8_row_fn<BITS, T, 3>(),
-      affine_q8_row_fn<BITS, T, 4>()};
+  constexpr decltype(affine_q8_row_fn<BITS, T, 1, BPG>()) rows[kMaxRows] = {
+      affine_q8_row_fn<BITS, T, 1, BPG>(), affine_q8_row_fn<BITS, T, 2, BPG>(), affine_q8_row_fn<BITS, T, 3, BPG>(),
+      affine_q8_row_fn<BITS, T, 4, BPG>()};
   AffineQ8Sums sums;
   for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
     const int mb = std::min(kMaxRows, a.rows - m0);
@@ -1118,11 +1255,11 @@ static void affine_rows_q8_direct(const AffineRows& w, const void* scales, const
   }
 }
 
-template <int BITS>
+template <int BITS, int BPG>
 static void affine_rows_q8_direct(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
-  if (!w.scales_h) return affine_rows_q8_direct<BITS, Sdt::f32>(w, w.scales, w.biases, a, n0, n1, out, ldo);
-  if (w.bf16) return affine_rows_q8_direct<BITS, Sdt::bf16>(w, w.scales_h, w.biases_h, a, n0, n1, out, ldo);
-  return affine_rows_q8_direct<BITS, Sdt::f16>(w, w.scales_h, w.biases_h, a, n0, n1, out, ldo);
+  if (!w.scales_h) return affine_rows_q8_direct<BITS, Sdt::f32, BPG>(w, w.scales, w.biases, a, n0, n1, out, ldo);
+  if (w.bf16) return affine_rows_q8_direct<BITS, Sdt::bf16, BPG>(w, w.scales_h, w.biases_h, a, n0, n1, out, ldo);
+  return affine_rows_q8_direct<BITS, Sdt::f16, BPG>(w, w.scales_h, w.biases_h, a, n0, n1, out, ldo);
 }
 #endif
 
@@ -1134,9 +1271,15 @@ void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, floa
   // The q8 kernels read f16/bf16 scales and biases directly; the others convert them 16 rows at a time.
   if (simd && a.q8 && q8_supported('a', w.bits, w.group)) {
     switch (w.bits) {
-      case 2: return affine_rows_q8_direct<2>(w, a, n0, n1, out, ldo);
-      case 4: return affine_rows_q8_direct<4>(w, a, n0, n1, out, ldo);
-      default: return affine_rows_q8_direct<8>(w, a, n0, n1, out, ldo);
+      case 2: return affine_rows_q8_direct<2, 0>(w, a, n0, n1, out, ldo);
+      case 4: return affine_rows_q8_direct<4, 0>(w, a, n0, n1, out, ldo);
+      default:  // (q8_supported: group 32, 64, 128 or 256)
+        switch (w.group) {
+          case 32: return affine_rows_q8_direct<8, 1>(w, a, n0, n1, out, ldo);
+          case 64: return affine_rows_q8_direct<8, 2>(w, a, n0, n1, out, ldo);
+          case 128: return affine_rows_q8_direct<8, 4>(w, a, n0, n1, out, ldo);
+          default: return affine_rows_q8_direct<8, 8>(w, a, n0, n1, out, ldo);
+        }
     }
   }
 #endif
