@@ -334,6 +334,13 @@ constexpr int kPrefetchAhead = K3_PREFETCH_AHEAD;
 static inline void prefetch_ahead(const void* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchAhead, _MM_HINT_T0);
 }
+// Fetches a row's `bytes` bytes at p (its biases, which its kernel reads only after the weights: without this
+// the final dot waits on memory, 5% of a decode step's samples on the mid-size model).
+static inline void prefetch_span(const void* p, size_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (size_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+  _mm_prefetch(c + bytes - 1, _MM_HINT_T0);  // p need not start a line
+}
 // Whether block i of `bytes` bytes is the first to start in its 64-byte line: one prefetch per line.
 static inline bool starts_line(int i, int bytes) { return (i * bytes) % 64 < bytes; }
 // A codebook row's two streams at super-block sb: 32 bytes of codes and 16 bytes of qh each.
@@ -663,6 +670,7 @@ __attribute__((target("avx2,fma"))) static void affine_tile_avx2(const AffineRow
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
   }
+  for (int j = 0; j < NB; ++j) prefetch_span(w.biases + (size_t)(n + j) * ng, (size_t)ng * sizeof(float));
   for (int g = 0; g < ng; ++g) {
     __m256 s[NB];
     for (int j = 0; j < NB; ++j) s[j] = _mm256_broadcast_ss(w.scales + (size_t)(n + j) * ng + g);
@@ -744,6 +752,7 @@ __attribute__((target("avx2,fma"))) static void affine2_tile_avx2(const AffineRo
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
   }
+  for (int j = 0; j < NB; ++j) prefetch_span(w.biases + (size_t)(n + j) * ng, (size_t)ng * sizeof(float));
   // The four blocks' scales of chunk c of row n + j.
   auto scales4 = [&](int j, int c) -> __m128 {
     const float* r = w.scales + (size_t)(n + j) * ng;
@@ -1021,6 +1030,8 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row8(const Affine
   const int K = w.K, ng = K / G, nsb = codebook_super_blocks(K);
   const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K;
   const size_t s0 = (size_t)n * ng;
+  constexpr size_t sbytes = T == Sdt::f32 ? 4 : 2;
+  prefetch_span(static_cast<const char*>(biases) + s0 * sbytes, ng * sbytes);
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
   __m256 accf[MB];
   for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
@@ -1100,6 +1111,8 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row2(const Affine
   const int K = w.K, G = w.group, ng = K / G, nsb = codebook_super_blocks(K), gpc = 256 / G, full = K / 256;
   const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 4;
   const size_t s0 = (size_t)n * ng;
+  constexpr size_t sbytes = T == Sdt::f32 ? 4 : 2;
+  prefetch_span(static_cast<const char*>(biases) + s0 * sbytes, ng * sbytes);
   __m256i idx[2];  // lane i of half h: block 4h + i / 2
   scale_lanes(128, 2, G, idx);
   const __m256i ones = _mm256_set1_epi16(1), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12);
@@ -1173,6 +1186,8 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row4(const Affine
   const int K = w.K, G = w.group, ng = K / G, nsb = codebook_super_blocks(K), gpc = 256 / G, full = K / 256;
   const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 2;
   const size_t s0 = (size_t)n * ng;
+  constexpr size_t sbytes = T == Sdt::f32 ? 4 : 2;
+  prefetch_span(static_cast<const char*>(biases) + s0 * sbytes, ng * sbytes);
   __m256i idx[4];  // lane i of 64-chunk j: block 2j + i / 4
   scale_lanes(64, 4, G, idx);
   const __m256i ones = _mm256_set1_epi16(1), m15 = _mm256_set1_epi8(15);
