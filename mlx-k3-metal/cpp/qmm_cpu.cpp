@@ -640,13 +640,20 @@ __attribute__((target("avx2,fma"))) static inline void decode32(const uint8_t* p
       v[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
     }
   } else if constexpr (BITS == 4) {
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    // The 16 bytes in both 128-bit lanes; a lane-local byte shuffle widens bytes 0-7 (8-15) to the eight i32 lanes,
+    // where a mask takes the low nibbles and a shift the high ones (no mask needed: the bytes were widened).
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i w0 = _mm256_shuffle_epi8(b, _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1,
+                                                               -1, 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1,
+                                                               -1, -1));
+    const __m256i w1 = _mm256_shuffle_epi8(b, _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1,
+                                                               -1, -1, 12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1,
+                                                               15, -1, -1, -1));
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(w0, mask));
+    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(w1, mask));
+    v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4));
+    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4));
   } else {  // BITS == 2
     __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     const __m128i mask = _mm_set1_epi8(0x03);
