@@ -743,9 +743,9 @@ static void affine_group_sums(const AffineRows& w, const float* xsums, int m0, i
 // floats without masking or converting. Activations are interleaved to match (interleave_2bit_f32: position
 // 8s + i of a chunk holds element 16i + s). Lanes 2q and 2q + 1 cover 32-block q of the chunk, so the chunk's
 // dots are scaled per block (a lane-permuted vector of the four blocks' scales); the biases meet the activations'
-// group sums gx ([MB][ng], affine_group_sums) once per row. GK: how the blocks' scales are found (1: group 32, 2: group 64, 4: groups that are
-// a multiple of 128, 0: any other multiple of 32). A row's last K % 128 values are read block by block in the
-// order of permute_for_bits(2).
+// group sums gx ([MB][ng], affine_group_sums) once per row. GK: how the blocks' scales are found (1: group 32,
+// 2: group 64, 4: groups that are a multiple of 128, 0: any other multiple of 32). A row's last K % 128 values
+// are read block by block in the order of permute_for_bits(2).
 template <int MB, int NB, int GK>
 __attribute__((target("avx2,fma"))) static void affine2_tile_avx2(const AffineRows& w, const float* xp,
                                                                   const float* gx, int m0, int n, float* out,
