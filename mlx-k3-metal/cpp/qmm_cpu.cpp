@@ -342,7 +342,8 @@ static inline void prefetch_span(const void* p, size_t bytes) {
   _mm_prefetch(c + bytes - 1, _MM_HINT_T0);  // p need not start a line
 }
 // Whether block i of `bytes` bytes is the first to start in its 64-byte line: one prefetch per line.
-static inline bool starts_line(int i, int bytes) { return (i * bytes) % 64 < bytes; }
+// (Unsigned: a signed modulo cost several instructions per block in the 8-bit kernels' inner loops.)
+static inline bool starts_line(int i, int bytes) { return (unsigned)(i * bytes) % 64 < (unsigned)bytes; }
 // A codebook row's two streams at super-block sb: 32 bytes of codes and 16 bytes of qh each.
 static inline void prefetch_codebook(const CodebookRows& w, int n, int sb) {
   if (starts_line(sb, 32)) prefetch_ahead(w.codes + (size_t)n * (w.K / 8) + 32 * sb);
@@ -687,7 +688,7 @@ __attribute__((target("avx2,fma"))) static void affine_tile_avx2(const AffineRow
       __m256 v[NB][4];
       for (int j = 0; j < NB; ++j) {
         const uint8_t* src = rows + j * row_bytes + (size_t)b * 32 * BITS / 8;
-        if ((unsigned)(b * 4 * BITS) % 64 < 4 * BITS) prefetch_ahead(src);  // first block of a 64-byte line
+        if (starts_line(b, 4 * BITS)) prefetch_ahead(src);
         if constexpr (BITS == 3 || BITS == 5 || BITS == 6) {
           // The odd-width decoder reads up to 16 bytes past a block's start; a row's last block is copied so
           // the matrix's last row never reads past its buffer.
@@ -972,6 +973,13 @@ struct AffineQ8Sums {
 // Scale/bias element type read directly by the q8 affine kernels (f16/bf16 scales are not converted first).
 enum class Sdt { f32, f16, bf16 };
 
+// Prefetches n scales (or biases) of dtype T from index i0: a row's biases, read only at the row's end.
+template <Sdt T>
+static inline void prefetch_scales(const void* p, size_t i0, int n) {
+  constexpr size_t bytes = T == Sdt::f32 ? 4 : 2;
+  prefetch_span(static_cast<const char*>(p) + i0 * bytes, n * bytes);
+}
+
 template <Sdt T>
 __attribute__((target("avx2,fma,f16c"))) static inline float scale_at(const void* p, size_t i) {
   if constexpr (T == Sdt::f32) {
@@ -1042,8 +1050,7 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row8(const Affine
   const int K = w.K, ng = K / G, nsb = codebook_super_blocks(K);
   const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K;
   const size_t s0 = (size_t)n * ng;
-  constexpr size_t sbytes = T == Sdt::f32 ? 4 : 2;
-  prefetch_span(static_cast<const char*>(biases) + s0 * sbytes, ng * sbytes);
+  prefetch_scales<T>(biases, s0, ng);
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
   __m256 accf[MB];
   for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
@@ -1058,7 +1065,7 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row8(const Affine
 #pragma GCC unroll 8
       for (int bi = 0; bi < BPG; ++bi) {
         const int b = g * BPG + bi;
-        if ((b & 1) == 0) prefetch_ahead(row + (size_t)b * 32);  // first block of a 64-byte line
+        if (starts_line(b, 32)) prefetch_ahead(row + (size_t)b * 32);
         const __m256i wv =
             _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (size_t)b * 32)), flip);
         const __m256i aw = _mm256_abs_epi8(wv);
@@ -1123,8 +1130,7 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row2(const Affine
   const int K = w.K, G = w.group, ng = K / G, nsb = codebook_super_blocks(K), gpc = 256 / G, full = K / 256;
   const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 4;
   const size_t s0 = (size_t)n * ng;
-  constexpr size_t sbytes = T == Sdt::f32 ? 4 : 2;
-  prefetch_span(static_cast<const char*>(biases) + s0 * sbytes, ng * sbytes);
+  prefetch_scales<T>(biases, s0, ng);
   __m256i idx[2];  // lane i of half h: block 4h + i / 2
   scale_lanes(128, 2, G, idx);
   const __m256i ones = _mm256_set1_epi16(1), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12);
@@ -1198,8 +1204,7 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row4(const Affine
   const int K = w.K, G = w.group, ng = K / G, nsb = codebook_super_blocks(K), gpc = 256 / G, full = K / 256;
   const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 2;
   const size_t s0 = (size_t)n * ng;
-  constexpr size_t sbytes = T == Sdt::f32 ? 4 : 2;
-  prefetch_span(static_cast<const char*>(biases) + s0 * sbytes, ng * sbytes);
+  prefetch_scales<T>(biases, s0, ng);
   __m256i idx[4];  // lane i of 64-chunk j: block 2j + i / 4
   scale_lanes(64, 4, G, idx);
   const __m256i ones = _mm256_set1_epi16(1), m15 = _mm256_set1_epi8(15);
