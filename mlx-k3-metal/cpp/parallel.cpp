@@ -63,7 +63,12 @@ bool spin_until(Pred pred) {
   for (unsigned i = 1;; ++i) {
     if (pred()) return true;
     cpu_relax();
-    if (i % 64 == 0 && std::chrono::steady_clock::now() - t0 > limit) return pred();
+    if (i % 64 == 0) {
+      if (std::chrono::steady_clock::now() - t0 > limit) return pred();
+      // Every few microseconds, give the core to a runnable thread (on a machine with as many threads as
+      // cores, the thread that builds the next graph waits for one while this one polls).
+      std::this_thread::yield();
+    }
   }
 }
 
