@@ -270,6 +270,37 @@ fn check_fast_path(spec: QuantSpec, m: i32, n: i32, k: i32, seed: u64) -> f32 {
     e
 }
 
+/// Each output row is computed by exactly one task, so the kernels' results cannot depend on how the thread
+/// pool splits the rows: outputs with 2, 3 and 8 threads (8 oversubscribes a small machine, so idle threads
+/// poll, yield and sleep between calls) are bit-identical to one thread's, over many back-to-back calls (a
+/// lost, repeated or still-running task would show as a differing row).
+#[test]
+fn kernels_are_bit_identical_for_any_thread_count() {
+    let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
+    let cb = random_codebook(515, 512, 7).to_arrays().unwrap();
+    let specs = [QuantSpec::affine(64, 4), QuantSpec::affine(32, 2), QuantSpec::affine(64, 8)];
+    let ws: Vec<Quantized> =
+        specs.iter().map(|s| quant::quantize(&randn(&[515, 512], 11), *s, None).unwrap()).collect();
+    let run = |x: &Array| -> Vec<Vec<u32>> {
+        let mut outs: Vec<Array> =
+            specs.iter().zip(&ws).map(|(s, q)| kernels::quantized_matmul(x, q, *s).unwrap()).collect();
+        outs.push(codebook::codebook_qmm(x, &cb).unwrap());
+        outs.iter().map(|o| o.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()).collect()
+    };
+    let xs: Vec<Array> = (0..3).map(|i| randn(&[1 + 2 * i, 512], 20 + i as u64)).collect();
+    kernels::set_num_threads(1);
+    let want: Vec<_> = xs.iter().map(&run).collect();
+    for threads in [2, 3, 8] {
+        kernels::set_num_threads(threads);
+        for rep in 0..20 {
+            for (x, w) in xs.iter().zip(&want) {
+                assert!(run(x) == *w, "{threads} threads, call {rep}: outputs differ from one thread's");
+            }
+        }
+    }
+    kernels::set_num_threads(0);
+}
+
 #[test]
 fn fast_affine_and_mxfp4_match_mlx() {
     let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
