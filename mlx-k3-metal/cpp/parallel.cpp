@@ -57,8 +57,9 @@ inline void cpu_relax() {
 // Polls pred() until it holds or spin_time() has passed; returns whether it holds.
 template <class Pred>
 bool spin_until(Pred pred) {
+  if (pred()) return true;  // the common case needs no clock read
   const auto limit = spin_time();
-  if (limit.count() == 0) return pred();
+  if (limit.count() == 0) return false;
   const auto t0 = std::chrono::steady_clock::now();
   for (unsigned i = 1;; ++i) {
     if (pred()) return true;
@@ -111,13 +112,12 @@ class Pool {
     }
     cv_.notify_all();  // no system call unless a worker sleeps
     work(*job);
-    if (spin_until([&] { return job->done.load() == n_tasks; })) {
-      if (job->error) std::rethrow_exception(job->error);  // written before its task counted as done
-      return;
+    auto all_done = [&] { return job->done.load() == n_tasks; };
+    if (!spin_until(all_done)) {
+      std::unique_lock<std::mutex> lk(job->mu);
+      job->finished.wait(lk, all_done);
     }
-    std::unique_lock<std::mutex> lk(job->mu);
-    job->finished.wait(lk, [&] { return job->done.load() == n_tasks; });
-    if (job->error) std::rethrow_exception(job->error);
+    if (job->error) std::rethrow_exception(job->error);  // written before its task counted as done
   }
 
  private:
@@ -139,10 +139,11 @@ class Pool {
     size_t seen = 0;
     for (;;) {
       std::shared_ptr<Job> job;
-      spin_until([&] { return stop_.load() || generation_.load() != seen; });
+      auto woken = [&] { return stop_.load() || generation_.load() != seen; };
+      spin_until(woken);
       {
         std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return stop_.load() || generation_.load() != seen; });
+        cv_.wait(lk, woken);
         if (stop_.load()) return;
         seen = generation_.load();
         job = job_;
