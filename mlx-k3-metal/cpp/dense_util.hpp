@@ -4,10 +4,14 @@
 #pragma once
 
 #include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "mlx/array.h"
 #include "mlx/ops.h"
+#include "mlx/utils.h"
 
 namespace k3::kernels {
 
@@ -42,6 +46,74 @@ inline const void* dense_data(const mlx::core::array& a, std::vector<char>& scra
 inline mlx::core::array contiguous_input(const mlx::core::array& a, mlx::core::Stream s) {
   if (a.status() != mlx::core::array::Status::unscheduled && a.flags().row_contiguous) return a;
   return mlx::core::contiguous(a, false, s);
+}
+
+// The index operands of a gathered op (MLX's gather_qmm convention: x (*Bx, M, K), lhs indices into x's batch,
+// rhs indices into the expert stack, broadcast together to the output's batch shape). They go into the primitive
+// as given (cast to uint32, a no-op for the router's indices); an absent one stands for arange over x's batch
+// shape and is not built at all. The primitive broadcasts and flattens them itself (broadcast_indices), so a
+// decode step has no arange / reshape / broadcast / flatten nodes around each of its ~30 gathers.
+struct GatherIndices {
+  std::vector<mlx::core::array> arrays;  // lhs then rhs, the given ones only
+  bool has_lhs = false, has_rhs = false;
+  mlx::core::Shape batch;  // the broadcast batch shape: the output is batch + (M, N)
+};
+
+inline GatherIndices gather_index_inputs(const char* op, const mlx::core::array& x, int experts,
+                                         const std::optional<mlx::core::array>& lhs,
+                                         const std::optional<mlx::core::array>& rhs, mlx::core::Stream s) {
+  namespace mx = mlx::core;
+  const mx::Shape bx(x.shape().begin(), x.shape().end() - 2);
+  size_t nbx = 1;
+  for (auto d : bx) nbx *= d;
+  if (!rhs && (size_t)experts != nbx) {
+    throw std::invalid_argument(std::string("[") + op + "] rhs indices are required when the batch does not match the experts");
+  }
+  GatherIndices g;
+  g.has_lhs = lhs.has_value();
+  g.has_rhs = rhs.has_value();
+  for (const auto* a : {&lhs, &rhs}) {
+    if (!*a) continue;
+    if (!mx::issubdtype((*a)->dtype(), mx::integer)) {
+      throw std::invalid_argument(std::string("[") + op + "] index arrays must have an integer dtype");
+    }
+    g.arrays.push_back(mx::astype(**a, mx::uint32, s));
+  }
+  g.batch = mx::broadcast_shapes(lhs ? lhs->shape() : bx, rhs ? rhs->shape() : bx);
+  return g;
+}
+
+// Row-major values of a gathered op's index operand broadcast to `batch`: `a` (uint32, any strides, its shape
+// right-aligned against batch) or, when null, arange over `implicit` (x's batch shape) reshaped to it.
+inline std::vector<uint32_t> broadcast_indices(const mlx::core::array* a, const mlx::core::Shape& implicit,
+                                               const mlx::core::Shape& batch) {
+  const mlx::core::Shape& shape = a ? a->shape() : implicit;
+  std::vector<int64_t> strides(shape.size());
+  if (a) {
+    for (size_t d = 0; d < shape.size(); ++d) strides[d] = a->strides()[d];
+  } else {
+    int64_t st = 1;
+    for (size_t d = shape.size(); d-- > 0;) {
+      strides[d] = st;
+      st *= shape[d];
+    }
+  }
+  size_t n = 1;
+  for (auto d : batch) n *= d;
+  const int nb = (int)batch.size(), lead = nb - (int)shape.size();
+  const uint32_t* src = a ? a->data<uint32_t>() : nullptr;
+  std::vector<uint32_t> out(n);
+  for (size_t p = 0; p < n; ++p) {
+    size_t q = p;
+    int64_t off = 0;
+    for (int d = nb - 1; d >= 0; --d) {
+      const size_t i = q % batch[d];
+      q /= batch[d];
+      if (d >= lead && shape[d - lead] != 1) off += (int64_t)i * strides[d - lead];
+    }
+    out[p] = src ? src[off] : (uint32_t)off;
+  }
+  return out;
 }
 
 }  // namespace k3::kernels

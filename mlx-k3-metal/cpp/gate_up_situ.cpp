@@ -89,12 +89,12 @@ void situ_store(const float* up, const float* gate, float* out, int n, const Gat
 
 class GateUpSitu : public mx::UnaryPrimitive {
  public:
-  GateUpSitu(mx::Stream s, GateUpFormat f) : mx::UnaryPrimitive(s), f_(f) {}
+  GateUpSitu(mx::Stream s, GateUpFormat f, bool has_lhs) : mx::UnaryPrimitive(s), f_(f), has_lhs_(has_lhs) {}
 
-  // Inputs: x [..., M, K] f32, lhs [P] u32, rhs [P] u32 (these three may be strided views, packed in the
-  // task), gate weights (n_w arrays), up weights (n_w arrays).
+  // Inputs: x [..., M, K] f32, lhs (when given) and rhs u32 index arrays broadcastable to the output's batch
+  // shape (these may be strided views, read in the task), gate weights (n_w arrays), up weights (n_w arrays).
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    for (size_t i = 3; i < inputs.size(); ++i) {
+    for (size_t i = 2 + has_lhs_; i < inputs.size(); ++i) {
       if (!inputs[i].flags().row_contiguous) throw std::runtime_error("[gather_gate_up_situ] non-contiguous input");
     }
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -103,7 +103,10 @@ class GateUpSitu : public mx::UnaryPrimitive {
     enc.set_output_array(out);
     std::vector<mx::array> in;
     for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-    enc.dispatch([in = std::move(in), o = out.data<float>(), f = f_]() { run(in, o, f); });
+    mx::Shape batch(out.shape().begin(), out.shape().end() - 2);
+    enc.dispatch([in = std::move(in), o = out.data<float>(), f = f_, has_lhs = has_lhs_, batch = std::move(batch)]() {
+      run(in, o, f, has_lhs, batch);
+    });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -113,21 +116,25 @@ class GateUpSitu : public mx::UnaryPrimitive {
   const char* name() const override { return "K3GatherGateUpSitu"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    return f_ == static_cast<const GateUpSitu&>(other).f_;
+    const auto& o = static_cast<const GateUpSitu&>(other);
+    return f_ == o.f_ && has_lhs_ == o.has_lhs_;
   }
 
  private:
-  static void run(const std::vector<mx::array>& in, float* out, const GateUpFormat& f) {
+  static void run(const std::vector<mx::array>& in, float* out, const GateUpFormat& f, bool has_lhs,
+                  const mx::Shape& batch) {
     const int nw = n_weights(f.kind);
-    const mx::array* gw = &in[3];
-    const mx::array* uw = &in[3 + nw];
+    const size_t w0 = 2 + has_lhs;
+    const mx::array* gw = &in[w0];
+    const mx::array* uw = &in[w0 + nw];
     const int M = in[0].shape(-2), K = in[0].shape(-1), N = gw[0].shape(1), E = gw[0].shape(0);
     const int Bx = (int)(in[0].size() / ((size_t)M * K));
-    std::vector<char> x_scratch, lhs_scratch, rhs_scratch;
+    std::vector<char> x_scratch;
     const float* xp = static_cast<const float*>(dense_data(in[0], x_scratch));
-    const uint32_t* lhs = static_cast<const uint32_t*>(dense_data(in[1], lhs_scratch));
-    const uint32_t* rhs = static_cast<const uint32_t*>(dense_data(in[2], rhs_scratch));
-    const size_t P = in[1].size();
+    const mx::Shape bx(in[0].shape().begin(), in[0].shape().end() - 2);
+    const auto lhs = broadcast_indices(has_lhs ? &in[1] : nullptr, bx, batch);
+    const auto rhs = broadcast_indices(&in[1 + has_lhs], bx, batch);
+    const size_t P = lhs.size();
     for (size_t p = 0; p < P; ++p) {
       if ((int)rhs[p] >= E || (int)lhs[p] >= Bx) {
         throw std::out_of_range("[gather_gate_up_situ] index out of range: expert " + std::to_string(rhs[p]) + " of " +
@@ -186,6 +193,7 @@ class GateUpSitu : public mx::UnaryPrimitive {
   }
 
   GateUpFormat f_;
+  bool has_lhs_;
 };
 
 [[noreturn]] void fail(const std::string& msg) {
@@ -272,22 +280,17 @@ mx::array gather_gate_up_situ(GateUpFormat f, const mx::array& x_in, const std::
   auto [E, N] = check_proj("gate", f, gw, K);
   auto [E2, N2] = check_proj("up", f, uw, K);
   if (E != E2 || N != N2) fail("gate and up stacks differ in shape");
-  mx::Shape bx(x_in.shape().begin(), x_in.shape().end() - 2);
-  int nbx = 1;
-  for (auto d : bx) nbx *= d;
-  auto lhs = lhs_in ? mx::astype(*lhs_in, mx::uint32, s) : mx::reshape(mx::arange(nbx, mx::uint32, s), bx, s);
-  auto rhs = mx::astype(*rhs_in, mx::uint32, s);
-  auto bc = mx::broadcast_arrays({lhs, rhs}, s);
-  mx::Shape bshape = bc[0].shape();
   if (K == 0 || M == 0) fail("x has an empty M or K axis");
-  // One graph node (no reshape or contiguous nodes): x, lhs and rhs go in as they are.
-  std::vector<mx::array> inputs{x_in, mx::flatten(bc[0], s), mx::flatten(bc[1], s)};
+  // One graph node (no reshape, broadcast or contiguous nodes): x and the index arrays go in as they are.
+  auto g = gather_index_inputs("gather_gate_up_situ", x_in, E, lhs_in, rhs_in, s);
+  std::vector<mx::array> inputs{x_in};
+  inputs.insert(inputs.end(), g.arrays.begin(), g.arrays.end());
   for (auto& a : gw) inputs.push_back(contiguous_input(a, s));
   for (auto& a : uw) inputs.push_back(contiguous_input(a, s));
-  mx::Shape out_shape = bshape;
+  mx::Shape out_shape = g.batch;
   out_shape.push_back(M);
   out_shape.push_back(N);
-  return mx::array(out_shape, mx::float32, std::make_shared<GateUpSitu>(s, f), inputs);
+  return mx::array(out_shape, mx::float32, std::make_shared<GateUpSitu>(s, f, g.has_lhs), inputs);
 }
 
 }  // namespace k3::kernels

@@ -101,15 +101,23 @@ struct Layout {
   bool operator==(const Layout&) const = default;
 };
 
+// Which index operands a gathered primitive was given (gather_index_inputs); plain primitives: none.
+struct Gather {
+  bool on = false, lhs = false, rhs = false;
+  bool operator==(const Gather&) const = default;
+  size_t first_weight() const { return 1 + (on ? (size_t)lhs + (size_t)rhs : 0); }
+};
+
 class PackedQmm : public mx::UnaryPrimitive {
  public:
-  PackedQmm(mx::Stream s, Layout layout, bool gather) : mx::UnaryPrimitive(s), layout_(std::move(layout)), gather_(gather) {}
+  PackedQmm(mx::Stream s, Layout layout, Gather gather) : mx::UnaryPrimitive(s), layout_(std::move(layout)), gather_(gather) {}
 
-  // Inputs: x f32, [..., K] (plain) or [..., M, K] (gathered); when gathered lhs [P], rhs [P] uint32; when
-  // tiered tier [E] uint8 and slot [E] uint32; then the arrays of each present format in order. x, lhs and
-  // rhs may be strided views (packed in the task); the rest are row-contiguous (see contiguous_input).
+  // Inputs: x f32, [..., K] (plain) or [..., M, K] (gathered); when gathered the given lhs and rhs index arrays
+  // (uint32, broadcastable to the output's batch shape); when tiered tier [E] uint8 and slot [E] uint32; then
+  // the arrays of each present format in order. x and the index arrays may be strided views (read in the task);
+  // the rest are row-contiguous (see contiguous_input).
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    for (size_t i = gather_ ? 3 : 1; i < inputs.size(); ++i) {
+    for (size_t i = gather_.first_weight(); i < inputs.size(); ++i) {
       if (!inputs[i].flags().row_contiguous) throw std::runtime_error(std::string("[") + name() + "] non-contiguous input");
     }
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -117,9 +125,9 @@ class PackedQmm : public mx::UnaryPrimitive {
     for (auto& in : inputs) enc.set_input_array(in);
     enc.set_output_array(out);
     std::vector<mx::array> keep(inputs.begin(), inputs.end());
-    enc.dispatch([keep = std::move(keep), layout = layout_, gather = gather_, out_ptr = out.data<float>()]() {
-      run(keep, layout, gather, out_ptr);
-    });
+    mx::Shape batch(out.shape().begin(), out.shape().end() - (gather_.on ? 2 : 1));
+    enc.dispatch([keep = std::move(keep), layout = layout_, gather = gather_, batch = std::move(batch),
+                  out_ptr = out.data<float>()]() { run(keep, layout, gather, batch, out_ptr); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -128,7 +136,7 @@ class PackedQmm : public mx::UnaryPrimitive {
 
   const char* name() const override {
     if (layout_.tiered) return "gather_tiered_qmm";
-    return op_name(layout_.formats[0].kind, gather_);
+    return op_name(layout_.formats[0].kind, gather_.on);
   }
 
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -138,11 +146,12 @@ class PackedQmm : public mx::UnaryPrimitive {
 
  private:
   // Runs on the stream's worker thread; `in` are the (evaluated) inputs.
-  static void run(const std::vector<mx::array>& in, const Layout& layout, bool gather, float* out) {
+  static void run(const std::vector<mx::array>& in, const Layout& layout, Gather gather, const mx::Shape& batch,
+                  float* out) {
     const auto& x = in[0];
-    const int K = x.shape(-1), M = gather ? x.shape(-2) : (int)(x.size() / K);
-    std::vector<char> x_scratch, lhs_scratch, rhs_scratch;
-    size_t next = gather ? 3 : 1;
+    const int K = x.shape(-1), M = gather.on ? x.shape(-2) : (int)(x.size() / K);
+    std::vector<char> x_scratch;
+    size_t next = gather.first_weight();
     const uint8_t* tier = nullptr;
     const uint32_t* slot = nullptr;
     if (layout.tiered) {
@@ -163,16 +172,18 @@ class PackedQmm : public mx::UnaryPrimitive {
     }
     const int N = subs[0].N;
     const float* xp = static_cast<const float*>(dense_data(x, x_scratch));
-    if (!gather) {
+    if (!gather.on) {
       const Weights& w = subs[0];
       Prepared p(xp, M, K, w.f);
       parallel_range(N, kMinRowsPerTask, [&](size_t n0, size_t n1) { w.rows(0, p.a, (int)n0, (int)n1, out, N); });
       return;
     }
-    const uint32_t* lhs = static_cast<const uint32_t*>(dense_data(in[1], lhs_scratch));
-    const uint32_t* rhs = static_cast<const uint32_t*>(dense_data(in[2], rhs_scratch));
-    size_t P = in[1].size();
-    int E = layout.tiered ? (int)in[3].size() : in[3].shape(0);
+    const mx::Shape bx(x.shape().begin(), x.shape().end() - 2);
+    const auto lhs = broadcast_indices(gather.lhs ? &in[1] : nullptr, bx, batch);
+    const auto rhs = broadcast_indices(gather.rhs ? &in[1 + gather.lhs] : nullptr, bx, batch);
+    const size_t P = lhs.size();
+    const size_t w0 = gather.first_weight();
+    int E = layout.tiered ? (int)in[w0].size() : in[w0].shape(0);
     int Bx = (int)(x.size() / ((size_t)M * K));
     // Which sub-format and slot serve expert e.
     auto locate = [&](int e) -> std::pair<const Weights*, int> {
@@ -248,7 +259,7 @@ class PackedQmm : public mx::UnaryPrimitive {
   }
 
   Layout layout_;
-  bool gather_;
+  Gather gather_;
 };
 
 [[noreturn]] void fail(const char* op, const std::string& msg) {
@@ -310,24 +321,8 @@ mx::array packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::arra
   for (auto& a : w) inputs.push_back(contiguous_input(a, s));
   mx::Shape out_shape(x_in.shape().begin(), x_in.shape().end() - 1);
   out_shape.push_back(N);
-  auto y = mx::array(out_shape, mx::float32, std::make_shared<PackedQmm>(s, Layout{{f}, false}, false), inputs);
+  auto y = mx::array(out_shape, mx::float32, std::make_shared<PackedQmm>(s, Layout{{f}, false}, Gather{}), inputs);
   return mx::astype(y, x_in.dtype(), s);
-}
-
-// Broadcast, flattened uint32 lhs/rhs index arrays for x (*Bx, M, K) and E experts; also the output's batch
-// shape.
-std::tuple<mx::array, mx::array, mx::Shape> gather_indices(const char* op, const mx::array& x_in, int E,
-                                                           const std::optional<mx::array>& lhs_in,
-                                                           const std::optional<mx::array>& rhs_in, mx::Stream s) {
-  mx::Shape bx(x_in.shape().begin(), x_in.shape().end() - 2);
-  int nbx = 1;
-  for (auto d : bx) nbx *= d;
-  auto lhs = lhs_in ? mx::astype(*lhs_in, mx::uint32, s) : mx::reshape(mx::arange(nbx, mx::uint32, s), bx, s);
-  if (!rhs_in && E != nbx) fail(op, "rhs indices are required when the batch does not match the experts");
-  auto rhs = rhs_in ? mx::astype(*rhs_in, mx::uint32, s) : mx::reshape(mx::arange(E, mx::uint32, s), bx, s);
-  auto bc = mx::broadcast_arrays({lhs, rhs}, s);
-  mx::Shape bshape = bc[0].shape();
-  return {mx::flatten(bc[0], s), mx::flatten(bc[1], s), bshape};
 }
 
 mx::array gather_packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::array>& w,
@@ -340,13 +335,15 @@ mx::array gather_packed_qmm(Format f, const mx::array& x_in, const std::vector<m
   int K = x_in.shape(-1), M = x_in.shape(-2);
   int N = check_weights(op, f, w, K, true);
   if (K == 0 || M == 0) fail(op, "x has an empty M or K axis");
-  auto [lflat, rflat, bshape] = gather_indices(op, x_in, w[0].shape(0), lhs_in, rhs_in, s);
-  std::vector<mx::array> inputs{mx::astype(x_in, mx::float32, s), lflat, rflat};
+  auto g = gather_index_inputs(op, x_in, w[0].shape(0), lhs_in, rhs_in, s);
+  std::vector<mx::array> inputs{mx::astype(x_in, mx::float32, s)};
+  inputs.insert(inputs.end(), g.arrays.begin(), g.arrays.end());
   for (auto& a : w) inputs.push_back(contiguous_input(a, s));
-  mx::Shape out_shape = bshape;
+  mx::Shape out_shape = g.batch;
   out_shape.push_back(M);
   out_shape.push_back(N);
-  auto y = mx::array(out_shape, mx::float32, std::make_shared<PackedQmm>(s, Layout{{f}, false}, true), inputs);
+  auto y = mx::array(out_shape, mx::float32,
+                     std::make_shared<PackedQmm>(s, Layout{{f}, false}, Gather{true, g.has_lhs, g.has_rhs}), inputs);
   return mx::astype(y, x_in.dtype(), s);
 }
 
@@ -383,14 +380,17 @@ mx::array gather_tiered_qmm(const mx::array& x_in, const mx::array& tier, const 
   if (N < 0) fail(op, "no tier holds any expert");
   int E = tier.shape(0);
   if (K == 0 || M == 0) fail(op, "x has an empty M or K axis");
-  auto [lflat, rflat, bshape] = gather_indices(op, x_in, E, lhs_in, rhs_in, s);
-  std::vector<mx::array> inputs{mx::astype(x_in, mx::float32, s), lflat, rflat, contiguous_input(tier, s),
-                                contiguous_input(slot, s)};
+  auto g = gather_index_inputs(op, x_in, E, lhs_in, rhs_in, s);
+  std::vector<mx::array> inputs{mx::astype(x_in, mx::float32, s)};
+  inputs.insert(inputs.end(), g.arrays.begin(), g.arrays.end());
+  inputs.push_back(contiguous_input(tier, s));
+  inputs.push_back(contiguous_input(slot, s));
   inputs.insert(inputs.end(), arrays.begin(), arrays.end());
-  mx::Shape out_shape = bshape;
+  mx::Shape out_shape = g.batch;
   out_shape.push_back(M);
   out_shape.push_back(N);
-  auto y = mx::array(out_shape, mx::float32, std::make_shared<PackedQmm>(s, layout, true), inputs);
+  auto y = mx::array(out_shape, mx::float32,
+                     std::make_shared<PackedQmm>(s, layout, Gather{true, g.has_lhs, g.has_rhs}), inputs);
   return mx::astype(y, x_in.dtype(), s);
 }
 

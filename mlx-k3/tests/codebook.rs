@@ -380,12 +380,38 @@ fn fast_gather_qmm_matches_mlx() {
         let q = quant::quantize(&w, spec, None).unwrap();
         let x = randn(&[2, 4, 1, 1, 256], 8);
         let rhs = Array::from_slice(&[0u32, 4, 1, 1, 3, 2, 2, 0], &[2, 4, 1]).unwrap();
+        mlx_k3::eval(&[&x, &rhs, &q.weight, &q.scales]).unwrap();
         let got = kernels::gather_qmm(&x, &q, spec, None, Some(&rhs), false).unwrap();
+        if dt == Dtype::F32 {
+            // The op is one graph node: the index operands go in as they are (no arange, broadcast or flatten
+            // nodes; the primitive broadcasts them itself).
+            assert_eq!(mlx_k3::graph_nodes(&[&got], None).unwrap(), 1, "{spec:?}");
+        }
         let want =
             quant::gather_qmm(&x, &q, spec, true, Gather { rhs_indices: Some(&rhs), ..Default::default() }).unwrap();
         assert_eq!(got.shape(), want.shape());
         let e = rel_err(&got, &want);
         assert!(e <= 2e-5, "{spec:?}: {e}");
+        // The other index forms of MLX's gather_qmm, against MLX's op: no indices (x's batch runs over the
+        // experts), lhs and rhs that broadcast against each other, and strided (transposed) index views.
+        let x5 = randn(&[5, 3, 256], 9);
+        let lhs = Array::from_slice(&[2u32, 0, 1, 1, 0, 2], &[3, 2]).unwrap().transpose(&[1, 0]).unwrap(); // [2, 3]
+        let rhs_b = Array::from_slice(&[4u32, 0, 3], &[3, 1]).unwrap().transpose(&[1, 0]).unwrap(); // [1, 3]
+        let x3 = randn(&[3, 2, 256], 10);
+        for (x, lhs, rhs) in [(&x5, None, None), (&x3, Some(&lhs), Some(&rhs_b)), (&x3, None, Some(&rhs_b))] {
+            let g = Gather { lhs_indices: lhs, rhs_indices: rhs, ..Default::default() };
+            let want = quant::gather_qmm(x, &q, spec, true, g).unwrap();
+            let got = kernels::gather_qmm(x, &q, spec, lhs, rhs, false).unwrap();
+            assert_eq!(
+                got.shape(),
+                want.shape(),
+                "{spec:?} lhs {:?} rhs {:?}",
+                lhs.map(|a| a.shape()),
+                rhs.map(|a| a.shape())
+            );
+            let e = rel_err(&got, &want);
+            assert!(e <= 2e-5, "{spec:?} lhs {:?} rhs {:?}: {e}", lhs.map(|a| a.shape()), rhs.map(|a| a.shape()));
+        }
     }
 }
 

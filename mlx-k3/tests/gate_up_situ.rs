@@ -66,6 +66,13 @@ fn layouts(k: i32, e: u32) -> Vec<(&'static str, Array, Option<Array>, Array)> {
             Some(Array::from_slice(&[3u32, 0, 0, 2, 1], &[5]).unwrap()),
             Array::from_slice(&[0u32, 1, 1, 2, 0], &[5]).unwrap(),
         ),
+        (
+            // Strided (transposed) index views that broadcast against each other: lhs [3, 2], rhs [1, 2].
+            "lhs_rhs_strided",
+            randn(&[4, 1, k], 1.0, 5),
+            Some(Array::from_slice(&[3u32, 0, 2, 1, 1, 0], &[2, 3]).unwrap().transpose(&[1, 0]).unwrap()),
+            Array::from_slice(&[e - 1, 2], &[2, 1]).unwrap().transpose(&[1, 0]).unwrap(),
+        ),
     ]
 }
 
