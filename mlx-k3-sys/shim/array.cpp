@@ -1,4 +1,6 @@
 // Arrays: errors, dtypes, creation, read-back, evaluation; devices, streams and memory.
+#include <algorithm>
+#include <map>
 #include <sstream>
 #include <string>
 #include <unordered_set>
@@ -212,6 +214,52 @@ extern "C" int k3_graph_nodes(size_t* res, const k3_array* arrays, size_t n, con
       for (auto& in : a.inputs()) stack.push_back(in);
     }
     *res = count;
+  })
+}
+
+extern "C" int k3_graph_census(char** res, const k3_array* arrays, size_t n) {
+  K3_TRY({
+    // Per primitive name: nodes (a multi-output primitive once) and, per consumer name, the edges into it.
+    struct Entry {
+      size_t nodes = 0;
+      std::map<std::string, size_t> consumers;
+    };
+    std::map<std::string, Entry> by_name;
+    std::unordered_set<std::uintptr_t> seen;
+    std::unordered_set<const void*> prims;
+    std::vector<mx::array> stack = k3::arrays(arrays, n);
+    auto pending = [](const mx::array& a) { return a.status() == mx::array::Status::unscheduled && a.has_primitive(); };
+    while (!stack.empty()) {
+      mx::array a = stack.back();
+      stack.pop_back();
+      if (!seen.insert(a.id()).second || !pending(a)) continue;
+      const std::string name = a.primitive().name();
+      if (prims.insert(&a.primitive()).second) {
+        ++by_name[name].nodes;
+        for (auto& in : a.inputs()) {
+          if (pending(in)) ++by_name[in.primitive().name()].consumers[name];
+        }
+      }
+      for (auto& in : a.inputs()) stack.push_back(in);
+    }
+    std::vector<std::pair<std::string, const Entry*>> rows;
+    for (auto& [k, v] : by_name) rows.emplace_back(k, &v);
+    std::stable_sort(rows.begin(), rows.end(), [](auto& x, auto& y) { return x.second->nodes > y.second->nodes; });
+    std::ostringstream os;
+    for (auto& [name, e] : rows) {
+      os << e->nodes << '\t' << name << '\t';
+      bool first = true;
+      for (auto& [c, k] : e->consumers) {
+        os << (first ? "" : ", ") << c << " x" << k;
+        first = false;
+      }
+      os << '\n';
+    }
+    auto s = os.str();
+    char* out = static_cast<char*>(std::malloc(s.size() + 1));
+    if (!out) throw std::bad_alloc();
+    std::memcpy(out, s.c_str(), s.size() + 1);
+    *res = out;
   })
 }
 

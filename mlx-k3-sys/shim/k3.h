@@ -84,6 +84,10 @@ int k3_async_eval(const k3_array* arrays, size_t n);
 /* Size of the pending graph behind `arrays`: *res = the unscheduled arrays (each one node MLX will schedule)
  * reachable from them, counting only those whose primitive is named `primitive` unless it is null. */
 int k3_graph_nodes(size_t* res, const k3_array* arrays, size_t n, const char* primitive);
+/* The pending graph behind `arrays` by primitive, as text (free with k3_string_free): one line per primitive
+ * name, most nodes first: "<nodes>\t<name>\t<consumer> x<edges>, ..." where a multi-output primitive counts
+ * once and the consumers are the pending nodes that take its outputs as inputs. */
+int k3_graph_census(char** res, const k3_array* arrays, size_t n);
 
 /* ---------------------------------------------------------------- devices, streams, memory */
 int k3_device_is_available(bool* res, k3_device_type type);

@@ -193,6 +193,13 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn k3_graph_census(
+        res: *mut *mut ::std::os::raw::c_char,
+        arrays: *const k3_array,
+        n: usize,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn k3_device_is_available(res: *mut bool, type_: k3_device_type) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {

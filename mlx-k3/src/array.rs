@@ -358,6 +358,46 @@ pub fn graph_nodes(arrays: &[&Array], primitive: Option<&str>) -> Result<usize> 
     Ok(n)
 }
 
+/// One primitive of a pending graph, as [`graph_census`] reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GraphCensusRow {
+    /// MLX's name of the primitive (e.g. `"Reshape"`, `"K3RmsNorm"`).
+    pub primitive: String,
+    /// Pending nodes with this primitive (a multi-output primitive counts once).
+    pub nodes: usize,
+    /// The pending nodes that consume their outputs: (primitive name, edges), by name.
+    pub consumers: Vec<(String, usize)>,
+}
+
+/// The pending graph behind `arrays` grouped by primitive, most nodes first, with what each kind feeds: a
+/// diagnostic for finding where a decode step's nodes come from (`mlx-k3 bench --graph`).
+pub fn graph_census(arrays: &[&Array]) -> Result<Vec<GraphCensusRow>> {
+    let raws: Vec<sys::k3_array> = arrays.iter().map(|a| a.raw).collect();
+    let mut s: *mut std::os::raw::c_char = ptr::null_mut();
+    // SAFETY: live handles for the duration of the call; on success s is a malloc'd NUL-terminated string
+    // that we free with k3_string_free.
+    let text = unsafe {
+        check("graph_census", sys::k3_graph_census(&mut s, raws.as_ptr(), raws.len()))?;
+        let t = std::ffi::CStr::from_ptr(s).to_string_lossy().into_owned();
+        sys::k3_string_free(s);
+        t
+    };
+    let bad = || crate::Error::invalid("graph_census", "malformed census line from the shim");
+    let mut rows = Vec::new();
+    for line in text.lines() {
+        let mut f = line.splitn(3, '\t');
+        let nodes = f.next().and_then(|n| n.parse().ok()).ok_or_else(bad)?;
+        let primitive = f.next().ok_or_else(bad)?.to_string();
+        let mut consumers = Vec::new();
+        for c in f.next().unwrap_or("").split(", ").filter(|c| !c.is_empty()) {
+            let (name, k) = c.rsplit_once(" x").ok_or_else(bad)?;
+            consumers.push((name.to_string(), k.parse().map_err(|_| bad())?));
+        }
+        rows.push(GraphCensusRow { primitive, nodes, consumers });
+    }
+    Ok(rows)
+}
+
 /// The stream argument for shim calls made now on this thread.
 pub(crate) fn s() -> sys::k3_stream {
     current_raw()

@@ -48,7 +48,7 @@ pub mod sync_trace;
 pub mod tiers;
 pub mod tokenizer;
 
-pub use array::{async_eval, eval, graph_nodes, Array};
+pub use array::{async_eval, eval, graph_census, graph_nodes, Array, GraphCensusRow};
 pub use device::{current_stream, synchronize, with_device, with_stream, Device, Stream};
 pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};

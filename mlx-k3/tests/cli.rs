@@ -101,6 +101,40 @@ fn inspect_summarizes_a_quantized_checkpoint() {
     assert!(stdout.lines().any(|l| l.starts_with("total")), "{stdout}");
 }
 
+/// `bench --graph` prints one decode step's graph by primitive (its JSON form too), and the rows add up.
+#[test]
+fn bench_graph_reports_a_decode_step_by_primitive() {
+    let dir = fixture("a_latent_norm_attnres_q4");
+    let (ok, stdout, stderr) = mlx_k3(&["bench", "--model", dir.to_str().unwrap(), "--graph", "--prompt-tokens", "5"]);
+    assert!(ok, "{stderr}");
+    let mut lines = stdout.lines();
+    let head = lines.next().unwrap();
+    let total: usize = head
+        .strip_prefix("one decode step after a 5-token prefill: ")
+        .and_then(|t| t.strip_suffix(" graph nodes"))
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("{stdout}"));
+    lines.next(); // column titles
+    let rows: Vec<(usize, String)> = lines
+        .map(|l| {
+            let mut f = l.split_whitespace();
+            (f.next().unwrap().parse().unwrap(), f.next().unwrap().to_string())
+        })
+        .collect();
+    assert_eq!(rows.iter().map(|r| r.0).sum::<usize>(), total, "{stdout}");
+    assert!(rows.iter().any(|r| r.1 == "K3RmsNorm"), "{stdout}");
+    // The gathered expert matmuls build no index plumbing around them (they took an arange, reshape,
+    // broadcast and flatten chain each).
+    assert!(rows.iter().any(|r| r.1 == "gather_affine_qmm"), "{stdout}");
+    assert!(!rows.iter().any(|r| r.1 == "Arange"), "{stdout}");
+    let (ok, stdout, stderr) =
+        mlx_k3(&["bench", "--model", dir.to_str().unwrap(), "--graph", "--prompt-tokens", "5", "--json"]);
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(v["decode_step_nodes"].as_u64(), Some(total as u64));
+    assert!(v["by_primitive"]["K3RmsNorm"]["consumers"].is_object(), "{stdout}");
+}
+
 #[test]
 fn bad_input_exits_with_a_one_line_error() {
     let dir = fixture("b_latent_fullrank_every2");

@@ -32,6 +32,10 @@ pub(super) struct Args {
     /// Time the fused MoE router against the plain-ops composition (896 experts, top-16).
     #[arg(long)]
     router: bool,
+    /// With --model: print the graph of one decode step instead of timing (MLX nodes by primitive, most
+    /// first, and which primitives consume each kind's outputs), after a prefill of --prompt-tokens.
+    #[arg(long)]
+    graph: bool,
     /// Print one JSON object (last line) instead of the table.
     #[arg(long)]
     json: bool,
@@ -95,14 +99,10 @@ fn bytes_per_token(model: &KimiK3, context: usize) -> (u64, u64) {
     (weights, state)
 }
 
-fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
-    let t = Instant::now();
-    let model = KimiK3::load(dir, LoadOptions::default())?;
-    let load_s = t.elapsed().as_secs_f64();
-    let vocab = model.config().vocab_size as u32;
-    // Random prompt ids from a fixed seed (xorshift), as the Python side uses random ids too.
+/// Random token ids from a fixed seed (xorshift), as the Python side uses random ids too.
+fn id_source(vocab: u32) -> impl FnMut(usize) -> Vec<u32> {
     let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut ids = |n: usize| -> Vec<u32> {
+    move |n| {
         (0..n)
             .map(|_| {
                 state ^= state << 13;
@@ -111,7 +111,55 @@ fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
                 (state % vocab as u64) as u32
             })
             .collect()
-    };
+    }
+}
+
+/// `bench --model DIR --graph`: the pending graph of one decode step (logits and the updated cache) after a
+/// prefill, by primitive.
+fn print_step_graph(model: &KimiK3, prompt: &[u32], json: bool) -> Result<()> {
+    let mut cache = model.make_cache();
+    let ids = |t: &[u32]| Array::from_slice(t, &[1, t.len() as i32]);
+    model.forward(&ids(prompt)?, Some(&mut cache))?;
+    crate::eval(&cache.arrays())?;
+    let logits = model.forward(&ids(&prompt[..1])?, Some(&mut cache))?;
+    let mut outs = cache.arrays();
+    outs.push(&logits);
+    let rows = crate::graph_census(&outs)?;
+    let total: usize = rows.iter().map(|r| r.nodes).sum();
+    if json {
+        let items: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                let c: Vec<String> =
+                    r.consumers.iter().map(|(n, k)| format!("{}: {k}", serde_json::json!(n))).collect();
+                format!(
+                    "{}: {{\"nodes\": {}, \"consumers\": {{{}}}}}",
+                    serde_json::json!(r.primitive),
+                    r.nodes,
+                    c.join(", ")
+                )
+            })
+            .collect();
+        println!("{{\"decode_step_nodes\": {total}, \"by_primitive\": {{{}}}}}", items.join(", "));
+        return Ok(());
+    }
+    println!("one decode step after a {}-token prefill: {total} graph nodes", prompt.len());
+    println!("{:>6}  {:<24} consumers (primitive x edges)", "nodes", "primitive");
+    for r in rows {
+        let c: Vec<String> = r.consumers.iter().map(|(n, k)| format!("{n} x{k}")).collect();
+        println!("{:>6}  {:<24} {}", r.nodes, r.primitive, c.join(", "));
+    }
+    Ok(())
+}
+
+fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
+    let t = Instant::now();
+    let model = KimiK3::load(dir, LoadOptions::default())?;
+    let load_s = t.elapsed().as_secs_f64();
+    let mut ids = id_source(model.config().vocab_size as u32);
+    if args.graph {
+        return print_step_graph(&model, &ids(args.prompt_tokens.max(1)), args.json);
+    }
     let opts = |max_tokens: usize| GenerateOptions {
         max_tokens,
         prefill_chunk: args.prompt_tokens.max(1),
@@ -124,8 +172,17 @@ fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
     let warm = ids(16);
     generate_tokens(&model, &mut PromptCache::new(), &warm, &opts(4), |_| true)?;
     let prompt = ids(args.prompt_tokens.max(1));
-    let (tokens, _, stats) =
-        generate_tokens(&model, &mut PromptCache::new(), &prompt, &opts(args.gen_tokens), |_| true)?;
+    // When each token reaches the host: the spread of the per-token intervals (median, and the fastest tenth,
+    // which shared machines disturb least) says more than the mean on a noisy machine.
+    let mut arrivals = Vec::with_capacity(args.gen_tokens);
+    let (tokens, _, stats) = generate_tokens(&model, &mut PromptCache::new(), &prompt, &opts(args.gen_tokens), |_| {
+        arrivals.push(Instant::now());
+        true
+    })?;
+    let mut gaps: Vec<f64> = arrivals.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3).collect();
+    gaps.sort_by(f64::total_cmp);
+    let quantile = |q: f64| if gaps.is_empty() { 0.0 } else { gaps[((gaps.len() - 1) as f64 * q).round() as usize] };
+    let (p10_ms, median_ms) = (quantile(0.1), quantile(0.5));
     let context = prompt.len() + tokens.len() / 2;
     let (weights, state_bytes) = bytes_per_token(&model, context);
     let total = weights + state_bytes;
@@ -133,6 +190,7 @@ fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
         println!(
             "{{\"engine\": \"mlx-k3\", \"load_s\": {load_s:.3}, \"prompt_tokens\": {}, \"generated_tokens\": {}, \
              \"time_to_first_token_s\": {:.6}, \"prefill_tok_s\": {:.4}, \"decode_tok_s\": {:.4}, \
+             \"token_interval_median_ms\": {median_ms:.4}, \"token_interval_p10_ms\": {p10_ms:.4}, \
              \"peak_memory_bytes\": {}, \"weight_bytes_per_token\": {weights}, \"state_bytes_per_token\": \
              {state_bytes}, \"bytes_read_per_token\": {total}, \"kernel_threads\": {}}}",
             stats.prompt_tokens,
@@ -149,6 +207,7 @@ fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
         println!("time to first token: {:.3} s", stats.time_to_first_token);
         println!("prefill: {:.2} tok/s", stats.prompt_tps);
         println!("decode: {:.2} tok/s", stats.generation_tps);
+        println!("per-token interval: median {median_ms:.2} ms, fastest tenth {p10_ms:.2} ms");
         println!("peak memory: {:.2} GB", stats.peak_memory as f64 / 1e9);
         println!(
             "bytes read per decoded token: {:.1} MB ({:.1} MB weights, {:.1} MB recurrent state and KV cache)",
