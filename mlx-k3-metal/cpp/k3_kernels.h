@@ -21,6 +21,11 @@ int k3_situ(k3_array* res, const k3_array up, const k3_array gate, float beta, b
  * fast::rms_norm. */
 int k3_kernels_rms_norm(k3_array* res, const k3_array x, const k3_array weight, float eps, const k3_stream s);
 
+/* log_softmax over the last axis: x - logsumexp(x) (mlx-lm's log-probabilities). f32 on a CPU stream: one
+ * K3LogSoftmax primitive with a vectorized exp (the MLX CPU wheel's is scalar); anything else calls MLX's
+ * logsumexp and subtract. */
+int k3_kernels_log_softmax(k3_array* res, const k3_array x, const k3_stream s);
+
 /* Ternary codebook matmul (IQ1_S semantics, planar layout; see cpp/qmm_cpu.hpp): y = x @ W^T with
  * x [..., K] and W [N, K] given as codes uint8 [N, K/8], qh uint16 [N, K/32], scales f16 [N, K/256].
  * Computed in f32, returned in x's dtype. CPU only for now. */

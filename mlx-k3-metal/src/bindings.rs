@@ -24,6 +24,9 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn k3_kernels_log_softmax(res: *mut k3_array, x: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn k3_codebook_qmm(
         res: *mut k3_array,
         x: k3_array,

@@ -170,3 +170,45 @@ fn kernels_rms_norm_matches_mlx() {
     let err = kernels::rms_norm(&x, Some(&bad), 1e-5).unwrap_err().to_string();
     assert!(err.contains("rms_norm"), "{err}");
 }
+
+#[test]
+fn kernels_log_softmax_matches_mlx() {
+    use mlx_k3::kernels;
+    let mlx = |x: &Array| x.subtract(&x.logsumexp(&[-1], true).unwrap()).unwrap();
+    // Tolerance: both sides compute the log-sum in fp32, in different orders and with exps a few ulp apart,
+    // so results differ by ~1e-7 of |logsumexp| plus an ulp of x: 2e-6 * (1 + max |x|) covers it.
+    let mut seed = 40;
+    for (shape, scale) in
+        [(vec![1, 32000], 8.0f32), (vec![3, 37], 1.0), (vec![2, 5, 1000], 30.0), (vec![130, 600], 4.0)]
+    {
+        seed += 1;
+        let (x, host) = host_randn(&shape, seed);
+        let x = x.multiply(scale).unwrap();
+        mlx_k3::eval(&[&x]).unwrap();
+        let got = kernels::log_softmax(&x).unwrap();
+        assert_eq!(mlx_k3::graph_nodes(&[&got], None).unwrap(), 1, "one K3LogSoftmax node");
+        assert_eq!(got.shape(), x.shape());
+        let xmax = host.iter().fold(0.0f32, |m, v| m.max(v.abs())) * scale;
+        assert_close(&vals(&got), &vals(&mlx(&x)), 2e-6 * (1.0 + xmax));
+    }
+    // A strided view (a transpose) is read through its strides.
+    let (xt, _) = host_randn(&[64, 3], 50);
+    let x = xt.transpose(&[1, 0]).unwrap();
+    assert_close(&vals(&kernels::log_softmax(&x).unwrap()), &vals(&mlx(&x)), 2e-5);
+    // Rows with -inf entries (masked words: exactly -inf out), all -inf, +inf and NaN (NaN rows, as MLX's).
+    let (ni, inf, nan) = (f32::NEG_INFINITY, f32::INFINITY, f32::NAN);
+    let special = f32s(&[1.0, ni, 2.0, ni, ni, ni, ni, ni, 0.5, inf, 1.0, 2.0, 1.0, nan, 3.0, 0.0], &[4, 4]);
+    let got = vals(&kernels::log_softmax(&special).unwrap());
+    let want = vals(&mlx(&special));
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let same = (g.is_nan() && w.is_nan()) || g == w || (g - w).abs() <= 1e-6;
+        assert!(same, "element {i}: got {g}, want {w}\n got {got:?}\nwant {want:?}");
+    }
+    assert_eq!(got[1], ni);
+    // bf16 runs MLX's own ops: bit-identical.
+    let (x, _) = host_randn(&[2, 300], 51);
+    let xb = x.astype(Dtype::BF16).unwrap();
+    let a = kernels::log_softmax(&xb).unwrap().astype(Dtype::F32).unwrap();
+    let b = mlx(&xb).astype(Dtype::F32).unwrap();
+    assert_eq!(vals(&a), vals(&b));
+}

@@ -180,7 +180,7 @@ fn step(
     let t = logits.dim(1)?;
     let logits = logits.slice_axis(1, t - 1, t)?.squeeze(&[1])?;
     let logits = sampler.process_recent(&logits, recent)?;
-    let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
+    let logprobs = crate::kernels::log_softmax(&logits)?;
     let token = sampler.sample(&logprobs)?;
     Ok((token, logprobs))
 }
