@@ -987,6 +987,9 @@ __attribute__((target("avx2,fma"))) static inline __m256i codes_u8(const uint8_t
 // dot products with its biases / scales, done at the row's end.
 struct AffineQ8Sums {
   std::vector<float> gx, c8;  // [MB][ng]
+  // The 2- and 4-bit row kernels' scale-lane permutes (scale_lanes), built once per call (not once per row:
+  // for the experts' K = 512 / 1024 rows their integer divisions cost more than the row's dot products).
+  alignas(32) int32_t lanes2[2][8], lanes4[4][8];
 };
 
 // Scale/bias element type read directly by the q8 affine kernels (f16/bf16 scales are not converted first).
@@ -1110,11 +1113,9 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row8(const Affine
 // For each step j (of `span` weights) of a 256-chunk, the permute that spreads the chunk's group scales over the
 // i32 lanes of the step's sums, whose every `lanes_per_block` consecutive lanes belong to one 32-block: lane i
 // takes group (span * j + 32 * (i / lanes_per_block)) / G of the chunk.
-__attribute__((target("avx2,fma"))) static inline void scale_lanes(int span, int lanes_per_block, int G, __m256i* idx) {
+static inline void scale_lanes(int span, int lanes_per_block, int G, int32_t (*idx)[8]) {
   for (int j = 0; j < 256 / span; ++j) {
-    alignas(32) int32_t l[8];
-    for (int i = 0; i < 8; ++i) l[i] = (span * j + 32 * (i / lanes_per_block)) / G;
-    idx[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(l));
+    for (int i = 0; i < 8; ++i) idx[j][i] = (span * j + 32 * (i / lanes_per_block)) / G;
   }
 }
 
@@ -1150,8 +1151,9 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row2(const Affine
   const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 4;
   const size_t s0 = (size_t)n * ng;
   prefetch_scales<T>(biases, s0, ng);
-  __m256i idx[2];  // lane i of half h: block 4h + i / 2
-  scale_lanes(128, 2, G, idx);
+  const __m256i idx[2] = {  // lane i of half h: block 4h + i / 2
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(sums.lanes2[0])),
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(sums.lanes2[1]))};
   const __m256i ones = _mm256_set1_epi16(1), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12);
   __m256 accf[MB];
   for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
@@ -1225,7 +1227,7 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row4(const Affine
   const size_t s0 = (size_t)n * ng;
   prefetch_scales<T>(biases, s0, ng);
   __m256i idx[4];  // lane i of 64-chunk j: block 2j + i / 4
-  scale_lanes(64, 4, G, idx);
+  for (int j = 0; j < 4; ++j) idx[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums.lanes4[j]));
   const __m256i ones = _mm256_set1_epi16(1), m15 = _mm256_set1_epi8(15);
   auto chunk64 = [&](const uint8_t* p, int k, int m) {
     const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -1271,6 +1273,8 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row4(const Affine
 static void affine_q8_sums(const AffineRows& w, const Activations& a, int m0, int mb, AffineQ8Sums& sums) {
   const int K = w.K, nb = K / 32, ng = K / w.group, bpg = w.group / 32, nsb = codebook_super_blocks(K);
   affine_group_sums(w, a.sums, m0, mb, sums.gx);
+  if (w.bits == 2) scale_lanes(128, 2, w.group, sums.lanes2);
+  if (w.bits == 4) scale_lanes(64, 4, w.group, sums.lanes4);
   sums.c8.assign(w.bits == 8 ? (size_t)mb * ng : 0, 0.0f);
   if (w.bits != 8) return;
   for (int m = 0; m < mb; ++m) {
