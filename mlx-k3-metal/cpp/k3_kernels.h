@@ -88,7 +88,7 @@ int k3_moe_router(k3_array* res, size_t cap, size_t* n_out, const k3_array logit
 /* One-token KDA decode step (SPEC_NOTES 3): short conv + SiLU over [conv_state; qkv], L2-normalized q/k,
  * beta = sigmoid(b), the per-channel decay from a (with gate_lower_bound when has_lower_bound), the gated
  * delta update of the f32 state, and RMSNorm(y; norm_weight, norm_eps) * sigmoid(gate). qkv [B, 1, 3P],
- * a [B, 1, H, d], b [B, 1, H], gate [B, 1, H, d] (activation dtype), conv_weight [3P, Kc, 1], a_log [H],
+ * a and gate [B, 1, H, d] or [B, 1, H * d], b [B, 1, H] (activation dtype), conv_weight [3P, Kc, 1], a_log [H],
  * dt_bias [P], norm_weight [d]; conv_state [B, Kc-1, 3P] and ssm_state [B, H, d, d] f32 may be none
  * (zeros). Writes 3 arrays: out [B, 1, P], the new conv state, the new ssm state. CPU and CUDA. */
 int k3_kda_step(k3_array* res, size_t cap, size_t* n_out, const k3_array qkv, const k3_array a, const k3_array b,

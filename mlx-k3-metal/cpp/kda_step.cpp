@@ -343,7 +343,7 @@ std::vector<mx::array> kda_step_gpu(const std::vector<mx::array>& inputs, const 
 
 }  // namespace
 
-// qkv [B, 1, 3P], a [B, 1, H, d], b [B, 1, H], gate [B, 1, H, d] in the activation dtype; conv_weight
+// qkv [B, 1, 3P], a and gate [B, 1, H, d] or [B, 1, P], b [B, 1, H] in the activation dtype; conv_weight
 // [3P, Kc, 1]; a_log [H]; dt_bias [P]; norm_weight [d]; conv_state [B, Kc-1, 3P] and ssm [B, H, d, d] f32
 // (either may be absent: zeros). Returns (out [B, 1, P], new conv state, new ssm state).
 std::vector<mx::array> kda_step(const mx::array& qkv, const mx::array& a, const mx::array& b, const mx::array& gate,
@@ -358,9 +358,13 @@ std::vector<mx::array> kda_step(const mx::array& qkv, const mx::array& a, const 
   auto dt = qkv.dtype();
   if (dt != mx::float32 && dt != mx::float16 && dt != mx::bfloat16) fail("activations must be f32, f16 or bf16");
   expect_shape("qkv", qkv, {B, 1, 3 * P});
-  expect_shape("a", a, {B, 1, H, d});
+  // a and gate as the projections give them ([B, 1, P]: no reshape node per layer) or split per head.
+  auto per_head = [&](const char* what, const mx::array& x) {
+    if (x.shape() != mx::Shape{B, 1, P}) expect_shape(what, x, {B, 1, H, d});
+  };
+  per_head("a", a);
   expect_shape("b", b, {B, 1, H});
-  expect_shape("gate", gate, {B, 1, H, d});
+  per_head("gate", gate);
   if (conv_w.ndim() != 3 || conv_w.shape(0) != 3 * P || conv_w.shape(2) != 1) {
     fail("conv weight must be [3P, Kc, 1], got " + shape_str(conv_w.shape()));
   }

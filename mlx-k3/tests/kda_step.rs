@@ -51,6 +51,11 @@ fn run(b: i32, h: i32, d: i32, kc: i32, lb: Option<f32>, dtype: Dtype, seed: u64
         let xr = KdaStepInputs { conv_state: rconv.as_ref(), ssm_state: rssm.as_ref(), ..x };
         let (ry, rc, rst) = kda_step_reference(xr, w).unwrap();
         let (y, c, st) = kda_step(x, w).unwrap();
+        // a and gate as the projections give them ([B, 1, P]) are the same inputs to the kernel.
+        let (af, gf) = (a.reshape(&[b, 1, p]).unwrap(), gate.reshape(&[b, 1, p]).unwrap());
+        let (yf, _, stf) = kda_step(KdaStepInputs { a: &af, gate: &gf, ..x }, w).unwrap();
+        assert_eq!(max_abs_diff(&yf, &y).unwrap(), 0.0, "flat a/gate: output");
+        assert_eq!(max_abs_diff(&stf, &st).unwrap(), 0.0, "flat a/gate: state");
         assert_eq!(y.shape(), vec![b, 1, p]);
         assert_eq!(y.dtype(), dtype);
         assert_eq!(c.shape(), rc.shape());

@@ -29,7 +29,8 @@ pub struct KdaWeights<'a> {
 }
 
 /// One decode step's inputs: `qkv [B, 1, 3P]`, decay logits `a [B, 1, H, d]`, beta logits `b [B, 1, H]`,
-/// output gate logits `gate [B, 1, H, d]`, and the cache (conv window `[B, Kc-1, 3P]`, f32 state
+/// output gate logits `gate [B, 1, H, d]` (the fused kernel also takes `a` and `gate` as `[B, 1, P]`, as the
+/// projections give them), and the cache (conv window `[B, Kc-1, 3P]`, f32 state
 /// `[B, H, d, d]`; None = zeros).
 #[derive(Clone, Copy, Debug)]
 pub struct KdaStepInputs<'a> {

@@ -105,9 +105,10 @@ impl Kda {
         if t == 1 && crate::current_stream()?.device() == crate::Device::Cpu && crate::kernels::kda_step_supported() {
             // Decode: conv, q/k norm, gates, the state update, o_norm and the gate in one fused primitive
             // (tests/kda_step.rs checks it against this function's plain-ops path).
-            let a = self.f_b.forward(&self.f_a.forward(x)?)?.reshape(&[b, 1, h, d])?;
+            // a and gate go in as [b, 1, h * d] (the kernel reads them per head): no reshape node per layer.
+            let a = self.f_b.forward(&self.f_a.forward(x)?)?;
             let bl = self.b_proj.forward(x)?.reshape(&[b, 1, h])?;
-            let gate = self.gate_logits(x)?.reshape(&[b, 1, h, d])?;
+            let gate = self.gate_logits(x)?;
             let w = crate::kernels::KdaWeights {
                 conv_weight: &self.conv_weight,
                 a_log: &self.a_log,
