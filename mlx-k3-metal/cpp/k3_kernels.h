@@ -26,6 +26,11 @@ int k3_kernels_rms_norm(k3_array* res, const k3_array x, const k3_array weight, 
  * logsumexp and subtract. */
 int k3_kernels_log_softmax(k3_array* res, const k3_array x, const k3_stream s);
 
+/* The MoE weighted sum over the selected experts: out [..., D] = sum_k w[..., k] * y[..., k, :] for y [..., k, D]
+ * and w [..., k]. f32 on a CPU stream: one K3MoeCombine primitive; anything else calls MLX's ops
+ * (sum(y * w[..., None], -2)). */
+int k3_moe_combine(k3_array* res, const k3_array y, const k3_array w, const k3_stream s);
+
 /* Ternary codebook matmul (IQ1_S semantics, planar layout; see cpp/qmm_cpu.hpp): y = x @ W^T with
  * x [..., K] and W [N, K] given as codes uint8 [N, K/8], qh uint16 [N, K/32], scales f16 [N, K/256].
  * Computed in f32, returned in x's dtype. CPU only for now. */

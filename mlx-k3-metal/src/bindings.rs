@@ -27,6 +27,9 @@ unsafe extern "C" {
     pub fn k3_kernels_log_softmax(res: *mut k3_array, x: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn k3_moe_combine(res: *mut k3_array, y: k3_array, w: k3_array, s: k3_stream) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn k3_codebook_qmm(
         res: *mut k3_array,
         x: k3_array,

@@ -232,7 +232,7 @@ impl SparseMoe {
             None => x.clone(),
         };
         let y = self.experts.forward(&z, &inds)?;
-        let mut y = y.multiply(&weights.expand_dims(&[-1])?)?.sum(&[-2], false)?;
+        let mut y = crate::kernels::moe_combine(&y, &weights)?;
         let mut shared = match &self.shared {
             Some(s) => Some(s.forward(x)?),
             None => None,
