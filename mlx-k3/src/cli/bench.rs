@@ -127,20 +127,15 @@ fn print_step_graph(model: &KimiK3, prompt: &[u32], json: bool) -> Result<()> {
     let rows = crate::graph_census(&outs)?;
     let total: usize = rows.iter().map(|r| r.nodes).sum();
     if json {
-        let items: Vec<String> = rows
+        use serde_json::{json, Map, Value};
+        let by: Map<String, Value> = rows
             .iter()
             .map(|r| {
-                let c: Vec<String> =
-                    r.consumers.iter().map(|(n, k)| format!("{}: {k}", serde_json::json!(n))).collect();
-                format!(
-                    "{}: {{\"nodes\": {}, \"consumers\": {{{}}}}}",
-                    serde_json::json!(r.primitive),
-                    r.nodes,
-                    c.join(", ")
-                )
+                let c: Map<String, Value> = r.consumers.iter().map(|(n, k)| (n.clone(), json!(k))).collect();
+                (r.primitive.clone(), json!({"nodes": r.nodes, "consumers": c}))
             })
             .collect();
-        println!("{{\"decode_step_nodes\": {total}, \"by_primitive\": {{{}}}}}", items.join(", "));
+        println!("{}", json!({"decode_step_nodes": total, "by_primitive": by}));
         return Ok(());
     }
     println!("one decode step after a {}-token prefill: {total} graph nodes", prompt.len());
