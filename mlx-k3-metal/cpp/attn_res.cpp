@@ -20,10 +20,8 @@
 #include "dense_util.hpp"
 #include "parallel.hpp"
 #include "qmm_cpu.hpp"
+#include "simd.hpp"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#define K3_X86 1  // dot_avx2 exists
-#endif
 
 namespace mx = mlx::core;
 

@@ -15,10 +15,7 @@
 #include <mutex>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define K3_X86 1
-#endif
+#include "simd.hpp"
 
 #include "k3_kernels.h"
 #include "parallel.hpp"
@@ -168,11 +165,7 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
     s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), s3);
   }
   for (; k + 8 <= n; k += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
-  __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  float r = _mm_cvtss_f32(lo);
+  float r = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
   for (; k < n; ++k) r += a[k] * b[k];
   return r;
 }

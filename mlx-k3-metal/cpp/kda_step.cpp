@@ -24,12 +24,9 @@
 #include "dense_util.hpp"
 #include "parallel.hpp"
 #include "qmm_cpu.hpp"
+#include "simd.hpp"
 #include "vmath.hpp"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define K3_X86 1
-#endif
 
 namespace mx = mlx::core;
 
@@ -78,13 +75,6 @@ struct Io {
 };
 
 #ifdef K3_X86
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // The state update of kda_head with 8-wide FMAs (d % 16 == 0): the row's two dot products are sums over two
 // 8-lane accumulators instead of one serial chain (GCC does not reassociate the scalar loop's float sums,
 // so that loop runs one dependent add per element: the fused step was ~6.5% of a mid-size decode profile,
@@ -110,7 +100,7 @@ __attribute__((target("avx2,fma"))) void state_rows_avx2(const float* s_in, floa
     } else {
       for (int j = 0; j < d; j += 8) _mm256_storeu_ps(row + j, _mm256_setzero_ps());
     }
-    const __m256 delta = _mm256_set1_ps((v[i] - hsum8(_mm256_add_ps(kv0, kv1))) * beta);
+    const __m256 delta = _mm256_set1_ps((v[i] - hsum(_mm256_add_ps(kv0, kv1))) * beta);
     __m256 y0 = _mm256_setzero_ps(), y1 = _mm256_setzero_ps();
     for (int j = 0; j < d; j += 16) {
       const __m256 r0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + j), delta, _mm256_loadu_ps(row + j));
@@ -120,7 +110,7 @@ __attribute__((target("avx2,fma"))) void state_rows_avx2(const float* s_in, floa
       y0 = _mm256_fmadd_ps(r0, _mm256_loadu_ps(q + j), y0);
       y1 = _mm256_fmadd_ps(r1, _mm256_loadu_ps(q + j + 8), y1);
     }
-    y[i] = hsum8(_mm256_add_ps(y0, y1));
+    y[i] = hsum(_mm256_add_ps(y0, y1));
   }
 }
 #endif

@@ -12,10 +12,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define K3_X86 1
-#endif
+#include "simd.hpp"
 
 #include "iq1s_grid.inc"
 
@@ -348,14 +345,6 @@ static inline bool starts_line(int i, int bytes) { return (unsigned)(i * bytes) 
 static inline void prefetch_codebook(const CodebookRows& w, int n, int sb) {
   if (starts_line(sb, 32)) prefetch_ahead(w.codes + (size_t)n * (w.K / 8) + 32 * sb);
   if (starts_line(sb, 16)) prefetch_ahead(w.qh + (size_t)n * (w.K / 32) + 8 * sb);
-}
-
-__attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
 }
 
 // hsum(acc) + dot(b, g, n), the dot's products accumulated into acc's lanes: a row's bias term costs a few FMAs

@@ -12,10 +12,7 @@
 #include <cstring>
 #include <numeric>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define K3_X86 1
-#endif
+#include "simd.hpp"
 
 namespace k3::kernels {
 namespace {

@@ -1,0 +1,19 @@
+// x86-64 SIMD basics shared by the CPU kernels: K3_X86 is defined where the AVX2 paths are compiled (each
+// still checks cpu_has_avx2_fma() at run time), and hsum adds the eight lanes of a vector.
+#pragma once
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define K3_X86 1
+
+namespace k3::kernels {
+
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+}  // namespace k3::kernels
+#endif
