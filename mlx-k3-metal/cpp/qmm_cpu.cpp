@@ -1160,7 +1160,7 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row2(const Affine
       const __m256 sv = _mm256_permutevar8x32_ps(sc, idx[h]);
       for (int m = 0; m < MB; ++m) {
         const int8_t* q = a.q8 + (size_t)(m0 + m) * K + 256 * c + 128 * h;
-        auto ld = [&](int o) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + o)); };
+        auto ld = [&](int o) K3_AVX2_LAMBDA { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + o)); };
         const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w0, ld(0)), _mm256_maddubs_epi16(w2, ld(64)));
         const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(w1, ld(32)), _mm256_maddubs_epi16(w3, ld(96)));
         const __m256i S = _mm256_madd_epi16(_mm256_add_epi16(lo, _mm256_srai_epi16(hi, 2)), ones);
@@ -1218,7 +1218,7 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_q8_row4(const Affine
   __m256i idx[4];  // lane i of 64-chunk j: block 2j + i / 4
   for (int j = 0; j < 4; ++j) idx[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums.lanes4[j]));
   const __m256i ones = _mm256_set1_epi16(1), m15 = _mm256_set1_epi8(15);
-  auto chunk64 = [&](const uint8_t* p, int k, int m) {
+  auto chunk64 = [&](const uint8_t* p, int k, int m) K3_AVX2_LAMBDA {
     const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m256i w0 = _mm256_and_si256(wb, m15), w1 = _mm256_and_si256(_mm256_srli_epi16(wb, 4), m15);
     const int8_t* q = a.q8 + (size_t)(m0 + m) * K + k;

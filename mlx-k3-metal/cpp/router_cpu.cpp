@@ -99,7 +99,7 @@ __attribute__((target("avx2,fma"))) void sigmoid_avx2(const float* x, float* y, 
 // gt bits (see greater_bits), four keys per compare, each 64-bit word built in a register.
 __attribute__((target("avx2,fma"))) void greater_bits_avx2(const int64_t* a, int n, int64_t p, uint64_t* gt) {
   const __m256i vp = _mm256_set1_epi64x(p);
-  auto mask4 = [&](int j) {
+  auto mask4 = [&](int j) K3_AVX2_LAMBDA {
     __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + j));
     return static_cast<uint64_t>(_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(v, vp))));
   };

@@ -5,6 +5,9 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define K3_X86 1
+// Lambdas do not inherit their enclosing function's target attribute: one that uses AVX2 intrinsics needs its
+// own, or a baseline (-march=x86-64, MLX_K3_PORTABLE=1) build fails to inline the intrinsics into it.
+#define K3_AVX2_LAMBDA __attribute__((target("avx2,fma")))
 
 namespace k3::kernels {
 
