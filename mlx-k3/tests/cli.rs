@@ -101,6 +101,27 @@ fn inspect_summarizes_a_quantized_checkpoint() {
     assert!(stdout.lines().any(|l| l.starts_with("total")), "{stdout}");
 }
 
+/// A report piped into a reader that has gone (`mlx-k3 inspect DIR | head -0`) ends quietly: no panic
+/// message and backtrace from `println!` on a closed pipe.
+#[cfg(unix)]
+#[test]
+fn a_closed_stdout_ends_a_report_quietly() {
+    use std::process::Stdio;
+    let dir = fixture("a_latent_norm_attnres_mixed_2_8");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mlx-k3"))
+        .args(["inspect", dir.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take()); // the reader hangs up before the report is written
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(13), "ended by SIGPIPE (13 on Linux and macOS): {:?} {stderr}", out.status);
+}
+
 /// `bench --graph` prints one decode step's graph by primitive (its JSON form too), and the rows add up.
 #[test]
 fn bench_graph_reports_a_decode_step_by_primitive() {

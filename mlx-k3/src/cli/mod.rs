@@ -64,6 +64,12 @@ enum Command {
 /// Parses the command line and runs the subcommand.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Info | Command::Inspect(_) | Command::Logits(_) | Command::Plan(_) | Command::Bench(_)
+    ) {
+        quiet_on_closed_stdout();
+    }
     let result = match cli.command {
         Command::Info => info::run(),
         Command::DistCheck(args) => dist_check::run(args),
@@ -86,5 +92,16 @@ pub fn main() -> ExitCode {
             eprintln!("mlx-k3: error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Rust ignores SIGPIPE, so `println!` to a closed pipe (`mlx-k3 bench ... | head`) panics with a backtrace.
+/// The reporting commands take the default action instead and end quietly, as other command-line tools do.
+/// Not for commands that own sockets (serve, distributed ranks), where a peer hanging up must be an error.
+fn quiet_on_closed_stdout() {
+    #[cfg(unix)]
+    // SAFETY: signal() with SIG_DFL only changes how the process reacts to SIGPIPE; no Rust state depends on it.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
