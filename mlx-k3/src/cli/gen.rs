@@ -157,6 +157,13 @@ pub(super) struct GenerateArgs {
     raw: bool,
 }
 
+impl GenerateArgs {
+    /// Whether this runs as one rank of a distributed model (it then talks to its peers over sockets).
+    pub(super) fn is_distributed(&self) -> bool {
+        self.model.dist.distributed.is_some()
+    }
+}
+
 pub(super) fn generate(args: GenerateArgs) -> Result<()> {
     let p = args.model.load()?;
     // A split model: every rank runs the same generation; rank 0 prints it.

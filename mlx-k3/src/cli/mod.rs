@@ -64,10 +64,12 @@ enum Command {
 /// Parses the command line and runs the subcommand.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    if matches!(
-        cli.command,
-        Command::Info | Command::Inspect(_) | Command::Logits(_) | Command::Plan(_) | Command::Bench(_)
-    ) {
+    let reporting = match &cli.command {
+        Command::Info | Command::Inspect(_) | Command::Logits(_) | Command::Plan(_) | Command::Bench(_) => true,
+        Command::Generate(a) => !a.is_distributed(),
+        _ => false,
+    };
+    if reporting {
         quiet_on_closed_stdout();
     }
     let result = match cli.command {
@@ -96,7 +98,7 @@ pub fn main() -> ExitCode {
 }
 
 /// Rust ignores SIGPIPE, so `println!` to a closed pipe (`mlx-k3 bench ... | head`) panics with a backtrace.
-/// The reporting commands take the default action instead and end quietly, as other command-line tools do.
+/// The reporting commands (and a single-process `generate`) take the default action instead and end quietly, as other command-line tools do.
 /// Not for commands that own sockets (serve, distributed ranks), where a peer hanging up must be an error.
 fn quiet_on_closed_stdout() {
     #[cfg(unix)]
