@@ -20,11 +20,11 @@ def call(x):
     return _group_expert_select(x, bias, K, 1, 1, 2.827, True)
 
 
-def time_calls(xs, reps):
+def time_calls(xs, reps, f=call):
     times = []
     for rep in range(reps + 3):
         t = time.perf_counter()
-        outs = [a for x in xs for a in call(x)]
+        outs = [a for x in xs for a in f(x)]
         mx.eval(outs)
         if rep >= 3:
             times.append((time.perf_counter() - t) * 1e6 / len(xs))
@@ -37,7 +37,11 @@ print(f"{'tokens':>7} {'call':>12} {'in graph':>12}")
 for tokens in (1, 512):
     xs = [mx.random.normal((1, tokens, E), key=mx.random.key(10 + i)) * 2.0 for i in range(64)]
     mx.eval(xs)
+    if tokens == 1:
+        # The floor under an isolated call: one `x + 1` graph built and evaluated (as `mlx-k3 bench --router`).
+        floor = time_calls(xs[:1], 400, lambda x: [x + 1])
     single = time_calls(xs[:1], 400 if tokens == 1 else 20)
     batch = 64 if tokens == 1 else 8
     many = time_calls(xs[:batch], 40 if tokens == 1 else 3)
     print(f"{tokens:>7} {single:>12.1f} {many:>12.1f}")
+print(f"one call of a one-op graph (x + 1, 1 token): {floor:.1f} µs, the floor under an isolated call")

@@ -280,6 +280,7 @@ fn bench_router(json: bool) -> Result<()> {
     let bias = random::normal(&[e], Dtype::F32, 0.0, 0.05, Some(&key(2)?))?;
     bias.eval()?;
     let mut rows = Vec::new();
+    let mut floor = 0.0;
     for tokens in [1, 512] {
         let xs: Vec<Array> = (0..64)
             .map(|i| random::normal(&[1, tokens, e], Dtype::F32, 0.0, 2.0, Some(&key(10 + i)?)))
@@ -294,6 +295,12 @@ fn bench_router(json: bool) -> Result<()> {
             Ok(vec![i, w])
         };
         let single_n = if tokens == 1 { 400 } else { 20 };
+        if tokens == 1 {
+            // What any one-op graph costs here, measured just before the fused call: building and evaluating
+            // `x + 1` on the same input, the floor under an isolated call (hand-off to the stream's thread and
+            // back).
+            floor = time_calls(&xs[..1], single_n, &|x: &Array| Ok(vec![x.add(&Array::scalar(1.0f32)?)?]))?;
+        }
         let f1 = time_calls(&xs[..1], single_n, &fused)?;
         let p1 = time_calls(&xs[..1], single_n, &plain)?;
         let batch = if tokens == 1 { 64 } else { 8 };
@@ -301,6 +308,7 @@ fn bench_router(json: bool) -> Result<()> {
         let pb = time_calls(&xs[..batch], if tokens == 1 { 40 } else { 3 }, &plain)?;
         rows.push((tokens, f1, p1, fb, pb, batch));
     }
+
     if json {
         let parts: Vec<String> = rows
             .iter()
@@ -311,7 +319,10 @@ fn bench_router(json: bool) -> Result<()> {
                 )
             })
             .collect();
-        println!("{{\"router\": {{{}}}, \"experts\": {e}, \"top_k\": {k}}}", parts.join(", "));
+        println!(
+            "{{\"router\": {{{}}}, \"experts\": {e}, \"top_k\": {k}, \"one_op_call_us\": {floor:.3}}}",
+            parts.join(", ")
+        );
     } else {
         println!("router, {e} experts top-{k}: microseconds per call (median)");
         println!(
@@ -321,6 +332,7 @@ fn bench_router(json: bool) -> Result<()> {
         for (t, f1, p1, fb, pb, _) in rows {
             println!("{t:>7} {f1:>12.1} {p1:>12.1} {fb:>16.1} {pb:>16.1}");
         }
+        println!("one call of a one-op graph (x + 1, 1 token): {floor:.1} µs, the floor under an isolated call");
     }
     Ok(())
 }
