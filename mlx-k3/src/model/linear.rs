@@ -43,6 +43,11 @@ impl Linear {
     pub fn weight(&self) -> &MaybeQuantized {
         &self.w
     }
+
+    /// Hands `x` to the calibration tap as [`Linear::forward`] does, for callers that fuse this projection.
+    pub fn tap(&self, x: &Array) -> Result<()> {
+        super::probe::tap(&self.path, x)
+    }
 }
 
 /// Per-head matrices `W [H, out, in]`: `x @ Wᵀ` (transpose) or `x @ W`.

@@ -6,9 +6,10 @@ use std::ops::Range;
 
 use super::linear::{Linear, RmsNorm, SwitchLinear};
 use super::shard::{Comm, Part, Shard};
-use super::weights::WeightStore;
+use super::weights::{MaybeQuantized, WeightStore};
 use crate::kernels::{self, situ};
-use crate::{Array, Result};
+use crate::quant::{QuantSpec, Quantized};
+use crate::{Array, Dtype, Result};
 
 /// `down(SiTU(up(x), gate(x)))`.
 #[derive(Debug)]
@@ -20,6 +21,44 @@ pub struct Mlp {
     linear_beta: Option<f32>,
     /// Holds a slice of the intermediate units only: `forward` gives a partial sum.
     pub split: bool,
+    /// gate and up for the fused gate/up + SiTU kernel, when both are MLX-quantized alike.
+    fused: Option<FusedGateUp>,
+}
+
+/// gate and up as one-expert stacks `[1, N, ..]` (views of the same buffers, evaluated with the first step)
+/// and the expert index `[0]`: the dense MLP's two projections and SiTU run as one gathered gate/up node (the
+/// MoE experts' kernel) instead of two matmuls and a SiTU node.
+#[derive(Debug)]
+struct FusedGateUp {
+    gate: Quantized,
+    up: Quantized,
+    spec: QuantSpec,
+    expert: Array,
+}
+
+impl FusedGateUp {
+    fn new(gate: &Linear, up: &Linear) -> Result<Option<FusedGateUp>> {
+        let stack = |q: &Quantized| -> Result<Quantized> {
+            Ok(Quantized {
+                weight: q.weight.expand_dims(&[0])?,
+                scales: q.scales.expand_dims(&[0])?,
+                biases: q.biases.as_ref().map(|b| b.expand_dims(&[0])).transpose()?,
+            })
+        };
+        Ok(match (gate.weight(), up.weight()) {
+            (MaybeQuantized::Quantized(g, gs), MaybeQuantized::Quantized(u, us))
+                if gs == us && kernels::gate_up_fusable(*gs) =>
+            {
+                Some(FusedGateUp {
+                    gate: stack(g)?,
+                    up: stack(u)?,
+                    spec: *gs,
+                    expert: Array::from_slice(&[0u32], &[1])?,
+                })
+            }
+            _ => None,
+        })
+    }
 }
 
 impl Mlp {
@@ -41,19 +80,43 @@ impl Mlp {
             Some(r) => (Part::rows(r.clone()), Part::Cols(r.clone())),
             None => (Part::Whole, Part::Whole),
         };
+        let gate = Linear::load_part(ws, &format!("{prefix}.gate_proj"), d, intermediate, &rows)?;
+        let up = Linear::load_part(ws, &format!("{prefix}.up_proj"), d, intermediate, &rows)?;
+        let fused = FusedGateUp::new(&gate, &up)?;
+        if let Some(f) = &fused {
+            ws.materialize_with(
+                [&f.gate, &f.up]
+                    .into_iter()
+                    .flat_map(|q| [q.weight.clone(), q.scales.clone()].into_iter().chain(q.biases.clone())),
+            );
+        }
         Ok(Mlp {
-            gate: Linear::load_part(ws, &format!("{prefix}.gate_proj"), d, intermediate, &rows)?,
-            up: Linear::load_part(ws, &format!("{prefix}.up_proj"), d, intermediate, &rows)?,
+            gate,
+            up,
             down: Linear::load_part(ws, &format!("{prefix}.down_proj"), intermediate, d, &cols)?,
             beta: cfg.situ_beta(),
             linear_beta: cfg.activation_situ_linear_beta,
             split: units.is_some(),
+            fused,
         })
     }
 
     /// Applies the MLP (a partial sum when `split`).
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let h = situ(&self.up.forward(x)?, &self.gate.forward(x)?, self.beta, self.linear_beta)?;
+        let h = match &self.fused {
+            // The fused kernel's CPU path (f32 activations); x [B, T, D] is B blocks of T rows, all on expert 0.
+            Some(f)
+                if x.ndim() == 3
+                    && x.dtype() == Dtype::F32
+                    && crate::current_stream()?.device() == crate::Device::Cpu =>
+            {
+                self.gate.tap(x)?;
+                self.up.tap(x)?;
+                let act = kernels::Situ { beta: self.beta, linear_beta: self.linear_beta };
+                kernels::gather_gate_up_situ(x, &f.gate, &f.up, f.spec, None, &f.expert, act)?
+            }
+            _ => situ(&self.up.forward(x)?, &self.gate.forward(x)?, self.beta, self.linear_beta)?,
+        };
         self.down.forward(&h)
     }
 }

@@ -643,6 +643,12 @@ impl WeightStore {
         Ok(())
     }
 
+    /// Adds arrays derived from handed-out tensors (e.g. views of them) to the next [`WeightStore::materialize`],
+    /// so they are evaluated with the layer instead of inside the first decode step.
+    pub fn materialize_with(&mut self, derived: impl IntoIterator<Item = Array>) {
+        self.pending.extend(derived);
+    }
+
     /// Forgets the tensors handed out so far without evaluating them (lazy loading).
     pub fn keep_lazy(&mut self) {
         self.pending.clear();
