@@ -58,6 +58,13 @@ int k3_gather_tiered_qmm(k3_array* res, const k3_array x, const k3_array tier, c
 int k3_fast_quantized_matmul(k3_array* res, const k3_array x, const k3_array w, const k3_array scales,
                              const k3_array biases, int group_size, int bits, const char* mode, const k3_stream s);
 
+/* n quantized_matmuls of the same x (transpose = true): res[i] = x @ w[i]^T (biases[i] null for mxfp4; cap >= n
+ * slots, n_out set to n). When every weight takes the project's CPU kernels they run as one graph node with n
+ * outputs (each identical to k3_fast_quantized_matmul's); otherwise each is k3_fast_quantized_matmul's result. */
+int k3_fast_quantized_matmul_multi(k3_array* res, size_t cap, size_t* n_out, const k3_array x, const k3_array* w,
+                                   const k3_array* scales, const k3_array* biases, const int* group_size,
+                                   const int* bits, const char* const* mode, size_t n, const k3_stream s);
+
 /* gather_qmm (transpose = true) likewise. */
 int k3_fast_gather_qmm(k3_array* res, const k3_array x, const k3_array w, const k3_array scales, const k3_array biases,
                        const k3_array lhs, const k3_array rhs, int group_size, int bits, const char* mode,

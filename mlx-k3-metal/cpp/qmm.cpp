@@ -268,6 +268,93 @@ class PackedQmm : public mx::UnaryPrimitive {
 
 using k3::shape_str;
 
+// Several projections of the same activations (a KDA layer's qkv, decay, beta and gate inputs; an MoE block's
+// router and latent projection): one node with one output per weight, the activations prepared once per
+// distinct format and one parallel job over all the projections' rows. Output i is what packed_qmm gives for
+// weight i: the same row kernels, and a row's result does not depend on how rows are split into tasks.
+class PackedQmmMulti : public mx::Primitive {
+ public:
+  PackedQmmMulti(mx::Stream s, std::vector<Format> formats) : mx::Primitive(s), formats_(std::move(formats)) {}
+
+  // Inputs: x f32 [..., K] (any strides), then each projection's arrays in order (row-contiguous).
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (size_t i = 1; i < inputs.size(); ++i) {
+      if (!inputs[i].flags().row_contiguous) throw std::runtime_error(std::string("[") + name() + "] non-contiguous input");
+    }
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(this->stream());
+    for (auto& in : inputs) enc.set_input_array(in);
+    for (auto& o : outputs) enc.set_output_array(o);
+    std::vector<mx::array> keep(inputs.begin(), inputs.end());
+    std::vector<float*> outs;
+    for (auto& o : outputs) outs.push_back(o.data<float>());
+    enc.dispatch([keep = std::move(keep), formats = formats_, outs = std::move(outs)]() { run(keep, formats, outs); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string("[") + name() + "] no GPU kernel yet; GPU streams use MLX's op");
+  }
+
+  const char* name() const override {
+    for (auto& f : formats_) {
+      if (f.kind != 'a') return "packed_qmm_multi";
+    }
+    return "affine_qmm_multi";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return formats_ == static_cast<const PackedQmmMulti&>(other).formats_;
+  }
+
+ private:
+  static void run(const std::vector<mx::array>& in, const std::vector<Format>& formats, const std::vector<float*>& outs) {
+    const auto& x = in[0];
+    const int K = x.shape(-1), M = (int)(x.size() / K);
+    std::vector<char> x_scratch;
+    const float* xp = static_cast<const float*>(dense_data(x, x_scratch));
+    std::vector<Weights> ws;
+    size_t next = 1, total = 0;
+    for (const Format& f : formats) {
+      Weights w{f, in[next].shape(-2), K, {nullptr, nullptr, nullptr}};
+      for (int i = 0; i < n_arrays(f.kind); ++i) w.w[i] = &in[next + i];
+      next += n_arrays(f.kind);
+      total += w.N;
+      ws.push_back(w);
+    }
+    // One preparation per distinct format (projections of one format share it).
+    std::vector<std::unique_ptr<Prepared>> preps;
+    std::vector<size_t> prep_of(ws.size());
+    for (size_t i = 0; i < ws.size(); ++i) {
+      size_t j = 0;
+      while (j < i && !(formats[j] == formats[i])) ++j;
+      if (j < i) {
+        prep_of[i] = prep_of[j];
+      } else {
+        prep_of[i] = preps.size();
+        preps.push_back(std::make_unique<Prepared>(xp, M, K, formats[i]));
+      }
+    }
+    // Tasks of whole row chunks, sized as parallel_range sizes one projection's (~4 per thread, >= 64 rows).
+    struct Task {
+      size_t w;
+      int n0, n1;
+    };
+    const size_t want = 4 * (size_t)num_threads();
+    const int chunk = (int)std::max<size_t>(kMinRowsPerTask, (total + want - 1) / want);
+    std::vector<Task> tasks;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      for (int n0 = 0; n0 < ws[i].N; n0 += chunk) tasks.push_back({i, n0, std::min(ws[i].N, n0 + chunk)});
+    }
+    parallel_for(tasks.size(), [&](size_t t) {
+      const Task& k = tasks[t];
+      const Weights& w = ws[k.w];
+      w.rows(0, preps[prep_of[k.w]]->a, k.n0, k.n1, outs[k.w], w.N);
+    });
+  }
+
+  std::vector<Format> formats_;
+};
+
 void expect(const char* op, const char* what, const mx::array& a, const mx::Shape& shape, mx::Dtype dt) {
   if (a.shape() != shape) fail(op, std::string(what) + " has shape " + shape_str(a.shape()) + ", expected " + shape_str(shape));
   if (a.dtype() != dt) fail(op, std::string(what) + " has the wrong dtype");
@@ -323,6 +410,29 @@ mx::array packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::arra
   out_shape.push_back(N);
   auto y = mx::array(out_shape, mx::float32, std::make_shared<PackedQmm>(s, Layout{{f}, false}, Gather{}), inputs);
   return mx::astype(y, x_in.dtype(), s);
+}
+
+std::vector<mx::array> packed_qmm_multi(const std::vector<Format>& fs, const mx::array& x_in,
+                                        const std::vector<std::vector<mx::array>>& ws, mx::StreamOrDevice sd) {
+  const char* op = "quantized_matmul_multi";
+  auto s = mx::to_stream(sd);
+  if (x_in.ndim() < 1) fail(op, "x must have at least one dimension");
+  if (!mx::issubdtype(x_in.dtype(), mx::floating)) fail(op, "x must be a floating-point array");
+  const int K = x_in.shape(-1);
+  if (K == 0) fail(op, "x has K = 0");
+  std::vector<mx::array> inputs{mx::astype(x_in, mx::float32, s)};
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const int N = check_weights(op, fs[i], ws[i], K, false);
+    for (auto& a : ws[i]) inputs.push_back(contiguous_input(a, s));
+    mx::Shape shape(x_in.shape().begin(), x_in.shape().end() - 1);
+    shape.push_back(N);
+    shapes.push_back(std::move(shape));
+  }
+  auto ys = mx::array::make_arrays(shapes, std::vector<mx::Dtype>(ws.size(), mx::float32),
+                                   std::make_shared<PackedQmmMulti>(s, fs), inputs);
+  for (auto& y : ys) y = mx::astype(y, x_in.dtype(), s);
+  return ys;
 }
 
 mx::array gather_packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::array>& w,
@@ -432,22 +542,62 @@ extern "C" int k3_gather_codebook_qmm(k3_array* res, const k3_array x, const k3_
   })
 }
 
+namespace {
+// The project kernel's format for one quantized_matmul of x, or nothing where MLX's op runs it.
+std::optional<kk::Format> fast_format(const mx::array& x, bool has_biases, int group_size, int bits,
+                                      const std::string& m, const mx::Stream& st) {
+  if (m == "affine" && has_biases && kk::fast_affine(x, bits, group_size, st)) return kk::format_now('a', bits, group_size, true);
+  if (m == "mxfp4" && kk::fast_cpu(x, st)) return kk::format_now('m', 4, 32, true);
+  return std::nullopt;
+}
+
+mx::array fast_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                const std::optional<mx::array>& biases, int group_size, int bits, const std::string& m,
+                                const mx::Stream& st) {
+  if (auto f = fast_format(x, biases.has_value(), group_size, bits, m, st)) {
+    std::vector<mx::array> ws{w, scales};
+    if (f->kind == 'a') ws.push_back(*biases);
+    return kk::packed_qmm(*f, x, ws, st);
+  }
+  return mx::quantized_matmul(x, w, scales, biases, true, k3::opt_int(group_size), k3::opt_int(bits), m, st);
+}
+}  // namespace
+
 extern "C" int k3_fast_quantized_matmul(k3_array* res, const k3_array x, const k3_array w, const k3_array scales,
                                         const k3_array biases, int group_size, int bits, const char* mode,
                                         const k3_stream s) {
   K3_TRY({
+    k3::put(res, fast_quantized_matmul(arr(x), arr(w), arr(scales), opt(biases), group_size, bits,
+                                       mode ? mode : "affine", k3::to_stream(s)));
+  })
+}
+
+extern "C" int k3_fast_quantized_matmul_multi(k3_array* res, size_t cap, size_t* n_out, const k3_array x,
+                                              const k3_array* w, const k3_array* scales, const k3_array* biases,
+                                              const int* group_size, const int* bits, const char* const* mode, size_t n,
+                                              const k3_stream s) {
+  K3_TRY({
     auto st = k3::to_stream(s);
-    std::string m = mode ? mode : "affine";
-    if (m == "affine" && biases.ctx && kk::fast_affine(arr(x), bits, group_size, st)) {
-      k3::put(res, kk::packed_qmm(kk::format_now('a', bits, group_size, true), arr(x),
-                                  {arr(w), arr(scales), arr(biases)},
-                                  st));
-    } else if (m == "mxfp4" && kk::fast_cpu(arr(x), st)) {
-      k3::put(res, kk::packed_qmm(kk::format_now('m', 4, 32, true), arr(x), {arr(w), arr(scales)}, st));
-    } else {
-      k3::put(res, mx::quantized_matmul(arr(x), arr(w), arr(scales), opt(biases), true, k3::opt_int(group_size),
-                                        k3::opt_int(bits), m, st));
+    const auto& xa = arr(x);
+    std::vector<kk::Format> fs;
+    std::vector<std::vector<mx::array>> ws;
+    for (size_t i = 0; i < n; ++i) {
+      auto f = fast_format(xa, biases[i].ctx != nullptr, group_size[i], bits[i], mode[i] ? mode[i] : "affine", st);
+      if (!f) break;
+      fs.push_back(*f);
+      ws.push_back({arr(w[i]), arr(scales[i])});
+      if (f->kind == 'a') ws.back().push_back(arr(biases[i]));
     }
+    std::vector<mx::array> ys;
+    if (n > 0 && fs.size() == n) {
+      ys = kk::packed_qmm_multi(fs, xa, ws, st);
+    } else {  // some weight has no project kernel here: each one on its own, as k3_fast_quantized_matmul
+      for (size_t i = 0; i < n; ++i) {
+        ys.push_back(fast_quantized_matmul(xa, arr(w[i]), arr(scales[i]), opt(biases[i]), group_size[i], bits[i],
+                                           mode[i] ? mode[i] : "affine", st));
+      }
+    }
+    k3::put_many(res, cap, n_out, std::move(ys));
   })
 }
 

@@ -86,6 +86,22 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn k3_fast_quantized_matmul_multi(
+        res: *mut k3_array,
+        cap: usize,
+        n_out: *mut usize,
+        x: k3_array,
+        w: *const k3_array,
+        scales: *const k3_array,
+        biases: *const k3_array,
+        group_size: *const ::std::os::raw::c_int,
+        bits: *const ::std::os::raw::c_int,
+        mode: *const *const ::std::os::raw::c_char,
+        n: usize,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn k3_fast_gather_qmm(
         res: *mut k3_array,
         x: k3_array,

@@ -685,3 +685,89 @@ fn short_last_super_block() {
         ra.plain_rel_err, r256.plain_rel_err
     );
 }
+
+/// `quantized_matmul_many`: several projections of one x as one graph node whose outputs are bit-identical to
+/// `kernels::quantized_matmul` per weight (same row kernels; a row's value cannot depend on the task split),
+/// and within the fast-path tolerance of MLX's own op; x as a strided view and with several rows; a weight
+/// without a project kernel (mxfp8) or bf16 activations run each projection as the single op would; a weight
+/// whose K differs is an error naming the op.
+#[test]
+fn quantized_matmul_many_is_one_node_with_the_single_ops_results() {
+    let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
+    let k = 256;
+    let specs = [
+        QuantSpec::affine(64, 8),
+        QuantSpec::affine(32, 4),
+        QuantSpec::affine(64, 2),
+        QuantSpec { group_size: 32, bits: 4, mode: QuantMode::Mxfp4 },
+        QuantSpec::affine(64, 8),
+    ];
+    let ns = [96, 200, 130, 64, 8];
+    let ws: Vec<Quantized> = specs
+        .iter()
+        .zip(ns)
+        .enumerate()
+        .map(|(i, (s, n))| quant::quantize(&randn(&[n, k], 40 + i as u64), *s, None).unwrap())
+        .collect();
+    let pairs: Vec<(&Quantized, QuantSpec)> = ws.iter().zip(specs).collect();
+    let bits = |a: &Array| -> Vec<u32> { a.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect() };
+    let xs = [
+        randn(&[1, 1, k], 50),
+        randn(&[2, 5, k], 51),
+        randn(&[k, 3], 52).transpose(&[1, 0]).unwrap(), // strided [3, k]
+    ];
+    // Inputs evaluated first, so each census below holds only the op under test.
+    let mut inputs: Vec<&Array> = xs.iter().collect();
+    for q in &ws {
+        inputs.extend([&q.weight, &q.scales]);
+        inputs.extend(q.biases.as_ref());
+    }
+    mlx_k3::eval(&inputs).unwrap();
+    for x in &xs {
+        let got = kernels::quantized_matmul_many(x, &pairs).unwrap();
+        assert_eq!(got.len(), specs.len());
+        let census = mlx_k3::graph_census(&got.iter().collect::<Vec<_>>()).unwrap();
+        let multi: Vec<_> = census.iter().filter(|r| r.primitive == "packed_qmm_multi").collect();
+        assert!(multi.len() == 1 && multi[0].nodes == 1, "{census:?}");
+        assert!(!census.iter().any(|r| r.primitive.contains("qmm") && r.primitive != "packed_qmm_multi"), "{census:?}");
+        for ((g, (q, s)), n) in got.iter().zip(&pairs).zip(ns) {
+            let mut want_shape = x.shape();
+            *want_shape.last_mut().unwrap() = n;
+            assert_eq!(g.shape(), want_shape);
+            let single = kernels::quantized_matmul(x, q, *s).unwrap();
+            assert!(bits(g) == bits(&single), "{s:?} x {:?}: differs from the single op", x.shape());
+            let e = rel_err(g, &quant::quantized_matmul(x, q, *s, true).unwrap());
+            assert!(e <= 2e-5, "{s:?}: rel err {e} to MLX");
+        }
+    }
+    // All affine: named so in the census.
+    let affine: Vec<_> = pairs.iter().filter(|(_, s)| s.mode == QuantMode::Affine).cloned().collect();
+    let got = kernels::quantized_matmul_many(&xs[0], &affine).unwrap();
+    let census = mlx_k3::graph_census(&got.iter().collect::<Vec<_>>()).unwrap();
+    assert!(census.iter().any(|r| r.primitive == "affine_qmm_multi" && r.nodes == 1), "{census:?}");
+
+    // A weight with no project kernel: each projection as the single op.
+    let fp8 = QuantSpec { group_size: 32, bits: 8, mode: QuantMode::Mxfp8 };
+    let q8 = quant::quantize(&randn(&[48, k], 60), fp8, None).unwrap();
+    mlx_k3::eval(&[&q8.weight, &q8.scales]).unwrap();
+    let mixed = [pairs[0], (&q8, fp8), pairs[1]];
+    let xb = xs[1].astype(Dtype::BF16).unwrap();
+    xb.eval().unwrap();
+    for x in [&xs[1], &xb] {
+        let got = kernels::quantized_matmul_many(x, &mixed).unwrap();
+        let census = mlx_k3::graph_census(&got.iter().collect::<Vec<_>>()).unwrap();
+        assert!(!census.iter().any(|r| r.primitive.ends_with("_multi")), "{census:?}");
+        for (g, (q, s)) in got.iter().zip(&mixed) {
+            assert!(bits(g) == bits(&kernels::quantized_matmul(x, q, *s).unwrap()), "{s:?} {:?}", x.dtype());
+        }
+    }
+    // bf16 activations with weights that all have kernels: MLX's op per projection (not the f32 kernels).
+    let got = kernels::quantized_matmul_many(&xb, &pairs[..2]).unwrap();
+    for (g, (q, s)) in got.iter().zip(&pairs[..2]) {
+        assert!(bits(g) == bits(&quant::quantized_matmul(&xb, q, *s, true).unwrap()), "{s:?}");
+    }
+    // Bad input: a weight made for another K.
+    let other = quant::quantize(&randn(&[32, 128], 70), specs[0], None).unwrap();
+    let err = kernels::quantized_matmul_many(&xs[0], &[pairs[0], (&other, specs[0])]).unwrap_err().to_string();
+    assert!(err.contains("quantized_matmul_multi") && err.contains("shape"), "{err}");
+}

@@ -96,6 +96,40 @@ pub fn quantized_matmul(
     })
 }
 
+/// Several [`quantized_matmul`]s of the same `x`, one result per weight. When every weight takes the
+/// project's CPU kernels they run as one graph node with one output each (each identical to
+/// [`quantized_matmul`]'s: the same row kernels), sharing the activations' preparation and one parallel job;
+/// otherwise each runs as [`quantized_matmul`] would.
+pub fn quantized_matmul_many(
+    x: &crate::Array,
+    ws: &[(&crate::quant::Quantized, crate::quant::QuantSpec)],
+) -> crate::Result<Vec<crate::Array>> {
+    let st = crate::array::s();
+    let w: Vec<_> = ws.iter().map(|(q, _)| q.weight.as_raw()).collect();
+    let scales: Vec<_> = ws.iter().map(|(q, _)| q.scales.as_raw()).collect();
+    let biases: Vec<_> = ws.iter().map(|(q, _)| crate::Array::raw_opt(q.biases.as_ref())).collect();
+    let groups: Vec<i32> = ws.iter().map(|(_, s)| s.group_size).collect();
+    let bits: Vec<i32> = ws.iter().map(|(_, s)| s.bits).collect();
+    let modes: Vec<*const std::os::raw::c_char> = ws.iter().map(|(_, s)| quant_mode_c(s.mode).as_ptr()).collect();
+    // SAFETY: live handles (or null biases), n entries in every slice, n output slots.
+    crate::ops::shape::multi_output("quantized_matmul_many", ws.len(), |res, cap, n| unsafe {
+        mlx_k3_metal::k3_fast_quantized_matmul_multi(
+            res,
+            cap,
+            n,
+            x.as_raw(),
+            w.as_ptr(),
+            scales.as_ptr(),
+            biases.as_ptr(),
+            groups.as_ptr(),
+            bits.as_ptr(),
+            modes.as_ptr(),
+            ws.len(),
+            st,
+        )
+    })
+}
+
 /// `gather_qmm` (transpose = true) through the project's CPU kernels where they apply, else MLX's op.
 pub fn gather_qmm(
     x: &crate::Array,

@@ -100,15 +100,25 @@ impl Kda {
             Some(c) => (c.conv.clone(), c.ssm.clone()),
             None => (None, None),
         };
-        let qkv = self.qkv_proj.forward(x)?;
         // CPU only for now: the CUDA kernel has not been run yet.
         if t == 1 && crate::current_stream()?.device() == crate::Device::Cpu && crate::kernels::kda_step_supported() {
             // Decode: conv, q/k norm, gates, the state update, o_norm and the gate in one fused primitive
             // (tests/kda_step.rs checks it against this function's plain-ops path).
+            // The four projections of x (qkv, the decay's and the gate's first factors, beta) as one node.
+            let gate_first = match &self.gate {
+                Gate::Full(g) => g,
+                Gate::LowRank(ga, _) => ga,
+            };
+            let mut ys = Linear::forward_many(&[&self.qkv_proj, &self.f_a, &self.b_proj, gate_first], x)?.into_iter();
+            let mut next = || ys.next().ok_or_else(|| crate::Error::invalid("kda", "missing projection output"));
+            let (qkv, fa, bp, g1) = (next()?, next()?, next()?, next()?);
             // a and gate go in as [b, 1, h * d] (the kernel reads them per head): no reshape node per layer.
-            let a = self.f_b.forward(&self.f_a.forward(x)?)?;
-            let bl = self.b_proj.forward(x)?.reshape(&[b, 1, h])?;
-            let gate = self.gate_logits(x)?;
+            let a = self.f_b.forward(&fa)?;
+            let bl = bp.reshape(&[b, 1, h])?;
+            let gate = match &self.gate {
+                Gate::Full(_) => g1,
+                Gate::LowRank(_, gb) => gb.forward(&g1)?,
+            };
             let w = crate::kernels::KdaWeights {
                 conv_weight: &self.conv_weight,
                 a_log: &self.a_log,
@@ -135,6 +145,7 @@ impl Kda {
             }
             return self.project_out(&out, comm);
         }
+        let qkv = self.qkv_proj.forward(x)?;
         let conv_state = match conv_state {
             Some(s) => s,
             None => zeros(&[b, self.kernel - 1, 3 * p], dtype)?,

@@ -44,6 +44,27 @@ impl Linear {
         &self.w
     }
 
+    /// [`Linear::forward`] of several projections of the same `x`: one graph node for all of them when every
+    /// weight is MLX-quantized (see [`kernels::quantized_matmul_many`]; results identical), else one each.
+    pub fn forward_many(ls: &[&Linear], x: &Array) -> Result<Vec<Array>> {
+        let quantized: Option<Vec<_>> = ls
+            .iter()
+            .map(|l| match &l.w {
+                MaybeQuantized::Quantized(q, spec) => Some((q, *spec)),
+                _ => None,
+            })
+            .collect();
+        match quantized {
+            Some(qs) if qs.len() > 1 => {
+                for l in ls {
+                    l.tap(x)?;
+                }
+                kernels::quantized_matmul_many(x, &qs)
+            }
+            _ => ls.iter().map(|l| l.forward(x)).collect(),
+        }
+    }
+
     /// Hands `x` to the calibration tap as [`Linear::forward`] does, for callers that fuse this projection.
     pub fn tap(&self, x: &Array) -> Result<()> {
         super::probe::tap(&self.path, x)

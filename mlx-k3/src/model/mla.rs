@@ -116,15 +116,31 @@ impl Mla {
         let (b, l) = (s[0], s[1]);
         let h = self.heads;
         let qhd = self.qk_nope + self.qk_rope;
+        // The projections of x (q or its low-rank first factor, kv_a, the output gate) as one node where all
+        // are quantized.
+        let mut firsts = vec![
+            match &self.q {
+                QProj::Direct(p) => p,
+                QProj::LowRank { a, .. } => a,
+            },
+            &self.kv_a,
+        ];
+        firsts.extend(self.g_proj.as_ref());
+        let mut ys = Linear::forward_many(&firsts, x)?.into_iter();
+        let mut next = || ys.next().ok_or_else(|| crate::Error::invalid("mla", "missing projection output"));
+        let (q1, ckv) = (next()?, next()?);
+        let gate = match &self.g_proj {
+            Some(_) => Some(next()?),
+            None => None,
+        };
         let q = match &self.q {
-            QProj::Direct(p) => p.forward(x)?,
-            QProj::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(x)?)?)?,
+            QProj::Direct(_) => q1,
+            QProj::LowRank { norm, b, .. } => b.forward(&norm.forward(&q1)?)?,
         };
         let q = q.reshape(&[b, l, h, qhd])?.transpose(&[0, 2, 1, 3])?;
         let q_nope = q.slice_axis(-1, 0, self.qk_nope)?;
         let q_pe = q.slice_axis(-1, self.qk_nope, qhd)?;
 
-        let ckv = self.kv_a.forward(x)?;
         let latent = ckv.slice_axis(-1, 0, self.kv_lora)?;
         let k_pe = ckv.slice_axis(-1, self.kv_lora, self.kv_lora + self.qk_rope)?;
         let k_pe = k_pe.reshape(&[b, l, 1, self.qk_rope])?.transpose(&[0, 2, 1, 3])?;
@@ -157,8 +173,8 @@ impl Mla {
             fast::scaled_dot_product_attention(&q_nope, &k, &v, self.scale, AttentionMask::Array(&pe_scores), None)?
         };
         let mut out = out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
-        if let Some(g) = &self.g_proj {
-            out = out.multiply(&g.forward(x)?.sigmoid()?)?;
+        if let Some(g) = gate {
+            out = out.multiply(&g.sigmoid()?)?;
         }
         let y = self.o_proj.forward(&out)?;
         if !self.tp {

@@ -279,7 +279,17 @@ impl SparseMoe {
     /// partial sum, and one all_sum (of the two concatenated, in f32) completes both.
     pub fn forward(&self, x: &Array, comm: Option<&Comm>) -> Result<Array> {
         // The fused router's GPU kernels (CUDA, Metal) have not been run yet: GPU streams keep the plain ops.
-        let logits = self.gate.forward(x)?;
+        // The router's logits and the latent projection (both of x) as one node where both are quantized.
+        let (logits, z) = match &self.latent_down {
+            Some(p) => {
+                let mut ys = Linear::forward_many(&[&self.gate, p], x)?.into_iter();
+                match (ys.next(), ys.next()) {
+                    (Some(l), Some(z)) => (l, z),
+                    _ => return Err(crate::Error::invalid("moe", "missing projection output")),
+                }
+            }
+            None => (self.gate.forward(x)?, x.clone()),
+        };
         let (mut inds, mut weights) = if crate::current_stream()?.device() == crate::Device::Cpu {
             route_fused(&logits, &self.bias, self.router)?
         } else {
@@ -290,10 +300,6 @@ impl SparseMoe {
             inds = crate::ops::where_(&held, &inds.subtract(r.start as u32)?, &Array::scalar(0u32)?)?;
             weights = weights.multiply(&held.astype(weights.dtype())?)?;
         }
-        let z = match &self.latent_down {
-            Some(p) => p.forward(x)?,
-            None => x.clone(),
-        };
         let y = self.experts.forward(&z, &inds)?;
         let mut y = crate::kernels::moe_combine(&y, &weights)?;
         let mut shared = match &self.shared {
