@@ -308,7 +308,6 @@ fn bench_router(json: bool) -> Result<()> {
         let pb = time_calls(&xs[..batch], if tokens == 1 { 40 } else { 3 }, &plain)?;
         rows.push((tokens, f1, p1, fb, pb, batch));
     }
-
     if json {
         let parts: Vec<String> = rows
             .iter()

@@ -98,8 +98,9 @@ pub fn main() -> ExitCode {
 }
 
 /// Rust ignores SIGPIPE, so `println!` to a closed pipe (`mlx-k3 bench ... | head`) panics with a backtrace.
-/// The reporting commands (and a single-process `generate`) take the default action instead and end quietly, as other command-line tools do.
-/// Not for commands that own sockets (serve, distributed ranks), where a peer hanging up must be an error.
+/// The reporting commands (and a single-process `generate`) take the default action instead and end quietly,
+/// as other command-line tools do. Not for commands that own sockets (serve, distributed ranks), where a peer
+/// hanging up must be an error.
 fn quiet_on_closed_stdout() {
     #[cfg(unix)]
     // SAFETY: signal() with SIG_DFL only changes how the process reacts to SIGPIPE; no Rust state depends on it.

@@ -104,7 +104,8 @@ impl Kda {
         if t == 1 && crate::current_stream()?.device() == crate::Device::Cpu && crate::kernels::kda_step_supported() {
             // Decode: conv, q/k norm, gates, the state update, o_norm and the gate in one fused primitive
             // (tests/kda_step.rs checks it against this function's plain-ops path).
-            // The four projections of x (qkv, the decay's and the gate's first factors, beta) as one node.
+            // The four projections of x (qkv, the decay's first factor, beta, the gate's first factor) as one
+            // node where all are quantized.
             let gate_first = match &self.gate {
                 Gate::Full(g) => g,
                 Gate::LowRank(ga, _) => ga,

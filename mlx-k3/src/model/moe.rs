@@ -25,7 +25,7 @@ pub struct Mlp {
     fused: Option<FusedGateUp>,
 }
 
-/// gate and up as one-expert stacks `[1, N, ..]` (views of the same buffers, evaluated with the first step)
+/// gate and up as one-expert stacks `[1, N, ..]` (views of the same buffers, evaluated with the layer)
 /// and the expert index `[0]`: the dense MLP's two projections and SiTU run as one gathered gate/up node (the
 /// MoE experts' kernel) instead of two matmuls and a SiTU node.
 #[derive(Debug)]
@@ -278,7 +278,6 @@ impl SparseMoe {
     /// weighted sum over the selected experts it holds (the others get weight 0) and its shared-expert
     /// partial sum, and one all_sum (of the two concatenated, in f32) completes both.
     pub fn forward(&self, x: &Array, comm: Option<&Comm>) -> Result<Array> {
-        // The fused router's GPU kernels (CUDA, Metal) have not been run yet: GPU streams keep the plain ops.
         // The router's logits and the latent projection (both of x) as one node where both are quantized.
         let (logits, z) = match &self.latent_down {
             Some(p) => {
@@ -290,6 +289,7 @@ impl SparseMoe {
             }
             None => (self.gate.forward(x)?, x.clone()),
         };
+        // The fused router's GPU kernels (CUDA, Metal) have not been run yet: GPU streams keep the plain ops.
         let (mut inds, mut weights) = if crate::current_stream()?.device() == crate::Device::Cpu {
             route_fused(&logits, &self.bias, self.router)?
         } else {
