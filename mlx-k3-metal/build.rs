@@ -64,7 +64,10 @@ fn main() {
     // tests/portable_build.rs compiles the same sources for the baseline ISA with this compiler and these paths.
     let includes = [manifest.join("cpp"), out.clone(), PathBuf::from(&shim_include), PathBuf::from(&mlx_include)];
     println!("cargo:rustc-env=K3_KERNEL_CXX={}", build.get_compiler().path().display());
-    println!("cargo:rustc-env=K3_KERNEL_INCLUDES={}", env::join_paths(includes).unwrap().to_string_lossy());
+    println!(
+        "cargo:rustc-env=K3_KERNEL_INCLUDES={}",
+        env::join_paths(includes).expect("include paths without a path separator").to_string_lossy()
+    );
     build.compile("mlx_k3_kernels");
 
     #[cfg(feature = "bindgen")]

@@ -22,7 +22,6 @@
 #include "qmm_cpu.hpp"
 #include "simd.hpp"
 
-
 namespace mx = mlx::core;
 
 namespace k3::kernels {

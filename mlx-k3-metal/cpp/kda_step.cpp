@@ -27,7 +27,6 @@
 #include "simd.hpp"
 #include "vmath.hpp"
 
-
 namespace mx = mlx::core;
 
 namespace k3::kernels {
@@ -78,9 +77,8 @@ struct Io {
 // The state update of kda_head with 8-wide FMAs (d % 16 == 0): the row's two dot products are sums over two
 // 8-lane accumulators instead of one serial chain (GCC does not reassociate the scalar loop's float sums,
 // so that loop runs one dependent add per element: the fused step was ~6.5% of a mid-size decode profile,
-// ~1.6% after). A row is read
-// (from s_in, or zeros without a state), scaled, dotted with k, written, then updated and dotted with q while
-// it is in L1.
+// ~1.6% after). A row is read (from s_in, or zeros without a state), scaled, dotted with k, written, then
+// updated and dotted with q while it is in L1.
 __attribute__((target("avx2,fma"))) void state_rows_avx2(const float* s_in, float* s_out, const float* alpha,
                                                        const float* k, const float* q, const float* v, float beta,
                                                        int d, float* y) {

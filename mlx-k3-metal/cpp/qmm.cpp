@@ -543,7 +543,11 @@ extern "C" int k3_gather_codebook_qmm(k3_array* res, const k3_array x, const k3_
 }
 
 namespace {
-// The project kernel's format for one quantized_matmul of x, or nothing where MLX's op runs it.
+const char* mode_or_affine(const char* mode) {
+  return mode ? mode : "affine";
+}
+
+// The project kernel's format for a (gathered) quantized matmul of x, or nothing where MLX's op runs it.
 std::optional<kk::Format> fast_format(const mx::array& x, bool has_biases, int group_size, int bits,
                                       const std::string& m, const mx::Stream& st) {
   if (m == "affine" && has_biases && kk::fast_affine(x, bits, group_size, st)) return kk::format_now('a', bits, group_size, true);
@@ -551,13 +555,18 @@ std::optional<kk::Format> fast_format(const mx::array& x, bool has_biases, int g
   return std::nullopt;
 }
 
+// The weight arrays format f's kernels take: affine adds the biases.
+std::vector<mx::array> weight_arrays(const kk::Format& f, const mx::array& w, const mx::array& scales,
+                                     const std::optional<mx::array>& biases) {
+  if (f.kind == 'a') return {w, scales, *biases};
+  return {w, scales};
+}
+
 mx::array fast_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                                 const std::optional<mx::array>& biases, int group_size, int bits, const std::string& m,
                                 const mx::Stream& st) {
   if (auto f = fast_format(x, biases.has_value(), group_size, bits, m, st)) {
-    std::vector<mx::array> ws{w, scales};
-    if (f->kind == 'a') ws.push_back(*biases);
-    return kk::packed_qmm(*f, x, ws, st);
+    return kk::packed_qmm(*f, x, weight_arrays(*f, w, scales, biases), st);
   }
   return mx::quantized_matmul(x, w, scales, biases, true, k3::opt_int(group_size), k3::opt_int(bits), m, st);
 }
@@ -568,7 +577,7 @@ extern "C" int k3_fast_quantized_matmul(k3_array* res, const k3_array x, const k
                                         const k3_stream s) {
   K3_TRY({
     k3::put(res, fast_quantized_matmul(arr(x), arr(w), arr(scales), opt(biases), group_size, bits,
-                                       mode ? mode : "affine", k3::to_stream(s)));
+                                       mode_or_affine(mode), k3::to_stream(s)));
   })
 }
 
@@ -582,11 +591,10 @@ extern "C" int k3_fast_quantized_matmul_multi(k3_array* res, size_t cap, size_t*
     std::vector<kk::Format> fs;
     std::vector<std::vector<mx::array>> ws;
     for (size_t i = 0; i < n; ++i) {
-      auto f = fast_format(xa, biases[i].ctx != nullptr, group_size[i], bits[i], mode[i] ? mode[i] : "affine", st);
+      auto f = fast_format(xa, biases[i].ctx != nullptr, group_size[i], bits[i], mode_or_affine(mode[i]), st);
       if (!f) break;
       fs.push_back(*f);
-      ws.push_back({arr(w[i]), arr(scales[i])});
-      if (f->kind == 'a') ws.back().push_back(arr(biases[i]));
+      ws.push_back(weight_arrays(*f, arr(w[i]), arr(scales[i]), opt(biases[i])));
     }
     std::vector<mx::array> ys;
     if (n > 0 && fs.size() == n) {
@@ -594,7 +602,7 @@ extern "C" int k3_fast_quantized_matmul_multi(k3_array* res, size_t cap, size_t*
     } else {  // some weight has no project kernel here: each one on its own, as k3_fast_quantized_matmul
       for (size_t i = 0; i < n; ++i) {
         ys.push_back(fast_quantized_matmul(xa, arr(w[i]), arr(scales[i]), opt(biases[i]), group_size[i], bits[i],
-                                           mode[i] ? mode[i] : "affine", st));
+                                           mode_or_affine(mode[i]), st));
       }
     }
     k3::put_many(res, cap, n_out, std::move(ys));
@@ -606,13 +614,10 @@ extern "C" int k3_fast_gather_qmm(k3_array* res, const k3_array x, const k3_arra
                                   int bits, const char* mode, bool sorted_indices, const k3_stream s) {
   K3_TRY({
     auto st = k3::to_stream(s);
-    std::string m = mode ? mode : "affine";
-    if (m == "affine" && biases.ctx && kk::fast_affine(arr(x), bits, group_size, st)) {
-      k3::put(res, kk::gather_packed_qmm(kk::format_now('a', bits, group_size, true), arr(x),
-                                         {arr(w), arr(scales), arr(biases)},
-                                         opt(lhs), opt(rhs), st));
-    } else if (m == "mxfp4" && kk::fast_cpu(arr(x), st)) {
-      k3::put(res, kk::gather_packed_qmm(kk::format_now('m', 4, 32, true), arr(x), {arr(w), arr(scales)}, opt(lhs), opt(rhs), st));
+    const std::string m = mode_or_affine(mode);
+    if (auto f = fast_format(arr(x), biases.ctx != nullptr, group_size, bits, m, st)) {
+      k3::put(res, kk::gather_packed_qmm(*f, arr(x), weight_arrays(*f, arr(w), arr(scales), opt(biases)), opt(lhs),
+                                         opt(rhs), st));
     } else {
       k3::put(res, mx::gather_qmm(arr(x), arr(w), arr(scales), opt(biases), opt(lhs), opt(rhs), true,
                                   k3::opt_int(group_size), k3::opt_int(bits), m, std::nullopt, sorted_indices, st));
