@@ -3,13 +3,13 @@
 // without the two intermediate tensors. gather_qmm semantics for x, lhs and rhs (x (*Bx, M, K), out
 // (*broadcast(lhs, rhs), M, N)).
 //
-// CPU (f32 activations, AVX2+FMA for the MLX formats): pairs are grouped by expert (a stable sort, as the
-// plain gathered kernel does), each run's activations are prepared once for both projections, and tasks
-// over (run, slice of N) compute the gate and up rows of their slice with the row kernels of qmm_cpu.hpp,
-// then apply SiTU and store. Formats: MLX affine 2/4/8-bit (group a multiple of 32), mxfp4, and the
-// project's ternary codebook (which has a scalar path too). Anything else (GPU streams, other bit widths,
-// half-precision activations, CPUs without AVX2) runs the unfused composition: MLX's gather_qmm twice and
-// SiTU from MLX ops.
+// CPU (f32 activations; for the MLX formats a CPU with a SIMD path, AVX2+FMA or NEON: cpu_has_simd): pairs
+// are grouped by expert (a stable sort, as the plain gathered kernel does), each run's activations are
+// prepared once for both projections, and tasks over (run, slice of N) compute the gate and up rows of their
+// slice with the row kernels of qmm_cpu.hpp, then apply SiTU and store. Formats: MLX affine 2/4/8-bit (group a
+// multiple of 32), mxfp4, and the project's ternary codebook (which has a scalar path too). Anything else (GPU
+// streams, other bit widths, half-precision activations, CPUs without a SIMD path) runs the unfused
+// composition: MLX's gather_qmm twice and SiTU from MLX ops.
 #include <algorithm>
 #include <memory>
 #include <numeric>
@@ -270,7 +270,7 @@ mx::array gather_gate_up_situ(GateUpFormat f, const mx::array& x_in, const std::
   if (!rhs_in) fail("the expert indices (rhs) are required");
   const int K = x_in.shape(-1), M = x_in.shape(-2);
   const bool fast = s.device == mx::Device::cpu && x_in.dtype() == mx::float32 &&
-                    (f.kind == 'c' || (cpu_has_avx2_fma() && (f.kind == 'm' || ((affine_has_simd(f.bits)) &&
+                    (f.kind == 'c' || (cpu_has_simd() && (f.kind == 'm' || ((affine_has_simd(f.bits)) &&
                                                                                    f.group % 32 == 0))));
   if (!fast) {
     if (f.kind == 'c') fail("the codebook format has CPU kernels only (and f32 activations)");
@@ -319,7 +319,7 @@ extern "C" int k3_gather_gate_up_situ(k3_array* res, const k3_array x, const k3_
       throw std::invalid_argument("[gather_gate_up_situ] mode must be affine or mxfp4, got " + m);
     }
     const bool q8 = kk::act_q8() && kk::q8_supported(kind, bits, group_size);
-    kk::GateUpFormat f{kind, bits, group_size, kk::cpu_has_avx2_fma(), beta, has_linear_beta, linear_beta, q8};
+    kk::GateUpFormat f{kind, bits, group_size, kk::cpu_has_simd(), beta, has_linear_beta, linear_beta, q8};
     std::vector<mx::array> g{k3::arr(gate_w), k3::arr(gate_scales)}, u{k3::arr(up_w), k3::arr(up_scales)};
     if (kind == 'a') {
       g.push_back(k3::arr(gate_biases));
@@ -335,7 +335,7 @@ extern "C" int k3_gather_codebook_gate_up_situ(k3_array* res, const k3_array x, 
                                                const k3_array lhs, const k3_array rhs, float beta, bool has_linear_beta,
                                                float linear_beta, const k3_stream s) {
   K3_TRY({
-    kk::GateUpFormat f{'c', 0, 256, kk::cpu_has_avx2_fma(), beta, has_linear_beta, linear_beta, kk::act_q8()};
+    kk::GateUpFormat f{'c', 0, 256, kk::cpu_has_simd(), beta, has_linear_beta, linear_beta, kk::act_q8()};
     k3::put(res, kk::gather_gate_up_situ(f, k3::arr(x), {k3::arr(gate_codes), k3::arr(gate_qh), k3::arr(gate_scales)},
                                          {k3::arr(up_codes), k3::arr(up_qh), k3::arr(up_scales)}, k3::opt(lhs),
                                          k3::opt(rhs), "codebook", k3::stream(s)));

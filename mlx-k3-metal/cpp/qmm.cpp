@@ -471,7 +471,7 @@ mx::array gather_tiered_qmm(const mx::array& x_in, const mx::array& tier, const 
   if (tier.ndim() != 1 || tier.dtype() != mx::uint8) fail(op, "tier must be a 1-D uint8 array (one entry per expert)");
   if (slot.shape() != tier.shape() || slot.dtype() != mx::uint32) fail(op, "slot must be uint32 shaped like tier");
   int K = x_in.shape(-1), M = x_in.shape(-2);
-  bool simd = cpu_has_avx2_fma();
+  bool simd = cpu_has_simd();
   Layout layout{{Format{0, 0, 0, false}, Format{0, 0, 0, false}, Format{0, 0, 0, false}}, true};
   int N = -1;
   std::vector<mx::array> arrays;
@@ -507,7 +507,7 @@ mx::array gather_tiered_qmm(const mx::array& x_in, const mx::array& tier, const 
 // The fast paths take f32 activations on the CPU (the CPU default); half-precision activations keep MLX's
 // kernels, whose bf16/f16 rounding is what mlx-lm's results were made with.
 bool fast_cpu(const mx::array& x, const mx::Stream& s) {
-  return s.device == mx::Device::cpu && x.dtype() == mx::float32 && cpu_has_avx2_fma();
+  return s.device == mx::Device::cpu && x.dtype() == mx::float32 && cpu_has_simd();
 }
 
 bool fast_affine(const mx::array& x, int bits, int group, const mx::Stream& s) {
@@ -526,7 +526,7 @@ extern "C" int k3_codebook_qmm(k3_array* res, const k3_array x, const k3_array c
   K3_TRY({
     auto st = k3::to_stream(s);
     if (st.device != mx::Device::cpu) throw std::invalid_argument("[codebook_qmm] only the CPU back-end has this kernel yet");
-    k3::put(res, kk::packed_qmm(kk::format_now('c', 0, 256, kk::cpu_has_avx2_fma()), arr(x), {arr(codes), arr(qh), arr(scales)}, st));
+    k3::put(res, kk::packed_qmm(kk::format_now('c', 0, 256, kk::cpu_has_simd()), arr(x), {arr(codes), arr(qh), arr(scales)}, st));
   })
 }
 
@@ -538,7 +538,7 @@ extern "C" int k3_gather_codebook_qmm(k3_array* res, const k3_array x, const k3_
     if (st.device != mx::Device::cpu) {
       throw std::invalid_argument("[gather_codebook_qmm] only the CPU back-end has this kernel yet");
     }
-    k3::put(res, kk::gather_packed_qmm(kk::format_now('c', 0, 256, kk::cpu_has_avx2_fma()), arr(x), {arr(codes), arr(qh), arr(scales)}, opt(lhs), opt(rhs), st));
+    k3::put(res, kk::gather_packed_qmm(kk::format_now('c', 0, 256, kk::cpu_has_simd()), arr(x), {arr(codes), arr(qh), arr(scales)}, opt(lhs), opt(rhs), st));
   })
 }
 

@@ -34,6 +34,16 @@ bool cpu_has_avx2_fma() {
 #endif
 }
 
+bool cpu_has_simd() {
+#if defined(K3_X86)
+  return cpu_has_avx2_fma();
+#elif defined(K3_NEON)
+  return !force_scalar.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
 static std::atomic<int> act_q8_mode{-1};
 
 void set_act_q8(int mode) {
@@ -80,6 +90,9 @@ static inline float f16_to_f32(uint16_t h) {
 }
 
 int activation_order(char format, int bits, bool simd) {
+#ifndef K3_X86
+  simd = false;  // the NEON kernels read the activations in natural order
+#endif
   if (!simd) return 0;
   if (format == 'm') return 4;
   if (format == 'a' && (bits == 2 || bits == 4)) return bits;
@@ -236,7 +249,12 @@ PreparedActivations::PreparedActivations(const float* x, int rows, int K, char f
     // for the 2/4-bit interleaves, whose kernels do not read them).
     const float* src = a.permuted;
     std::vector<float> inter;
-    if (simd && format == 'a' && (bits == 2 || bits == 4)) {
+#ifdef K3_X86
+    const bool interleave = simd && format == 'a' && (bits == 2 || bits == 4);
+#else
+    const bool interleave = false;  // q8 mode runs the scalar kernels there, in natural order
+#endif
+    if (interleave) {
       inter.resize((size_t)rows * K);
       if (bits == 2) interleave_2bit_q8(x, rows, K, inter.data());
       else interleave_4bit_q8(x, rows, K, inter.data());
@@ -599,10 +617,169 @@ __attribute__((target("avx2,fma,f16c"))) static void codebook_rows_q8_avx2(const
 }
 #endif
 
+#ifdef K3_NEON
+// NEON (AArch64) paths for f32 activations. They read the activations in natural order (activation_order is 0
+// there): each 32-block's codes are decoded to 32 values in order, widened to f32 and multiplied into up to
+// kMaxRows activation rows. The partial sums are scaled per block (codebook, mxfp4) or per group (affine) as
+// the scalar paths do, so the results match theirs within f32 reassociation. q8 mode runs the scalar q8
+// kernels on these CPUs.
+
+// 16 codes -> four float32x4 (codes 0-3, 4-7, 8-11, 12-15).
+static inline void widen_u8x16(uint8x16_t c, float32x4_t f[4]) {
+  const uint16x8_t lo = vmovl_u8(vget_low_u8(c)), hi = vmovl_high_u8(c);
+  f[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo)));
+  f[1] = vcvtq_f32_u32(vmovl_high_u16(lo));
+  f[2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi)));
+  f[3] = vcvtq_f32_u32(vmovl_high_u16(hi));
+}
+static inline void widen_s8x16(int8x16_t c, float32x4_t f[4]) {
+  const int16x8_t lo = vmovl_s8(vget_low_s8(c)), hi = vmovl_high_s8(c);
+  f[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
+  f[1] = vcvtq_f32_s32(vmovl_high_s16(lo));
+  f[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
+  f[3] = vcvtq_f32_s32(vmovl_high_s16(hi));
+}
+
+// Multiplies the 32 decoded values f of block b into the running sums p[m][2] of activation rows m0 .. m0 + MB.
+template <int MB>
+static inline void fma_block_neon(const float32x4_t f[8], const float* x, int K, int m0, int b, float32x4_t p[][2]) {
+  for (int m = 0; m < MB; ++m) {
+    const float* xm = x + (size_t)(m0 + m) * K + 32 * b;
+    for (int i = 0; i < 8; ++i) p[m][i & 1] = vfmaq_f32(p[m][i & 1], f[i], vld1q_f32(xm + 4 * i));
+  }
+}
+
+template <int MB>
+static void codebook_rows_neon_mb(const CodebookRows& w, const Activations& a, int m0, int n0, int n1, float* out,
+                                  int ldo) {
+  const int K = w.K, nb = K / 32;
+  for (int n = n0; n < n1; ++n) {
+    float32x4_t acc[MB];
+    float extra[MB];  // the deltas' terms: dl * delta * (block sum of x)
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = vdupq_n_f32(0.0f);
+      extra[m] = 0.0f;
+    }
+    for (int b = 0; b < nb; ++b) {
+      float dl, delta;
+      int idx[4];
+      codebook_block(w, n, b, dl, delta, idx);
+      const int8_t* grid = reinterpret_cast<const int8_t*>(k3_iq1s_grid);
+      float32x4_t f[8];
+      widen_s8x16(vcombine_s8(vld1_s8(grid + 8 * idx[0]), vld1_s8(grid + 8 * idx[1])), f);
+      widen_s8x16(vcombine_s8(vld1_s8(grid + 8 * idx[2]), vld1_s8(grid + 8 * idx[3])), f + 4);
+      float32x4_t p[MB][2];
+      for (int m = 0; m < MB; ++m) p[m][0] = p[m][1] = vdupq_n_f32(0.0f);
+      fma_block_neon<MB>(f, a.x, K, m0, b, p);
+      for (int m = 0; m < MB; ++m) {
+        acc[m] = vfmaq_f32(acc[m], vaddq_f32(p[m][0], p[m][1]), vdupq_n_f32(dl));
+        extra[m] += dl * delta * a.sums[(size_t)(m0 + m) * nb + b];
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = vaddvq_f32(acc[m]) + extra[m];
+  }
+}
+
+static void codebook_rows_neon(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
+  for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
+    switch (std::min(kMaxRows, a.rows - m0)) {
+      case 1: codebook_rows_neon_mb<1>(w, a, m0, n0, n1, out, ldo); break;
+      case 2: codebook_rows_neon_mb<2>(w, a, m0, n0, n1, out, ldo); break;
+      case 3: codebook_rows_neon_mb<3>(w, a, m0, n0, n1, out, ldo); break;
+      default: codebook_rows_neon_mb<4>(w, a, m0, n0, n1, out, ldo); break;
+    }
+  }
+}
+
+// The 32 codes of affine block b (4 * BITS bytes at p) in natural order: MLX's LSB-first bitstream, so a byte
+// holds 8 / BITS codes from its low bits up (2, 4 and 8 bits); 3, 5 and 6-bit codes may span two bytes.
+template <int BITS>
+static inline void affine_codes_neon(const uint8_t* p, uint8x16_t c[2]) {
+  if constexpr (BITS == 8) {
+    c[0] = vld1q_u8(p);
+    c[1] = vld1q_u8(p + 16);
+  } else if constexpr (BITS == 4) {
+    const uint8x16_t v = vld1q_u8(p);
+    const uint8x16_t lo = vandq_u8(v, vdupq_n_u8(0x0f)), hi = vshrq_n_u8(v, 4);
+    c[0] = vzip1q_u8(lo, hi);  // byte j: code 2j (low nibble), then 2j + 1
+    c[1] = vzip2q_u8(lo, hi);
+  } else if constexpr (BITS == 2) {
+    const uint8x8_t v = vld1_u8(p), mask = vdup_n_u8(3);
+    const uint8x8_t s0 = vand_u8(v, mask), s1 = vand_u8(vshr_n_u8(v, 2), mask);
+    const uint8x8_t s2 = vand_u8(vshr_n_u8(v, 4), mask), s3 = vshr_n_u8(v, 6);
+    // Byte j holds codes 4j + s at bits 2s: interleaving the four shifts twice restores the order.
+    const uint8x8x2_t e = vzip_u8(s0, s2), o = vzip_u8(s1, s3);
+    const uint8x8x2_t lo = vzip_u8(e.val[0], o.val[0]), hi = vzip_u8(e.val[1], o.val[1]);
+    c[0] = vcombine_u8(lo.val[0], lo.val[1]);
+    c[1] = vcombine_u8(hi.val[0], hi.val[1]);
+  } else {
+    alignas(16) uint8_t t[32];
+    for (int k = 0; k < 32; ++k) {
+      const int bit = BITS * k;
+      uint32_t v = p[bit / 8];
+      if (bit / 8 + 1 < 4 * BITS) v |= (uint32_t)p[bit / 8 + 1] << 8;
+      t[k] = (uint8_t)((v >> (bit % 8)) & ((1u << BITS) - 1));
+    }
+    c[0] = vld1q_u8(t);
+    c[1] = vld1q_u8(t + 16);
+  }
+}
+
+template <int BITS, int MB>
+static void affine_rows_neon_mb(const AffineRows& w, const Activations& a, int m0, int n0, int n1, float* out,
+                                int ldo) {
+  const int K = w.K, nb = K / 32, ng = K / w.group, bpg = w.group / 32;
+  const size_t row_bytes = (size_t)K * BITS / 8;
+  // Per (activation row, group) sums of x: what each group's bias multiplies.
+  std::vector<float> gx((size_t)MB * ng, 0.0f);
+  for (int m = 0; m < MB; ++m) {
+    for (int b = 0; b < nb; ++b) gx[(size_t)m * ng + b / bpg] += a.sums[(size_t)(m0 + m) * nb + b];
+  }
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
+    float32x4_t acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = vdupq_n_f32(0.0f);
+    for (int g = 0; g < ng; ++g) {
+      float32x4_t p[MB][2];
+      for (int m = 0; m < MB; ++m) p[m][0] = p[m][1] = vdupq_n_f32(0.0f);
+      for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+        uint8x16_t c[2];
+        affine_codes_neon<BITS>(row + (size_t)b * 4 * BITS, c);
+        float32x4_t f[8];
+        widen_u8x16(c[0], f);
+        widen_u8x16(c[1], f + 4);
+        fma_block_neon<MB>(f, a.x, K, m0, b, p);
+      }
+      const float32x4_t s = vdupq_n_f32(w.scales[(size_t)n * ng + g]);
+      for (int m = 0; m < MB; ++m) acc[m] = vfmaq_f32(acc[m], vaddq_f32(p[m][0], p[m][1]), s);
+    }
+    for (int m = 0; m < MB; ++m) {
+      float bias = 0.0f;
+      for (int g = 0; g < ng; ++g) bias += w.biases[(size_t)n * ng + g] * gx[(size_t)m * ng + g];
+      out[(size_t)(m0 + m) * ldo + n] = vaddvq_f32(acc[m]) + bias;
+    }
+  }
+}
+
+template <int BITS>
+static void affine_rows_neon(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
+  for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
+    switch (std::min(kMaxRows, a.rows - m0)) {
+      case 1: affine_rows_neon_mb<BITS, 1>(w, a, m0, n0, n1, out, ldo); break;
+      case 2: affine_rows_neon_mb<BITS, 2>(w, a, m0, n0, n1, out, ldo); break;
+      case 3: affine_rows_neon_mb<BITS, 3>(w, a, m0, n0, n1, out, ldo); break;
+      default: affine_rows_neon_mb<BITS, 4>(w, a, m0, n0, n1, out, ldo); break;
+    }
+  }
+}
+#endif
+
 void codebook_rows(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
 #ifdef K3_X86
   if (simd && a.q8) return codebook_rows_q8_avx2(w, a, n0, n1, out, ldo);
   if (simd) return codebook_rows_avx2(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+#elif defined(K3_NEON)
+  if (simd && !a.q8) return codebook_rows_neon(w, a, n0, n1, out, ldo);
 #endif
   if (a.q8) return codebook_rows_q8_scalar(w, a, n0, n1, out, ldo);
   codebook_rows_scalar(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
@@ -896,7 +1073,8 @@ __attribute__((target("avx2,fma"))) static void affine_rows_avx2(const AffineRow
 }
 #endif
 
-// Scalar affine path: the tiered op's fallback on CPUs without AVX2 (plain affine ops run MLX's kernel there).
+// Scalar affine path: the tiered op's fallback on CPUs without a SIMD path (plain affine ops run MLX's kernel
+// there).
 static void affine_rows_scalar(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
   const int K = w.K, nb = K / 32, ng = K / w.group, bpg = w.group / 32;
   const size_t row_bytes = (size_t)K * w.bits / 8;
@@ -1367,6 +1545,17 @@ static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, i
       default: return affine_rows_avx2<8>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
     }
   }
+#elif defined(K3_NEON)
+  if (simd && affine_has_simd(w.bits) && w.group % 32 == 0) {
+    switch (w.bits) {
+      case 2: return affine_rows_neon<2>(w, a, n0, n1, out, ldo);
+      case 3: return affine_rows_neon<3>(w, a, n0, n1, out, ldo);
+      case 4: return affine_rows_neon<4>(w, a, n0, n1, out, ldo);
+      case 5: return affine_rows_neon<5>(w, a, n0, n1, out, ldo);
+      case 6: return affine_rows_neon<6>(w, a, n0, n1, out, ldo);
+      default: return affine_rows_neon<8>(w, a, n0, n1, out, ldo);
+    }
+  }
 #endif
   affine_rows_scalar(w, a, n0, n1, out, ldo);
 }
@@ -1440,7 +1629,7 @@ __attribute__((target("avx2,fma"))) static void mxfp4_rows_mb(const Mxfp4Rows& w
 }
 #endif
 
-// Scalar mxfp4 path: the tiered op's fallback on CPUs without AVX2.
+// Scalar mxfp4 path: the tiered op's fallback on CPUs without a SIMD path.
 static void mxfp4_rows_scalar(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
   static const float e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -1511,6 +1700,33 @@ __attribute__((target("avx2,fma"))) static void mxfp4_q8_row(const Mxfp4Rows& w,
 }
 #endif
 
+#ifdef K3_NEON
+template <int MB>
+static void mxfp4_rows_neon_mb(const Mxfp4Rows& w, const Activations& a, int m0, int n0, int n1, float* out, int ldo) {
+  const int K = w.K, nb = K / 32;
+  // E2M1 values x2 as int8, so one table lookup decodes 16 codes; the 0.5 goes into the scale.
+  const int8x16_t lut = vld1q_s8(kE2m1x2);
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 2;
+    float32x4_t acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = vdupq_n_f32(0.0f);
+    for (int b = 0; b < nb; ++b) {
+      const uint8x16_t v = vld1q_u8(row + 16 * b);
+      const uint8x16_t lo = vandq_u8(v, vdupq_n_u8(0x0f)), hi = vshrq_n_u8(v, 4);
+      float32x4_t f[8];
+      widen_s8x16(vqtbl1q_s8(lut, vzip1q_u8(lo, hi)), f);  // element 2j: byte j's low nibble, 2j + 1: high
+      widen_s8x16(vqtbl1q_s8(lut, vzip2q_u8(lo, hi)), f + 4);
+      float32x4_t p[MB][2];
+      for (int m = 0; m < MB; ++m) p[m][0] = p[m][1] = vdupq_n_f32(0.0f);
+      fma_block_neon<MB>(f, a.x, K, m0, b, p);
+      const float32x4_t s = vdupq_n_f32(0.5f * e8m0(w.scales[(size_t)n * nb + b]));
+      for (int m = 0; m < MB; ++m) acc[m] = vfmaq_f32(acc[m], vaddq_f32(p[m][0], p[m][1]), s);
+    }
+    for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = vaddvq_f32(acc[m]);
+  }
+}
+#endif
+
 void mxfp4_rows(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
   if (a.q8) {
 #ifdef K3_X86
@@ -1538,6 +1754,18 @@ void mxfp4_rows(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float*
         case 2: mxfp4_rows_mb<2>(w, a.permuted, m0, n0, n1, out, ldo); break;
         case 3: mxfp4_rows_mb<3>(w, a.permuted, m0, n0, n1, out, ldo); break;
         default: mxfp4_rows_mb<4>(w, a.permuted, m0, n0, n1, out, ldo); break;
+      }
+    }
+    return;
+  }
+#elif defined(K3_NEON)
+  if (simd) {
+    for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
+      switch (std::min(kMaxRows, a.rows - m0)) {
+        case 1: mxfp4_rows_neon_mb<1>(w, a, m0, n0, n1, out, ldo); break;
+        case 2: mxfp4_rows_neon_mb<2>(w, a, m0, n0, n1, out, ldo); break;
+        case 3: mxfp4_rows_neon_mb<3>(w, a, m0, n0, n1, out, ldo); break;
+        default: mxfp4_rows_neon_mb<4>(w, a, m0, n0, n1, out, ldo); break;
       }
     }
     return;

@@ -4,10 +4,11 @@
 // row a format-specific `dot` decodes the row once per 32-weight block and multiplies it into up to
 // `kMaxRows` activation rows at a time (decode cost amortized over the rows; the activation rows of a tile
 // stay in L1/L2 while weight rows stream). Each format has a scalar path and an AVX2+FMA path chosen at run
-// time (`cpu_has_avx2_fma`), so one binary runs on any x86-64 and uses AVX2 where present. The codebook has
-// a scalar path for other CPUs (the compiler auto-vectorizes it). MLX's own formats (affine, mxfp4) have
-// scalar paths too, but plain affine/mxfp4 ops use MLX's kernels where there is no AVX2; only tiered expert
-// stacks (which MLX cannot run) take them. In q8 mode (act_q8) the activations are also prepared as int8 and
+// time (`cpu_has_avx2_fma`), so one binary runs on any x86-64 and uses AVX2 where present. On AArch64 the
+// f32-activation kernels have NEON paths (always present there). The codebook has a scalar path for other
+// CPUs (the compiler auto-vectorizes it). MLX's own formats (affine, mxfp4) have scalar paths too, but plain
+// affine/mxfp4 ops use MLX's kernels where there is no SIMD path (`cpu_has_simd`); only tiered expert stacks
+// (which MLX cannot run) take them. In q8 mode (act_q8) the activations are also prepared as int8 and
 // the codebook, affine 2/4/8-bit and mxfp4 kernels multiply in integers (`maddubs`), as llama.cpp's do.
 #pragma once
 
@@ -22,6 +23,11 @@ constexpr int kMaxRows = 4;
 
 // Whether the CPU supports AVX2 and FMA (checked once) and the SIMD paths are enabled.
 bool cpu_has_avx2_fma();
+
+// Whether the packed-weight kernels (codebook, affine, mxfp4) have a SIMD path on this CPU and it is enabled:
+// AVX2+FMA+F16C on x86-64 (cpu_has_avx2_fma), NEON on AArch64; false elsewhere and under set_force_scalar.
+// The `simd` flag those kernels take is this value, read when an op is built.
+bool cpu_has_simd();
 
 // f32 dot product of n elements with AVX2+FMA (dense_sgemm.cpp; x86-64 builds only, call where
 // cpu_has_avx2_fma()).
@@ -63,7 +69,7 @@ struct Activations {
 
 // Bit width whose decoder order `permuted` must follow for this format (0 = natural order). Formats:
 // 'c' codebook, 'a' affine (with bits), 'm' mxfp4. `simd` is the path choice made when the op was built
-// (cpu_has_avx2_fma() then), passed to the kernels too so a later toggle cannot split one op's decisions.
+// (cpu_has_simd() then), passed to the kernels too so a later toggle cannot split one op's decisions.
 int activation_order(char format, int bits, bool simd);
 
 // Fills `permuted` (when order != 0) and `sums` for x.
@@ -148,7 +154,8 @@ inline AffineRows affine_view(const uint32_t* wq, const void* scales, const void
 
 void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd);
 
-// Bit widths with an AVX2 decoder (every MLX affine width: 2, 3, 4, 5, 6, 8; group size a multiple of 32).
+// Bit widths with a SIMD decoder, AVX2 and NEON (every MLX affine width: 2, 3, 4, 5, 6, 8; group size a multiple
+// of 32).
 inline bool affine_has_simd(int bits) {
   return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
 }

@@ -1,5 +1,6 @@
-// x86-64 SIMD basics shared by the CPU kernels: K3_X86 is defined where the AVX2 paths are compiled (each
-// still checks cpu_has_avx2_fma() at run time), and hsum adds the eight lanes of a vector.
+// SIMD basics shared by the CPU kernels. K3_X86 is defined where the AVX2 paths are compiled (each still checks
+// cpu_has_avx2_fma() at run time), and hsum adds the eight lanes of a vector. K3_NEON is defined on AArch64, where
+// Advanced SIMD is part of the base ISA (the packed-weight kernels' NEON paths need no run-time check).
 #pragma once
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -19,4 +20,9 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
 }
 
 }  // namespace k3::kernels
+#endif
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define K3_NEON 1
 #endif

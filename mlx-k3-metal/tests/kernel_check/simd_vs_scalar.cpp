@@ -1,0 +1,207 @@
+// The packed-weight kernels' SIMD paths against their scalar paths, without MLX: qmm_cpu.cpp and parallel.cpp
+// compiled with this file for the machine it runs on. tests/simd_kernels.rs builds it natively and for AArch64
+// (cross compiler + qemu user emulation), which is how the NEON paths are checked on an x86-64 machine.
+//
+// Each case draws random weights and activations, runs the kernel with cpu_has_simd()'s path and with the
+// scalar path (which the model tests compare with MLX's ops), over two row ranges (n0 > 0 checks the offsets).
+// Tolerance: both are f32 sums of the same K products in different orders, so each differs from the exact dot
+// by at most ~K * eps * sum_k |w_k x_k| (the classic bound for recursive summation, with one more rounding per
+// partial scale); the check allows 2 * K * eps * Wmax * sum_k |x_k|, where Wmax bounds |w| from the generation
+// parameters. A decoding mistake (a code in the wrong place, a wrong scale) moves the result by a sizeable
+// fraction of Wmax * sum|x| (about 1 / sqrt(K) of it, or more), far above that.
+// Exit status 0 when every case passes, 3 when the CPU has no SIMD path (x86-64 without AVX2); one line per case.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "qmm_cpu.hpp"
+
+namespace kk = k3::kernels;
+
+namespace {
+
+int failures = 0;
+
+struct Rng {
+  std::mt19937 g;
+  explicit Rng(uint32_t seed) : g(seed) {}
+  uint32_t u32() { return g(); }
+  float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(g); }
+};
+
+uint16_t f32_to_f16(float f) {  // normal, in-range values only (the scales drawn here)
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  const uint32_t sign = (b >> 16) & 0x8000u;
+  const int exp = (int)((b >> 23) & 0xff) - 127 + 15;
+  const uint32_t man = (b >> 13) & 0x3ffu;
+  return (uint16_t)(sign | ((uint32_t)exp << 10) | man);
+}
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  const uint32_t b = sign | ((exp - 15 + 127) << 23) | (man << 13);
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// Runs `run(simd, n0, n1, out)` both ways over [0, N) as two ranges and compares.
+template <class Run>
+void compare(const std::string& name, int rows, int N, int K, const std::vector<float>& x, float wmax, Run run) {
+  std::vector<float> simd((size_t)rows * N, NAN), scalar((size_t)rows * N, NAN);
+  const int split = N / 3;
+  run(true, 0, split, simd.data());
+  run(true, split, N, simd.data());
+  run(false, 0, N, scalar.data());
+  const float eps = 1.1920929e-7f;
+  double worst = 0;
+  bool ok = true;
+  for (int m = 0; m < rows; ++m) {
+    double xabs = 0;
+    for (int k = 0; k < K; ++k) xabs += std::fabs(x[(size_t)m * K + k]);
+    const double tol = 2.0 * K * eps * wmax * xabs;
+    for (int n = 0; n < N; ++n) {
+      const double a = simd[(size_t)m * N + n], b = scalar[(size_t)m * N + n];
+      const double err = std::fabs(a - b);
+      if (!(err <= tol)) {  // also catches NaN
+        if (ok) std::printf("  row %d col %d: simd %.9g scalar %.9g (tolerance %.3g)\n", m, n, a, b, tol);
+        ok = false;
+      }
+      if (tol > 0) worst = std::max(worst, err / tol);
+    }
+  }
+  std::printf("%s %s (worst error / tolerance %.3g)\n", ok ? "ok  " : "FAIL", name.c_str(), worst);
+  if (!ok) ++failures;
+}
+
+std::vector<float> activations(Rng& r, int rows, int K) {
+  std::vector<float> x((size_t)rows * K);
+  for (auto& v : x) v = r.uniform(-1.0f, 1.0f);
+  x[0] = 7.5f;  // an outlier, as real activations have
+  return x;
+}
+
+void affine_case(Rng& r, int bits, int group, int rows, int N, int K, int scale_dtype) {
+  const int ng = K / group;
+  std::vector<uint32_t> wq((size_t)N * K * bits / 32);
+  for (auto& v : wq) v = r.u32();
+  std::vector<float> s((size_t)N * ng), b((size_t)N * ng);
+  std::vector<uint16_t> sh(s.size()), bh(b.size());
+  float wmax = 0;
+  for (size_t i = 0; i < s.size(); ++i) {
+    s[i] = r.uniform(0.001f, 0.02f);
+    b[i] = r.uniform(-0.5f, 0.5f);
+    if (scale_dtype == 1) {
+      sh[i] = f32_to_f16(s[i]), bh[i] = f32_to_f16(b[i]);
+      s[i] = f16_to_f32(sh[i]), b[i] = f16_to_f32(bh[i]);
+    } else if (scale_dtype == 2) {
+      uint32_t sb, bb;
+      std::memcpy(&sb, &s[i], 4);
+      std::memcpy(&bb, &b[i], 4);
+      sh[i] = (uint16_t)(sb >> 16), bh[i] = (uint16_t)(bb >> 16);
+      sb = (uint32_t)sh[i] << 16, bb = (uint32_t)bh[i] << 16;
+      std::memcpy(&s[i], &sb, 4);
+      std::memcpy(&b[i], &bb, 4);
+    }
+    wmax = std::max(wmax, std::fabs(s[i]) * (float)((1 << bits) - 1) + std::fabs(b[i]));
+  }
+  kk::AffineRows w{wq.data(), s.data(), b.data(), K, group, bits};
+  if (scale_dtype) {
+    w = kk::AffineRows{wq.data(), nullptr, nullptr, K, group, bits, sh.data(), bh.data(), scale_dtype == 2};
+  }
+  auto x = activations(r, rows, K);
+  static const char* dt[] = {"f32", "f16", "bf16"};
+  const std::string name = "affine " + std::to_string(bits) + "-bit group " + std::to_string(group) + " " +
+                           dt[scale_dtype] + " scales, " + std::to_string(rows) + " x " + std::to_string(K) +
+                           " @ " + std::to_string(N);
+  compare(name, rows, N, K, x, wmax, [&](bool simd, int n0, int n1, float* out) {
+    kk::PreparedActivations p(x.data(), rows, K, 'a', bits, simd, false);
+    kk::affine_rows(w, p.a, n0, n1, out, N, simd);
+  });
+}
+
+void mxfp4_case(Rng& r, int rows, int N, int K) {
+  std::vector<uint32_t> wq((size_t)N * K / 8);
+  for (auto& v : wq) v = r.u32();
+  std::vector<uint8_t> e((size_t)N * K / 32);
+  int emax = 0;
+  for (auto& v : e) {
+    v = (uint8_t)(120 + r.u32() % 10);  // 2^-7 .. 2^2
+    emax = std::max(emax, (int)v);
+  }
+  const float wmax = 6.0f * std::ldexp(1.0f, emax - 127);
+  kk::Mxfp4Rows w{wq.data(), e.data(), K};
+  auto x = activations(r, rows, K);
+  compare("mxfp4 " + std::to_string(rows) + " x " + std::to_string(K) + " @ " + std::to_string(N), rows, N, K, x, wmax,
+          [&](bool simd, int n0, int n1, float* out) {
+            kk::PreparedActivations p(x.data(), rows, K, 'm', 4, simd, false);
+            kk::mxfp4_rows(w, p.a, n0, n1, out, N, simd);
+          });
+}
+
+void codebook_case(Rng& r, int rows, int N, int K) {
+  const int nb = K / 32, nsb = kk::codebook_super_blocks(K);
+  std::vector<uint8_t> codes((size_t)N * K / 8);
+  std::vector<uint16_t> qh((size_t)N * nb), d((size_t)N * nsb);
+  for (auto& v : codes) v = (uint8_t)r.u32();
+  for (auto& v : qh) v = (uint16_t)r.u32();  // index bits, scale L and delta sign all random
+  float dmax = 0;
+  for (auto& v : d) {
+    v = f32_to_f16(r.uniform(0.001f, 0.05f));
+    dmax = std::max(dmax, f16_to_f32(v));
+  }
+  const float wmax = dmax * 15.0f * 1.125f;  // d * (2L + 1) * |grid + delta|, L <= 7
+  kk::CodebookRows w{codes.data(), qh.data(), d.data(), K};
+  auto x = activations(r, rows, K);
+  compare("codebook " + std::to_string(rows) + " x " + std::to_string(K) + " @ " + std::to_string(N), rows, N, K, x,
+          wmax, [&](bool simd, int n0, int n1, float* out) {
+            kk::PreparedActivations p(x.data(), rows, K, 'c', 0, simd, false);
+            kk::codebook_rows(w, p.a, n0, n1, out, N, simd);
+          });
+}
+
+}  // namespace
+
+int main() {
+  if (!kk::cpu_has_simd()) {
+    std::printf("this CPU has no SIMD path for the packed-weight kernels: nothing to compare\n");
+    return 3;
+  }
+  kk::set_force_scalar(true);
+  if (kk::cpu_has_simd()) {
+    std::printf("FAIL set_force_scalar(true) left cpu_has_simd() on\n");
+    return 1;
+  }
+  kk::set_force_scalar(false);
+#if defined(__aarch64__)
+  std::printf("paths: NEON vs scalar (AArch64)\n");
+#else
+  std::printf("paths: AVX2 vs scalar (x86-64)\n");
+#endif
+  Rng r(20261201);
+  // K: a multiple of 256, one with a short last super-block and a 128-chunk tail (416 = 256 + 160), and 96.
+  for (int bits : {2, 3, 4, 5, 6, 8}) {
+    for (int group : {32, 64, 128}) {
+      for (int K : {512, 416, 96}) {
+        if (K % group) continue;
+        for (int rows : {1, 3, 6}) affine_case(r, bits, group, rows, 13, K, 0);
+      }
+    }
+  }
+  for (int bits : {2, 4, 8}) {
+    affine_case(r, bits, 64, 2, 9, 256, 1);
+    affine_case(r, bits, 64, 5, 9, 256, 2);
+  }
+  for (int K : {512, 416, 96}) {
+    for (int rows : {1, 2, 5}) {
+      mxfp4_case(r, rows, 11, K);
+      codebook_case(r, rows, 11, K);
+    }
+  }
+  std::printf("%s: %d failing case(s)\n", failures ? "FAILED" : "passed", failures);
+  return failures ? 1 : 0;
+}

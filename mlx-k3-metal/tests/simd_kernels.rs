@@ -1,0 +1,92 @@
+//! The packed-weight kernels' SIMD paths against their scalar paths (`tests/kernel_check/simd_vs_scalar.cpp`:
+//! affine 2/3/4/5/6/8-bit with f32/f16/bf16 scales, mxfp4, the codebook; 1-6 activation rows; K with short
+//! tails), built from the kernel sources alone:
+//! - natively, with the build script's compiler (the AVX2 paths here; the model tests also cover them through MLX);
+//! - for AArch64 with Debian's cross compiler (`aarch64-linux-gnu-g++`), run under qemu user emulation
+//!   (`qemu-aarch64`, package qemu-user): the only way the NEON paths run on an x86-64 machine.
+//!
+//! Without the cross compiler or qemu the AArch64 half is skipped with a message, unless
+//! `K3_REQUIRE_NEON_CHECK=1` (set by `.ci/run` once it has installed both), which makes their absence a failure.
+#![cfg(all(target_arch = "x86_64", target_os = "linux"))]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn kernel_sources() -> (Vec<PathBuf>, Vec<PathBuf>) {
+    let includes: Vec<PathBuf> = std::env::split_paths(env!("K3_KERNEL_INCLUDES")).collect();
+    assert_eq!(includes.len(), 4, "include paths from build.rs");
+    let cpp = &includes[0];
+    let harness = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kernel_check/simd_vs_scalar.cpp");
+    let sources = vec![harness, cpp.join("qmm_cpu.cpp"), cpp.join("parallel.cpp")];
+    // The kernel sources, the generated grid table and the C ABI header; not MLX's headers (not needed, and
+    // there are none for AArch64 here).
+    (sources, includes[..3].to_vec())
+}
+
+fn compile(cxx: &str, extra: &[&str], out: &Path) -> Output {
+    let (sources, includes) = kernel_sources();
+    let mut cmd = Command::new(cxx);
+    cmd.args(["-O2", "-std=c++20"]).args(extra);
+    for inc in &includes {
+        cmd.arg("-I").arg(inc);
+    }
+    cmd.args(&sources).arg("-lpthread").arg("-o").arg(out);
+    cmd.output().unwrap_or_else(|e| panic!("start {cxx}: {e}"))
+}
+
+fn check(what: &str, out: Output) {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{what} failed ({}):\n{stdout}\n{stderr}", out.status);
+    let cases = stdout.lines().filter(|l| l.starts_with("ok")).count();
+    // 114 cases: a harness that ran none (or stopped early) must not pass.
+    assert!(cases >= 100, "{what}: only {cases} cases ran:\n{stdout}");
+    println!("{what}: {}", stdout.lines().last().unwrap_or(""));
+}
+
+fn find(candidates: &[&str]) -> Option<String> {
+    candidates
+        .iter()
+        .find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
+        .map(|c| c.to_string())
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("k3-simd-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+#[test]
+fn avx2_paths_match_the_scalar_paths() {
+    let exe = scratch("native");
+    let out = compile(env!("K3_KERNEL_CXX"), &["-march=native"], &exe);
+    assert!(out.status.success(), "compile: {}", String::from_utf8_lossy(&out.stderr));
+    let run = Command::new(&exe).output().unwrap();
+    if run.status.code() == Some(3) {
+        eprintln!("SKIPPED: this x86-64 CPU has no AVX2/FMA/F16C, so the kernels have no SIMD path to check here");
+    } else {
+        check("x86-64 (AVX2 vs scalar)", run);
+    }
+    let _ = std::fs::remove_file(&exe);
+}
+
+#[test]
+fn neon_paths_match_the_scalar_paths_under_qemu() {
+    let required = std::env::var("K3_REQUIRE_NEON_CHECK").is_ok_and(|v| v == "1");
+    let cxx = find(&["aarch64-linux-gnu-g++"]);
+    let qemu = find(&["qemu-aarch64", "qemu-aarch64-static"]);
+    let (Some(cxx), Some(qemu)) = (cxx, qemu) else {
+        let msg = "the AArch64 cross compiler (aarch64-linux-gnu-g++, Debian g++-aarch64-linux-gnu) or qemu-aarch64 \
+                   (qemu-user) is missing";
+        assert!(!required, "{msg}, and K3_REQUIRE_NEON_CHECK=1");
+        eprintln!("SKIPPED: {msg}; the NEON paths were not checked");
+        return;
+    };
+    let exe = scratch("aarch64");
+    // Static, so qemu needs no AArch64 loader or libraries.
+    let out = compile(&cxx, &["-static"], &exe);
+    assert!(out.status.success(), "cross compile: {}", String::from_utf8_lossy(&out.stderr));
+    check("AArch64 under qemu (NEON vs scalar)", Command::new(&qemu).arg(&exe).output().unwrap());
+    let _ = std::fs::remove_file(&exe);
+}
