@@ -624,20 +624,18 @@ __attribute__((target("avx2,fma,f16c"))) static void codebook_rows_q8_avx2(const
 // the scalar paths do, so the results match theirs within f32 reassociation. q8 mode runs the scalar q8
 // kernels on these CPUs.
 
-// 16 codes -> four float32x4 (codes 0-3, 4-7, 8-11, 12-15).
-static inline void widen_u8x16(uint8x16_t c, float32x4_t f[4]) {
-  const uint16x8_t lo = vmovl_u8(vget_low_u8(c)), hi = vmovl_high_u8(c);
-  f[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo)));
-  f[1] = vcvtq_f32_u32(vmovl_high_u16(lo));
-  f[2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi)));
-  f[3] = vcvtq_f32_u32(vmovl_high_u16(hi));
-}
-static inline void widen_s8x16(int8x16_t c, float32x4_t f[4]) {
-  const int16x8_t lo = vmovl_s8(vget_low_s8(c)), hi = vmovl_high_s8(c);
+// 16 codes, widened to int16 (lo: codes 0-7, hi: 8-15) -> four float32x4 (codes 0-3, 4-7, 8-11, 12-15).
+static inline void widen_s16(int16x8_t lo, int16x8_t hi, float32x4_t f[4]) {
   f[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
   f[1] = vcvtq_f32_s32(vmovl_high_s16(lo));
   f[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
   f[3] = vcvtq_f32_s32(vmovl_high_s16(hi));
+}
+static inline void widen_u8x16(uint8x16_t c, float32x4_t f[4]) {  // (u8 values fit int16)
+  widen_s16(vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(c))), vreinterpretq_s16_u16(vmovl_high_u8(c)), f);
+}
+static inline void widen_s8x16(int8x16_t c, float32x4_t f[4]) {
+  widen_s16(vmovl_s8(vget_low_s8(c)), vmovl_high_s8(c), f);
 }
 
 // Multiplies the 32 decoded values f of block b into the running sums p[m][2] of activation rows m0 .. m0 + MB.
