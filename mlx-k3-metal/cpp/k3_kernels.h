@@ -109,6 +109,12 @@ int k3_kda_step(k3_array* res, size_t cap, size_t* n_out, const k3_array qkv, co
                 int head_dim, bool has_lower_bound, float lower_bound, float norm_eps, const k3_stream s);
 /* Whether k3_kda_step has a kernel for the stream's device (CPU, CUDA: yes; Metal: not yet). */
 int k3_kda_step_supported(bool* res, const k3_stream s);
+/* The gated delta rule over T tokens (a KDA layer's prefill; per token as in k3_kda_step): q, k, v, g
+ * [B, T, H, d], beta [B, T, H] (any float dtype), state [B, H, d, d] f32 or none (zeros). Writes 2 arrays:
+ * y [B, T, H, d] in q's dtype and the final state (f32). CPU only: other streams get an error. */
+int k3_gated_delta_scan(k3_array* res, size_t cap, size_t* n_out, const k3_array q, const k3_array k,
+                        const k3_array v, const k3_array g, const k3_array beta, const k3_array state,
+                        const k3_stream s);
 
 /* Attention-residual mix (SPEC_NOTES 4.2): softmax over the K snapshots raw [K, ..., D] (logits
  * (b.w_eff) * inv_rms, inv_rms [K, ...] f32) and the partial sum [..., D] (logit (p.w_eff) * rsqrt(mean(p^2)

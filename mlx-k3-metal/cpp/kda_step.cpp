@@ -113,6 +113,38 @@ __attribute__((target("avx2,fma"))) void state_rows_avx2(const float* s_in, floa
 }
 #endif
 
+// The gated delta rule for one (batch, head), one state row (value index i) at a time: S'[i] = S[i] * alpha;
+// kv = S'[i] . k; S[i] = S'[i] + k * beta (v_i - kv); y_i = S[i] . q. s_in null: a zero state; s_in may equal
+// s_out (each row is read before it is written).
+void state_update(const float* s_in, float* s_out, const float* alpha, const float* k, const float* q,
+                  const float* v, float beta, int d, float* y, bool simd) {
+#ifdef K3_X86
+  if (simd && d % 16 == 0) return state_rows_avx2(s_in, s_out, alpha, k, q, v, beta, d, y);
+#else
+  (void)simd;
+#endif
+  for (int i = 0; i < d; ++i) {
+    float* row = s_out + (size_t)i * d;
+    float kv = 0.0f;
+    if (s_in) {
+      const float* r = s_in + (size_t)i * d;
+      for (int j = 0; j < d; ++j) {
+        row[j] = r[j] * alpha[j];
+        kv += row[j] * k[j];
+      }
+    } else {
+      for (int j = 0; j < d; ++j) row[j] = 0.0f;
+    }
+    const float delta = (v[i] - kv) * beta;
+    float acc = 0.0f;
+    for (int j = 0; j < d; ++j) {
+      row[j] += k[j] * delta;
+      acc += row[j] * q[j];
+    }
+    y[i] = acc;
+  }
+}
+
 // One (batch, head): conv of its q/k/v channels, normalization, gates, the state update and the output.
 template <typename T>
 void kda_head(const Io<T>& io, const KdaParams& p, int bi, int h, float* scratch, bool simd) {
@@ -178,36 +210,8 @@ void kda_head(const Io<T>& io, const KdaParams& p, int bi, int h, float* scratch
   } else {
     for (int j = 0; j < d; ++j) alpha[j] = std::exp(-ea * softplus(ld(ah, j) + dt[j]));
   }
-  // The gated delta rule, one state row (value index i) at a time: S'[i] = S[i] * alpha; kv = S'[i] . k;
-  // S[i] = S'[i] + k * beta (v_i - kv); y_i = S[i] . q.
   const size_t off = ((size_t)bi * H + h) * d * d;
-  const float* s_in = io.ssm ? io.ssm + off : nullptr;
-  float* s_out = io.new_ssm + off;
-#ifdef K3_X86
-  if (simd && d % 16 == 0) {
-    state_rows_avx2(s_in, s_out, alpha, k, q, v, beta, d, y);
-  } else
-#endif
-  for (int i = 0; i < d; ++i) {
-    float* row = s_out + (size_t)i * d;
-    float kv = 0.0f;
-    if (s_in) {
-      const float* r = s_in + (size_t)i * d;
-      for (int j = 0; j < d; ++j) {
-        row[j] = r[j] * alpha[j];
-        kv += row[j] * k[j];
-      }
-    } else {
-      for (int j = 0; j < d; ++j) row[j] = 0.0f;
-    }
-    const float delta = (v[i] - kv) * beta;
-    float acc = 0.0f;
-    for (int j = 0; j < d; ++j) {
-      row[j] += k[j] * delta;
-      acc += row[j] * q[j];
-    }
-    y[i] = acc;
-  }
+  state_update(io.ssm ? io.ssm + off : nullptr, io.new_ssm + off, alpha, k, q, v, beta, d, y, simd);
   // Output: RMSNorm over the head (o_norm) times sigmoid(gate). y rounds to the activation dtype first, as
   // the plain path stores it.
   float ss = 0.0f;
@@ -293,6 +297,73 @@ class KdaStep : public mx::Primitive {
   }
 
   KdaParams p_;
+};
+
+// The gated delta rule over T tokens (a KDA layer's prefill): per (batch, head) task the f32 state stays in
+// the task's scratch (d x d, in L2) while the tokens run in order, each exactly as a decode step's
+// state_update. The plain-ops loop it replaces runs about ten MLX ops per token, each a pass over the whole
+// [B, H, d, d] state, serially on the stream thread. Inputs (f32, any strides): q, k, v, g [B, T, H, d],
+// beta [B, T, H], [state [B, H, d, d]]; outputs y [B, T, H, d] and the final state (f32).
+class GatedDeltaScan : public mx::Primitive {
+ public:
+  GatedDeltaScan(mx::Stream s, bool has_state) : mx::Primitive(s), has_state_(has_state) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& in : inputs) enc.set_input_array(in);
+    for (auto& o : outputs) enc.set_output_array(o);
+    std::vector<mx::array> in;
+    for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+    std::vector<mx::array> out;
+    for (auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
+    enc.dispatch([in = std::move(in), out = std::move(out), has_state = has_state_]() mutable {
+      run(in, out, has_state);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[gated_delta_scan] the GatedDeltaScan primitive is CPU-only");
+  }
+
+  const char* name() const override { return "K3GatedDeltaScan"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return has_state_ == static_cast<const GatedDeltaScan&>(other).has_state_;
+  }
+
+ private:
+  static void run(std::vector<mx::array>& in, std::vector<mx::array>& out, bool has_state) {
+    const int B = in[0].shape(0), T = in[0].shape(1), H = in[0].shape(2), d = in[0].shape(3);
+    std::vector<std::vector<char>> scratch(in.size());
+    auto ptr = [&](size_t i) { return static_cast<const float*>(dense_data(in[i], scratch[i])); };
+    const float *q = ptr(0), *k = ptr(1), *v = ptr(2), *g = ptr(3), *beta = ptr(4);
+    const float* s0 = has_state ? ptr(5) : nullptr;
+    float* y = out[0].data<float>();
+    float* s_out = out[1].data<float>();
+#ifdef K3_X86
+    const bool simd = cpu_has_avx2_fma();
+#else
+    const bool simd = false;
+#endif
+    parallel_for((size_t)B * H, [&](size_t task) {
+      const int bi = (int)task / H, h = (int)task % H;
+      float* S = s_out + task * d * d;  // the state lives in its output slot from the first token on
+      const float* s_in = s0 ? s0 + task * d * d : nullptr;
+      for (int t = 0; t < T; ++t) {
+        const size_t row = ((size_t)bi * T + t) * H + h;
+        const size_t o = row * d;
+        state_update(s_in, S, g + o, k + o, q + o, v + o, beta[row], d, y + o, simd);
+        s_in = S;
+      }
+      if (T == 0) {
+        if (s0) std::copy_n(s0 + task * d * d, (size_t)d * d, S);
+        else std::fill_n(S, (size_t)d * d, 0.0f);
+      }
+    });
+  }
+
+  bool has_state_;
 };
 
 [[noreturn]] void fail(const std::string& m) {
@@ -383,7 +454,51 @@ std::vector<mx::array> kda_step(const mx::array& qkv, const mx::array& a, const 
                                 std::make_shared<KdaStep>(s, p), inputs);
 }
 
+// q, k, v, g [B, T, H, d], beta [B, T, H] (any float dtype), state [B, H, d, d] f32 or absent (zeros): the
+// gated delta rule token by token (mlx-lm `_gated_delta_step_ops` per step). Returns (y [B, T, H, d] in q's
+// dtype, rounded from f32 as the per-step ops round it; final state f32). CPU streams only.
+std::vector<mx::array> gated_delta_scan(const mx::array& q, const mx::array& k, const mx::array& v,
+                                        const mx::array& g, const mx::array& beta,
+                                        const std::optional<mx::array>& state, mx::StreamOrDevice sd) {
+  auto s = mx::to_stream(sd);
+  if (s.device != mx::Device::cpu) {
+    throw std::invalid_argument("[gated_delta_scan] only the CPU has this kernel; use the per-step ops elsewhere");
+  }
+  if (q.ndim() != 4) throw std::invalid_argument("[gated_delta_scan] q must be [B, T, H, d], got " + shape_str(q.shape()));
+  const int B = q.shape(0), T = q.shape(1), H = q.shape(2), d = q.shape(3);
+  auto check = [&](const char* what, const mx::array& x, const mx::Shape& want) {
+    if (x.shape() != want) {
+      throw std::invalid_argument(std::string("[gated_delta_scan] ") + what + " has shape " + shape_str(x.shape()) +
+                                  ", expected " + shape_str(want));
+    }
+    if (!mx::issubdtype(x.dtype(), mx::floating)) {
+      throw std::invalid_argument(std::string("[gated_delta_scan] ") + what + " must be a floating-point array");
+    }
+  };
+  check("q", q, {B, T, H, d});
+  check("k", k, {B, T, H, d});
+  check("v", v, {B, T, H, d});
+  check("g", g, {B, T, H, d});
+  check("beta", beta, {B, T, H});
+  if (state) check("state", *state, {B, H, d, d});
+  auto f32 = [&](const mx::array& x) { return mx::astype(x, mx::float32, s); };
+  std::vector<mx::array> inputs{f32(q), f32(k), f32(v), f32(g), f32(beta)};
+  if (state) inputs.push_back(f32(*state));
+  auto outs = mx::array::make_arrays({{B, T, H, d}, {B, H, d, d}}, {mx::float32, mx::float32},
+                                     std::make_shared<GatedDeltaScan>(s, state.has_value()), inputs);
+  outs[0] = mx::astype(outs[0], q.dtype(), s);
+  return outs;
+}
+
 }  // namespace k3::kernels
+
+extern "C" int k3_gated_delta_scan(k3_array* res, size_t cap, size_t* n_out, const k3_array q, const k3_array k,
+                                   const k3_array v, const k3_array g, const k3_array beta, const k3_array state,
+                                   const k3_stream s) {
+  K3_TRY(k3::put_many(res, cap, n_out,
+                      k3::kernels::gated_delta_scan(k3::arr(q), k3::arr(k), k3::arr(v), k3::arr(g), k3::arr(beta),
+                                                    k3::opt(state), k3::stream(s))))
+}
 
 extern "C" int k3_kda_step(k3_array* res, size_t cap, size_t* n_out, const k3_array qkv, const k3_array a,
                            const k3_array b, const k3_array gate, const k3_array conv_weight, const k3_array a_log,

@@ -178,6 +178,20 @@ unsafe extern "C" {
     pub fn k3_kda_step_supported(res: *mut bool, s: k3_stream) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn k3_gated_delta_scan(
+        res: *mut k3_array,
+        cap: usize,
+        n_out: *mut usize,
+        q: k3_array,
+        k: k3_array,
+        v: k3_array,
+        g: k3_array,
+        beta: k3_array,
+        state: k3_array,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn k3_attn_res_mix(
         res: *mut k3_array,
         raw: k3_array,

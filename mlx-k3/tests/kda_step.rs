@@ -10,7 +10,10 @@
 mod common;
 
 use common::{max_abs, max_abs_diff};
-use mlx_k3::kernels::{force_scalar, kda_step, kda_step_reference, kda_step_supported, KdaStepInputs, KdaWeights};
+use mlx_k3::kernels::{
+    force_scalar, gated_delta_scan, kda_step, kda_step_reference, kda_step_supported, KdaStepInputs, KdaWeights,
+};
+use mlx_k3::model::kda::gated_delta_step;
 use mlx_k3::{random, with_device, Array, Device, Dtype};
 
 fn randn(shape: &[i32], scale: f32, seed: u64) -> Array {
@@ -144,6 +147,78 @@ fn kda_step_rejects_bad_shapes() {
         let x = KdaStepInputs { qkv: &qkv, a: &a, b: &b, gate: &g, conv_state: None, ssm_state: Some(&bad) };
         let msg = kda_step(x, w).unwrap_err().to_string();
         assert!(msg.contains("ssm state has shape (1,2,8,9), expected (1,2,8,8)"), "{msg}");
+    })
+    .unwrap();
+}
+
+/// The per-step ops over T tokens (the model's path off the CPU, and mlx-lm's ops reference).
+fn scan_reference(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, state: &Array) -> (Array, Array) {
+    let t = q.shape()[1];
+    let mut state = state.clone();
+    let mut ys = Vec::new();
+    for step in 0..t {
+        let at = |a: &Array| a.slice_axis(1, step, step + 1).unwrap().squeeze(&[1]).unwrap();
+        let (y, s) = gated_delta_step(&at(q), &at(k), &at(v), &at(g), &at(beta), &state).unwrap();
+        ys.push(y);
+        state = s;
+    }
+    let refs: Vec<&Array> = ys.iter().collect();
+    (mlx_k3::ops::stack(&refs, 1).unwrap(), state)
+}
+
+/// The prefill primitive against the per-step ops: batch 1 and 2, d = 16 / 32 / 128 (AVX2 rows need d % 16
+/// == 0; 24 runs the scalar loop), with and without an initial state, f32 and bf16 q/k/v, q/k/v as strided
+/// views of one merged tensor (as the model passes them). Same tolerance as the step (f32 sums over d in
+/// another order): 2e-5 of the largest magnitude over up to 9 chained tokens; bf16 outputs within 2 bf16 ulp.
+#[test]
+fn gated_delta_scan_matches_the_per_step_ops() {
+    with_device(Device::Cpu, || {
+        let mut worst = 0.0f32;
+        for (i, &(b, t, h, d, with_state, dt)) in [
+            (1, 9, 4, 128, true, Dtype::F32),
+            (2, 5, 3, 32, false, Dtype::F32),
+            (1, 1, 2, 16, true, Dtype::F32),
+            (2, 6, 2, 24, true, Dtype::F32),
+            (1, 7, 3, 64, true, Dtype::BF16),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let seed = 500 + 10 * i as u64;
+            let inv = 1.0 / (d as f32).sqrt();
+            // q, k, v as the model's conv output gives them: slices of one [B, T, 3 H d] tensor.
+            let qkv = randn(&[b, t, 3 * h * d], inv, seed).astype(dt).unwrap();
+            let part = |j: i32| qkv.slice_axis(-1, j * h * d, (j + 1) * h * d).unwrap().reshape(&[b, t, h, d]).unwrap();
+            let (q, k) = (part(0), part(1));
+            let v = part(2).multiply(d as f32).unwrap();
+            let g = randn(&[b, t, h, d], 1.0, seed + 1).abs().unwrap().negative().unwrap().exp().unwrap();
+            let beta = randn(&[b, t, h], 1.0, seed + 2).sigmoid().unwrap().astype(dt).unwrap();
+            let s0 = randn(&[b, h, d, d], 0.5, seed + 3);
+            let zeros = mlx_k3::ops::zeros(&[b, h, d, d], Dtype::F32).unwrap();
+            let (ry, rs) = scan_reference(&q, &k, &v, &g, &beta, if with_state { &s0 } else { &zeros });
+            let (y, s) = gated_delta_scan(&q, &k, &v, &g, &beta, with_state.then_some(&s0)).unwrap();
+            assert_eq!(y.shape(), vec![b, t, h, d]);
+            assert_eq!(y.dtype(), dt);
+            assert_eq!(s.shape(), vec![b, h, d, d]);
+            assert_eq!(s.dtype(), Dtype::F32);
+            let (ey, es) = (rel(&y, &ry), rel(&s, &rs));
+            if dt == Dtype::F32 {
+                assert!(ey < 2e-5 && es < 2e-5, "case {i}: output {ey:e}, state {es:e}");
+                worst = worst.max(ey).max(es);
+            } else {
+                // bf16 outputs: the same f32 values rounded once, so within 2 bf16 ulp (2^-7 relative) of the
+                // largest magnitude; the f32 state as in f32.
+                assert!(ey < 2.0 * 2f32.powi(-7) && es < 2e-5, "case {i} (bf16): output {ey:e}, state {es:e}");
+            }
+        }
+        println!("gated_delta_scan vs per-step ops: f32 max rel err = {worst:e}");
+        // Bad shapes are errors naming the input.
+        let z = |sh: &[i32]| mlx_k3::ops::zeros(sh, Dtype::F32).unwrap();
+        let (q, beta) = (z(&[1, 3, 2, 8]), z(&[1, 3, 2]));
+        let msg = gated_delta_scan(&q, &q, &q, &q, &z(&[1, 3, 3]), None).unwrap_err().to_string();
+        assert!(msg.contains("[gated_delta_scan] beta has shape (1,3,3), expected (1,3,2)"), "{msg}");
+        let msg = gated_delta_scan(&q, &q, &q, &q, &beta, Some(&z(&[1, 2, 8, 9]))).unwrap_err().to_string();
+        assert!(msg.contains("state has shape (1,2,8,9), expected (1,2,8,8)"), "{msg}");
     })
     .unwrap();
 }

@@ -136,3 +136,39 @@ pub fn kda_step_reference(x: KdaStepInputs<'_>, w: KdaWeights<'_>) -> Result<(Ar
     let out = fast::rms_norm(&y, Some(w.norm_weight), w.norm_eps)?.multiply(&gate)?.reshape(&[b, 1, p])?;
     Ok((out, new_conv, state))
 }
+
+/// The gated delta rule over `T` tokens (a KDA layer's prefill) as one CPU primitive: `q, k, v, g [B, T, H, d]`,
+/// `beta [B, T, H]`, `state [B, H, d, d]` f32 (None = zeros) -> (`y [B, T, H, d]` in q's dtype, final f32
+/// state). Each token is exactly one step of [`crate::model::kda::gated_delta_step`] (mlx-lm's
+/// `_gated_delta_step_ops`), in f32 with the per-row sums reassociated; the state stays in a per-head scratch
+/// between tokens. CPU streams only: elsewhere it is an error (the model keeps the per-step ops there).
+#[track_caller]
+pub fn gated_delta_scan(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: Option<&Array>,
+) -> Result<(Array, Array)> {
+    let st = s();
+    // SAFETY: live handles (or null) in; the op writes 2 outputs.
+    let mut out = multi_output("gated_delta_scan", 2, |res, cap, n| unsafe {
+        mlx_k3_metal::k3_gated_delta_scan(
+            res,
+            cap,
+            n,
+            q.as_raw(),
+            k.as_raw(),
+            v.as_raw(),
+            g.as_raw(),
+            beta.as_raw(),
+            Array::raw_opt(state),
+            st,
+        )
+    })?;
+    let missing = || Error::invalid("gated_delta_scan", "fewer outputs than expected");
+    let state = out.pop().ok_or_else(missing)?;
+    let y = out.pop().ok_or_else(missing)?;
+    Ok((y, state))
+}

@@ -2,9 +2,10 @@
 //! depthwise short convolution over the merged q/k/v projection, L2-normalized q/k, a per-channel decay
 //! gate, and the gated delta rule on an fp32 state, followed by a gated RMSNorm and the output projection.
 //!
-//! The recurrence is written with plain MLX ops, one step per token, exactly as mlx-lm's ops reference
-//! (which is what mlx-lm itself runs off Metal) for prefill; a one-token decode step runs the fused
-//! `kernels::kda_step` primitive where the device has it (CPU, CUDA).
+//! The recurrence is mlx-lm's ops reference (which is what mlx-lm itself runs off Metal), one step per token:
+//! `gated_delta_step` below. On the CPU a prefill runs all its tokens' steps in the `kernels::gated_delta_scan`
+//! primitive, and a one-token decode step the fused `kernels::kda_step` primitive (also on CUDA); other
+//! devices run the per-step ops.
 
 use super::cache::KdaCache;
 use super::config::TextConfig;
@@ -170,20 +171,25 @@ impl Kda {
         let beta = self.b_proj.forward(x)?.reshape(&[b, t, h])?.sigmoid()?;
         let g = self.decay(&a)?;
 
-        let mut state = match ssm_state {
-            Some(s) => s,
-            None => zeros(&[b, h, d, d], Dtype::F32)?,
+        let (out, state) = if crate::current_stream()?.device() == crate::Device::Cpu {
+            // All T tokens in one primitive (tests/kda_step.rs checks it against the per-step ops below).
+            crate::kernels::gated_delta_scan(&q, &k, &v, &g, &beta, ssm_state.as_ref())?
+        } else {
+            let mut state = match ssm_state {
+                Some(s) => s,
+                None => zeros(&[b, h, d, d], Dtype::F32)?,
+            };
+            let mut ys = Vec::with_capacity(t as usize);
+            for step in 0..t {
+                let at = |arr: &Array| arr.slice_axis(1, step, step + 1).and_then(|s| s.squeeze(&[1]));
+                let (qt, kt, vt, gt, bt) = (at(&q)?, at(&k)?, at(&v)?, at(&g)?, at(&beta)?);
+                let (y, s) = gated_delta_step(&qt, &kt, &vt, &gt, &bt, &state)?;
+                ys.push(y);
+                state = s;
+            }
+            let refs: Vec<&Array> = ys.iter().collect();
+            (stack(&refs, 1)?, state)
         };
-        let mut ys = Vec::with_capacity(t as usize);
-        for step in 0..t {
-            let at = |arr: &Array| arr.slice_axis(1, step, step + 1).and_then(|s| s.squeeze(&[1]));
-            let (qt, kt, vt, gt, bt) = (at(&q)?, at(&k)?, at(&v)?, at(&g)?, at(&beta)?);
-            let (y, s) = gated_delta_step(&qt, &kt, &vt, &gt, &bt, &state)?;
-            ys.push(y);
-            state = s;
-        }
-        let refs: Vec<&Array> = ys.iter().collect();
-        let out = stack(&refs, 1)?;
 
         if let Some(c) = cache {
             c.conv = Some(new_conv);
