@@ -72,7 +72,7 @@ pub fn force_scalar(on: bool) {
 }
 
 /// `x @ Wᵀ` for an MLX-quantized weight through the project's CPU kernels where they apply (affine 2-8-bit,
-/// mxfp4, on AVX2+FMA), else MLX's own `quantized_matmul`; same layouts either way.
+/// mxfp4, on AVX2+FMA or NEON), else MLX's own `quantized_matmul`; same layouts either way.
 pub fn quantized_matmul(
     x: &crate::Array,
     q: &crate::quant::Quantized,

@@ -114,13 +114,36 @@ impl MultiLinear {
             }
             // x [..., H, L, in] @ W[h]ᵀ per head h is a gathered matmul over the head stack (rhs = head index),
             // which takes the project's CPU kernels where they apply (MLA's one-token decode runs both of its
-            // per-head products this way); x @ W (no transpose) has only MLX's op.
+            // per-head products this way). x [..., 1, L, in] (one input for every head, as MLA's prefill
+            // expands its latent) is one matmul against the heads' rows stacked ([H * out, in], the same
+            // buffers), through the same kernels. x @ W (no transpose) has no project kernel: with f32
+            // activations on the CPU the weight is dequantized (f32, as MLX's dequantize gives it) for a dense
+            // matmul, MLX's quantized op otherwise (its CPU kernel for this case is its slowest).
             MaybeQuantized::Quantized(q, spec) => {
-                let heads = q.weight.shape()[0];
+                let wshape = q.weight.shape();
+                let (heads, out) = (wshape[0], wshape[1]);
                 let nd = x.ndim();
+                let cpu_f32 = x.dtype() == Dtype::F32 && crate::current_stream()?.device() == crate::Device::Cpu;
                 if transpose && nd >= 3 && x.shape()[nd - 3] == heads {
                     let rhs = Array::from_slice(&(0..heads as u32).collect::<Vec<u32>>(), &[heads])?;
                     kernels::gather_qmm(x, q, *spec, None, Some(&rhs), false)
+                } else if transpose && nd >= 3 && x.shape()[nd - 3] == 1 && heads > 1 {
+                    let stacked = |a: &Array| {
+                        let sh = a.shape();
+                        a.reshape(&[sh[0] * sh[1], sh[2]])
+                    };
+                    let q2 = quant::Quantized {
+                        weight: stacked(&q.weight)?,
+                        scales: stacked(&q.scales)?,
+                        biases: q.biases.as_ref().map(stacked).transpose()?,
+                    };
+                    let y = kernels::quantized_matmul(&x.squeeze(&[nd as i32 - 3])?, &q2, *spec)?; // [..., L, H*out]
+                    let mut shape = y.shape();
+                    shape.pop();
+                    shape.extend([heads, out]);
+                    y.reshape(&shape)?.swapaxes(-3, -2) // [..., H, L, out]
+                } else if !transpose && cpu_f32 {
+                    x.matmul(&quant::dequantize(q, *spec, None, Some(Dtype::F32))?)
                 } else {
                     quant::quantized_matmul(x, q, *spec, transpose)
                 }
