@@ -120,6 +120,14 @@ fn gemv(c: &mut Criterion) {
             g.bench_function(id(&format!("{name}_mlx")), |b| {
                 b.iter(|| quant::quantized_matmul(&x, &q, spec, true).and_then(|y| y.eval()).unwrap())
             });
+            // Where the AVX-512 kernel runs (8-bit with f32 activations), the AVX2 one in the same run.
+            if name == "affine8" && kernels::avx512().unwrap() {
+                g.bench_function(id(&format!("{name}_avx2_k3")), |b| {
+                    kernels::set_avx512(Some(false));
+                    b.iter(|| kernels::quantized_matmul(&x, &q, spec).and_then(|y| y.eval()).unwrap());
+                    kernels::set_avx512(None);
+                });
+            }
             if ["affine4", "affine2", "affine8", "mxfp4"].contains(&name) {
                 g.bench_function(id(&format!("{name}_q8_k3")), |b| {
                     kernels::set_qmm_activations(Some(QmmActivations::Q8));

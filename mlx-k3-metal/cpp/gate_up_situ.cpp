@@ -318,6 +318,7 @@ extern "C" int k3_gather_gate_up_situ(k3_array* res, const k3_array x, const k3_
     } else {
       throw std::invalid_argument("[gather_gate_up_situ] mode must be affine or mxfp4, got " + m);
     }
+    kk::check_avx512_env();
     const bool q8 = kk::act_q8() && kk::q8_supported(kind, bits, group_size);
     kk::GateUpFormat f{kind, bits, group_size, kk::cpu_has_simd(), beta, has_linear_beta, linear_beta, q8};
     std::vector<mx::array> g{k3::arr(gate_w), k3::arr(gate_scales)}, u{k3::arr(up_w), k3::arr(up_scales)};
@@ -335,6 +336,7 @@ extern "C" int k3_gather_codebook_gate_up_situ(k3_array* res, const k3_array x, 
                                                const k3_array lhs, const k3_array rhs, float beta, bool has_linear_beta,
                                                float linear_beta, const k3_stream s) {
   K3_TRY({
+    kk::check_avx512_env();
     kk::GateUpFormat f{'c', 0, 256, kk::cpu_has_simd(), beta, has_linear_beta, linear_beta, kk::act_q8()};
     k3::put(res, kk::gather_gate_up_situ(f, k3::arr(x), {k3::arr(gate_codes), k3::arr(gate_qh), k3::arr(gate_scales)},
                                          {k3::arr(up_codes), k3::arr(up_qh), k3::arr(up_scales)}, k3::opt(lhs),

@@ -82,6 +82,12 @@ int k3_kernels_force_scalar(bool on);
 int k3_kernels_set_act_q8(int mode);
 int k3_kernels_act_q8(int* res);
 
+/* The AVX-512 kernels (x86-64 CPUs with AVX-512 F/BW/DQ/VL): 1 = used where present, 0 = AVX2 only, -1 = the
+ * environment's K3_AVX512 (0 | 1; unset = 1). k3_kernels_avx512 writes whether they run now (0/1) and fails,
+ * naming the variable, when K3_AVX512 holds anything else. */
+int k3_kernels_set_avx512(int mode);
+int k3_kernels_avx512(int* res);
+
 /* Worker threads the CPU kernels use (>= 1); 0 restores the default (hardware threads, or K3_NUM_THREADS). */
 int k3_kernels_set_num_threads(int n);
 int k3_kernels_num_threads(void);

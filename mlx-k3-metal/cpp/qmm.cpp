@@ -36,6 +36,7 @@ struct Format {
 
 // The format with the activation precision chosen now.
 Format format_now(char kind, int bits, int group, bool simd) {
+  check_avx512_env();
   return Format{kind, bits, group, simd, act_q8() && q8_supported(kind, bits, group)};
 }
 
@@ -642,6 +643,18 @@ extern "C" int k3_kernels_set_act_q8(int mode) {
 
 extern "C" int k3_kernels_act_q8(int* res) {
   K3_TRY({ *res = kk::act_q8() ? 1 : 0; })
+}
+
+extern "C" int k3_kernels_set_avx512(int mode) {
+  kk::set_avx512(mode);
+  return 0;
+}
+
+extern "C" int k3_kernels_avx512(int* res) {
+  K3_TRY({
+    kk::check_avx512_env();
+    *res = kk::cpu_has_avx512() ? 1 : 0;
+  })
 }
 
 extern "C" int k3_gather_tiered_qmm(k3_array* res, const k3_array x, const k3_array tier, const k3_array slot,

@@ -34,6 +34,40 @@ bool cpu_has_avx2_fma() {
 #endif
 }
 
+static std::atomic<int> avx512_mode{-1};
+
+void set_avx512(int mode) {
+  avx512_mode.store(mode < 0 ? -1 : mode > 0 ? 1 : 0);
+}
+
+// K3_AVX512: unset, empty or 1 = use the AVX-512 paths where the CPU has them; 0 = AVX2 only.
+static int avx512_env() {
+  const char* env = std::getenv("K3_AVX512");
+  if (!env || !*env || std::strcmp(env, "1") == 0) return 1;
+  if (std::strcmp(env, "0") == 0) return 0;
+  return -1;
+}
+
+void check_avx512_env() {
+  if (avx512_env() < 0) {
+    throw std::invalid_argument(std::string("K3_AVX512 must be 0 or 1, got '") + std::getenv("K3_AVX512") + "'");
+  }
+}
+
+bool cpu_has_avx512() {
+#ifdef K3_X86
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  if (!yes || !cpu_has_avx2_fma()) return false;
+  const int mode = avx512_mode.load(std::memory_order_relaxed);
+  if (mode >= 0) return mode == 1;
+  static const int env = avx512_env();  // (an invalid value fails each op's construction: check_avx512_env)
+  return env == 1;
+#else
+  return false;
+#endif
+}
+
 bool cpu_has_simd() {
 #if defined(K3_X86)
   return cpu_has_avx2_fma();
@@ -1056,6 +1090,105 @@ __attribute__((target("avx2,fma"))) static void affine_rows_mb(const AffineRows&
   }
 }
 
+// 8-bit rows with f32 activations, AVX-512 (natural order, as the AVX2 kernel): each 32-block is two 16-code
+// loads widened and converted in one zmm each (half the AVX2 kernel's instructions per weight). Two product
+// chains per group, then the group's scale; biases as in affine_tile_avx2. On the 2-core Zen 5 VM of the README
+// (criterion, same run) 1.3-2x the AVX2 kernel where the matrix is in cache; streaming from memory both run at
+// about the memory's rate. (A 2-bit AVX-512 kernel, the AVX2 one's lookup on two 128-chunks per register, measured
+// within 2% of it here, 4096x4096 and 3072x7168, so it was not kept.)
+#define K3_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
+// (GCC 12's AVX-512 widening and extract intrinsics pass an undefined vector as their merge source, which
+// -W(maybe-)uninitialized reports once they are inlined.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+template <int MB, int NB, int BPG>
+K3_AVX512_TARGET static void affine8_tile_avx512(const AffineRows& w, const float* x, const float* gx, int m0, int n,
+                                                 float* out, int ldo) {
+  const int K = w.K, ng = K / w.group, bpg = BPG ? BPG : w.group / 32;
+  const size_t row_bytes = (size_t)K;
+  const uint8_t* rows = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  }
+  for (int j = 0; j < NB; ++j) prefetch_span(w.biases + (size_t)(n + j) * ng, (size_t)ng * sizeof(float));
+  for (int g = 0; g < ng; ++g) {
+    __m512 p[MB][NB][2];
+    for (int m = 0; m < MB; ++m) {
+      for (int j = 0; j < NB; ++j) p[m][j][0] = p[m][j][1] = _mm512_setzero_ps();
+    }
+#pragma GCC unroll 8
+    for (int bi = 0; bi < bpg; ++bi) {
+      const int b = g * bpg + bi;
+      __m512 v[NB][2];
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* src = rows + j * row_bytes + (size_t)b * 32;
+        if (starts_line(b, 32)) prefetch_ahead(src);
+        v[j][0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+        v[j][1] =
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+      }
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = x + (size_t)(m0 + m) * K + 32 * b;
+        const __m512 x0 = _mm512_loadu_ps(xm), x1 = _mm512_loadu_ps(xm + 16);
+        for (int j = 0; j < NB; ++j) {
+          p[m][j][0] = _mm512_fmadd_ps(v[j][0], x0, p[m][j][0]);
+          p[m][j][1] = _mm512_fmadd_ps(v[j][1], x1, p[m][j][1]);
+        }
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const __m512 s = _mm512_set1_ps(w.scales[(size_t)(n + j) * ng + g]);
+      for (int m = 0; m < MB; ++m) acc[m][j] = _mm512_fmadd_ps(_mm512_add_ps(p[m][j][0], p[m][j][1]), s, acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      const __m256 a8 = _mm256_add_ps(_mm512_extractf32x8_ps(acc[m][j], 0), _mm512_extractf32x8_ps(acc[m][j], 1));
+      out[(size_t)(m0 + m) * ldo + n + j] = hsum_plus_dot(a8, w.biases + (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
+    }
+  }
+}
+
+template <int MB, int BPG>
+K3_AVX512_TARGET static void affine8_rows_bpg_avx512(const AffineRows& w, const float* x, const float* gx, int m0,
+                                                     int n0, int n1, float* out, int ldo) {
+  int n = n0;
+  // One row at a time for one activation row (one stream per thread, as the AVX2 kernel: see affine_rows_bpg).
+  if constexpr (MB > 1) {
+    for (; n + 2 <= n1; n += 2) affine8_tile_avx512<MB, 2, BPG>(w, x, gx, m0, n, out, ldo);
+  }
+  for (; n < n1; ++n) affine8_tile_avx512<MB, 1, BPG>(w, x, gx, m0, n, out, ldo);
+}
+
+template <int MB>
+K3_AVX512_TARGET static void affine8_rows_mb_avx512(const AffineRows& w, const float* x, const float* xsums, int m0,
+                                                    int n0, int n1, float* out, int ldo) {
+  std::vector<float> gx;
+  affine_group_sums(w, xsums, m0, MB, gx);
+  switch (w.group) {
+    case 32: return affine8_rows_bpg_avx512<MB, 1>(w, x, gx.data(), m0, n0, n1, out, ldo);
+    case 64: return affine8_rows_bpg_avx512<MB, 2>(w, x, gx.data(), m0, n0, n1, out, ldo);
+    case 128: return affine8_rows_bpg_avx512<MB, 4>(w, x, gx.data(), m0, n0, n1, out, ldo);
+    default: return affine8_rows_bpg_avx512<MB, 0>(w, x, gx.data(), m0, n0, n1, out, ldo);
+  }
+}
+
+K3_AVX512_TARGET static void affine8_rows_avx512(const AffineRows& w, const float* x, const float* xsums, int rows,
+                                                 int n0, int n1, float* out, int ldo) {
+  for (int m0 = 0; m0 < rows; m0 += kMaxRows) {
+    switch (std::min(kMaxRows, rows - m0)) {
+      case 1: affine8_rows_mb_avx512<1>(w, x, xsums, m0, n0, n1, out, ldo); break;
+      case 2: affine8_rows_mb_avx512<2>(w, x, xsums, m0, n0, n1, out, ldo); break;
+      case 3: affine8_rows_mb_avx512<3>(w, x, xsums, m0, n0, n1, out, ldo); break;
+      default: affine8_rows_mb_avx512<4>(w, x, xsums, m0, n0, n1, out, ldo); break;
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
+
 template <int BITS>
 __attribute__((target("avx2,fma"))) static void affine_rows_avx2(const AffineRows& w, const float* xp,
                                                                  const float* xsums, int rows, int n0, int n1,
@@ -1540,7 +1673,9 @@ static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, i
       case 4: return affine_rows_avx2<4>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
       case 5: return affine_rows_avx2<5>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
       case 6: return affine_rows_avx2<6>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
-      default: return affine_rows_avx2<8>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+      default:
+        if (cpu_has_avx512()) return affine8_rows_avx512(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+        return affine_rows_avx2<8>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
     }
   }
 #elif defined(K3_NEON)

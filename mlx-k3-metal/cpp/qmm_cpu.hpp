@@ -29,6 +29,15 @@ bool cpu_has_avx2_fma();
 // The `simd` flag those kernels take is this value, read when an op is built.
 bool cpu_has_simd();
 
+// Whether the AVX-512 paths (F, BW, DQ, VL; the 8-bit affine kernel with f32 activations) run: the CPU has them,
+// the AVX2 paths are on (cpu_has_avx2_fma) and they are not turned off (set_avx512(0), or K3_AVX512=0 while
+// set_avx512 is -1, the default). Read by the kernels when they run; the results differ from the AVX2 paths' only
+// in the order of f32 additions.
+bool cpu_has_avx512();
+void set_avx512(int mode);
+// Throws std::invalid_argument when K3_AVX512 holds anything but 0 or 1 (called when an op is built).
+void check_avx512_env();
+
 // f32 dot product of n elements with AVX2+FMA (dense_sgemm.cpp; x86-64 builds only, call where
 // cpu_has_avx2_fma()).
 float dot_avx2(const float* a, const float* b, int n);

@@ -1,7 +1,8 @@
 //! The packed-weight kernels' SIMD paths against their scalar paths (`tests/kernel_check/simd_vs_scalar.cpp`:
 //! affine 2/3/4/5/6/8-bit with f32/f16/bf16 scales, mxfp4, the codebook; 1-6 activation rows; K with short
 //! tails), built from the kernel sources alone:
-//! - natively, with the build script's compiler (the AVX2 paths here; the model tests also cover them through MLX);
+//! - natively, with the build script's compiler: the AVX2 paths, and the AVX-512 ones where the CPU has them (the
+//!   model tests also cover them through MLX);
 //! - for AArch64 with Debian's cross compiler (`aarch64-linux-gnu-g++`), run under qemu user emulation
 //!   (`qemu-aarch64`, package qemu-user): the only way the NEON paths run on an x86-64 machine.
 //!
@@ -58,7 +59,7 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 #[test]
-fn avx2_paths_match_the_scalar_paths() {
+fn avx2_and_avx512_paths_match_the_scalar_paths() {
     let exe = scratch("native");
     let out = compile(env!("K3_KERNEL_CXX"), &["-march=native"], &exe);
     assert!(out.status.success(), "compile: {}", String::from_utf8_lossy(&out.stderr));
@@ -66,7 +67,20 @@ fn avx2_paths_match_the_scalar_paths() {
     if run.status.code() == Some(3) {
         eprintln!("SKIPPED: this x86-64 CPU has no AVX2/FMA/F16C, so the kernels have no SIMD path to check here");
     } else {
-        check("x86-64 (AVX2 vs scalar)", run);
+        // Where this CPU has AVX-512 the harness must have run every case a second time with those kernels.
+        let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+            && std::arch::is_x86_feature_detected!("avx512vl");
+        let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+        let tagged = stdout.lines().filter(|l| l.starts_with("ok   [avx512]")).count();
+        if avx512 {
+            assert!(tagged >= 100, "this CPU has AVX-512 but only {tagged} AVX-512 cases passed:\n{stdout}");
+        } else {
+            assert_eq!(tagged, 0, "AVX-512 cases ran on a CPU without AVX-512:\n{stdout}");
+            eprintln!("this CPU has no AVX-512: only the AVX2 paths were compared with the scalar ones");
+        }
+        check(if avx512 { "x86-64 (AVX2 and AVX-512 vs scalar)" } else { "x86-64 (AVX2 vs scalar)" }, run);
     }
     let _ = std::fs::remove_file(&exe);
 }

@@ -89,6 +89,55 @@ fn qmm_activation_mode_from_the_environment() {
     }
 }
 
+/// K3_AVX512: 0 keeps the CPU kernels to AVX2, 1 (the default) allows the AVX-512 ones where the CPU has them;
+/// both give the fixture's logits (the paths differ only in the order of f32 additions), `info` says which
+/// runs, and any other value is a one-line error naming the variable, from `info` and a forward pass alike.
+#[test]
+fn avx512_switch_from_the_environment() {
+    let dir = fixture("a_latent_norm_attnres_mixed_2_8"); // 8-bit routers: the AVX-512 kernel
+    let exp = Safetensors::load(dir.join("expected.safetensors")).unwrap();
+    let prompt = exp.get("prompt").unwrap().to_vec::<i32>().unwrap();
+    let tokens: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("logits.safetensors");
+    let run = |mode: &str, args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_mlx-k3")).env("K3_AVX512", mode).args(args).output().unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stdout).to_string(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    let logits_args =
+        ["logits", "--model", dir.to_str().unwrap(), "--tokens", &tokens.join(","), "--out", out.to_str().unwrap()];
+    #[cfg(target_arch = "x86_64")]
+    let has_avx512 = std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512dq")
+        && std::arch::is_x86_feature_detected!("avx512vl");
+    #[cfg(not(target_arch = "x86_64"))]
+    let has_avx512 = false;
+    let w = exp.get("prefill_logits").unwrap().to_vec::<f32>().unwrap();
+    let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    for (mode, on) in [("0", false), ("1", has_avx512)] {
+        let (ok, stdout, stderr) = run(mode, &["info"]);
+        let want = format!("AVX-512 kernels: {}", if on { "on" } else { "off" });
+        assert!(ok && stdout.contains(&want), "K3_AVX512={mode}: {stdout}\n{stderr}");
+        let (ok, stdout, stderr) = run(mode, &logits_args);
+        assert!(ok, "{stdout}\n{stderr}");
+        let g = Safetensors::load(&out).unwrap().get("logits").unwrap().to_vec::<f32>().unwrap();
+        let diff = g.iter().zip(&w).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        // (tests/model.rs's bound against mlx-lm's f32 logits; this fixture measures ~7e-6 with either path.)
+        assert!(diff <= 1e-4 * scale, "K3_AVX512={mode}: rel err {}", diff / scale);
+    }
+    for args in [&["info"][..], &logits_args[..]] {
+        let (ok, _, stderr) = run("yes", args);
+        assert!(!ok, "{args:?} with K3_AVX512=yes should fail");
+        assert!(stderr.starts_with("mlx-k3: error:") && stderr.contains("K3_AVX512 must be 0 or 1"), "{stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    }
+}
+
 #[test]
 fn inspect_summarizes_a_quantized_checkpoint() {
     let (ok, stdout, stderr) = mlx_k3(&["inspect", fixture("a_latent_norm_attnres_mixed_2_8").to_str().unwrap()]);

@@ -9,6 +9,8 @@
 // partial scale); the check allows 2 * K * eps * Wmax * sum_k |x_k|, where Wmax bounds |w| from the generation
 // parameters. A decoding mistake (a code in the wrong place, a wrong scale) moves the result by a sizeable
 // fraction of Wmax * sum|x| (about 1 / sqrt(K) of it, or more), far above that.
+// On x86-64 every case runs with the AVX2 kernels and, where the CPU has AVX-512, again with the AVX-512 ones
+// (lines tagged [avx2] / [avx512]).
 // Exit status 0 when every case passes, 3 when the CPU has no SIMD path (x86-64 without AVX2); one line per case.
 #include <cmath>
 #include <cstdint>
@@ -25,6 +27,7 @@ namespace kk = k3::kernels;
 namespace {
 
 int failures = 0;
+std::string prefix;  // the path under test, before each case name
 
 struct Rng {
   std::mt19937 g;
@@ -74,7 +77,7 @@ void compare(const std::string& name, int rows, int N, int K, const std::vector<
       if (tol > 0) worst = std::max(worst, err / tol);
     }
   }
-  std::printf("%s %s (worst error / tolerance %.3g)\n", ok ? "ok  " : "FAIL", name.c_str(), worst);
+  std::printf("%s %s%s (worst error / tolerance %.3g)\n", ok ? "ok  " : "FAIL", prefix.c_str(), name.c_str(), worst);
   if (!ok) ++failures;
 }
 
@@ -164,24 +167,9 @@ void codebook_case(Rng& r, int rows, int N, int K) {
           });
 }
 
-}  // namespace
-
-int main() {
-  if (!kk::cpu_has_simd()) {
-    std::printf("this CPU has no SIMD path for the packed-weight kernels: nothing to compare\n");
-    return 3;
-  }
-  kk::set_force_scalar(true);
-  if (kk::cpu_has_simd()) {
-    std::printf("FAIL set_force_scalar(true) left cpu_has_simd() on\n");
-    return 1;
-  }
-  kk::set_force_scalar(false);
-#if defined(__aarch64__)
-  std::printf("paths: NEON vs scalar (AArch64)\n");
-#else
-  std::printf("paths: AVX2 vs scalar (x86-64)\n");
-#endif
+// Every case once, names prefixed with `tag` (the path under test).
+void run_all(const std::string& tag) {
+  prefix = tag;
   Rng r(20261201);
   // K: a multiple of 256, one with a short last super-block and a 128-chunk tail (416 = 256 + 160), and 96.
   for (int bits : {2, 3, 4, 5, 6, 8}) {
@@ -202,6 +190,41 @@ int main() {
       codebook_case(r, rows, 11, K);
     }
   }
+}
+
+}  // namespace
+
+int main() {
+  if (!kk::cpu_has_simd()) {
+    std::printf("this CPU has no SIMD path for the packed-weight kernels: nothing to compare\n");
+    return 3;
+  }
+  kk::set_force_scalar(true);
+  if (kk::cpu_has_simd()) {
+    std::printf("FAIL set_force_scalar(true) left cpu_has_simd() on\n");
+    return 1;
+  }
+  kk::set_force_scalar(false);
+#if defined(__aarch64__)
+  std::printf("paths: NEON vs scalar (AArch64)\n");
+  run_all("");
+#else
+  // Where the CPU has AVX-512, every case runs twice: AVX2 only, then with the AVX-512 kernels.
+  kk::set_avx512(0);
+  if (kk::cpu_has_avx512()) {
+    std::printf("FAIL set_avx512(0) left cpu_has_avx512() on\n");
+    return 1;
+  }
+  std::printf("paths: AVX2 vs scalar (x86-64)\n");
+  run_all("[avx2] ");
+  kk::set_avx512(1);
+  if (kk::cpu_has_avx512()) {
+    std::printf("paths: AVX-512 vs scalar (x86-64)\n");
+    run_all("[avx512] ");
+  } else {
+    std::printf("no AVX-512 on this CPU: its kernels were not run\n");
+  }
+#endif
   std::printf("%s: %d failing case(s)\n", failures ? "FAILED" : "passed", failures);
   return failures ? 1 : 0;
 }

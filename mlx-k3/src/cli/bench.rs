@@ -187,14 +187,15 @@ fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
              \"time_to_first_token_s\": {:.6}, \"prefill_tok_s\": {:.4}, \"decode_tok_s\": {:.4}, \
              \"token_interval_median_ms\": {median_ms:.4}, \"token_interval_p10_ms\": {p10_ms:.4}, \
              \"peak_memory_bytes\": {}, \"weight_bytes_per_token\": {weights}, \"state_bytes_per_token\": \
-             {state_bytes}, \"bytes_read_per_token\": {total}, \"kernel_threads\": {}}}",
+             {state_bytes}, \"bytes_read_per_token\": {total}, \"kernel_threads\": {}, \"avx512_kernels\": {}}}",
             stats.prompt_tokens,
             stats.generated_tokens,
             stats.time_to_first_token,
             stats.prompt_tps,
             stats.generation_tps,
             stats.peak_memory,
-            kernels::num_threads()
+            kernels::num_threads(),
+            kernels::avx512()?
         );
     } else {
         println!("model: {} (loaded in {load_s:.1} s)", dir.display());
@@ -203,6 +204,11 @@ fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
         println!("prefill: {:.2} tok/s", stats.prompt_tps);
         println!("decode: {:.2} tok/s", stats.generation_tps);
         println!("per-token interval: median {median_ms:.2} ms, fastest tenth {p10_ms:.2} ms");
+        println!(
+            "CPU kernel threads: {}; AVX-512 kernels: {}",
+            kernels::num_threads(),
+            if kernels::avx512()? { "on" } else { "off" }
+        );
         println!("peak memory: {:.2} GB", stats.peak_memory as f64 / 1e9);
         println!(
             "bytes read per decoded token: {:.1} MB ({:.1} MB weights, {:.1} MB recurrent state and KV cache)",

@@ -22,5 +22,7 @@ pub(super) fn run() -> Result<()> {
         kernels::QmmActivations::Q8 => "q8 (int8 per 256, K3_QMM_ACT)",
     };
     println!("quantized-kernel activations: {act}");
+    // (The 8-bit affine kernel with f32 activations; K3_AVX512=0 keeps to AVX2.)
+    println!("AVX-512 kernels: {}", if kernels::avx512()? { "on" } else { "off" });
     Ok(())
 }

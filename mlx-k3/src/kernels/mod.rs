@@ -71,6 +71,24 @@ pub fn force_scalar(on: bool) {
     unsafe { mlx_k3_metal::k3_kernels_force_scalar(on) };
 }
 
+/// Whether the AVX-512 kernels run where the CPU has them: `Some(false)` keeps to the AVX2 ones, `Some(true)`
+/// allows them, `None` returns to the environment's choice (`K3_AVX512=0|1`, unset = 1). Read when a kernel
+/// runs; results differ only in the order of f32 additions. (A no-op off x86-64.)
+pub fn set_avx512(mode: Option<bool>) {
+    // SAFETY: plain call.
+    unsafe { mlx_k3_metal::k3_kernels_set_avx512(mode.map_or(-1, i32::from)) };
+}
+
+/// Whether the AVX-512 kernels run now (the CPU has AVX-512 F/BW/DQ/VL, the SIMD paths are on and neither
+/// `set_avx512(Some(false))` nor `K3_AVX512=0` turned them off); an error names `K3_AVX512` when it holds
+/// something other than `0` or `1`.
+pub fn avx512() -> crate::Result<bool> {
+    let mut on = 0;
+    // SAFETY: writes one int.
+    crate::error::check("avx512", unsafe { mlx_k3_metal::k3_kernels_avx512(&mut on) })?;
+    Ok(on == 1)
+}
+
 /// `x @ Wᵀ` for an MLX-quantized weight through the project's CPU kernels where they apply (affine 2-8-bit,
 /// mxfp4, on AVX2+FMA or NEON), else MLX's own `quantized_matmul`; same layouts either way.
 pub fn quantized_matmul(
