@@ -11,7 +11,12 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn mlx_k3(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_mlx-k3")).args(args).output().unwrap();
+    mlx_k3_env(&[], args)
+}
+
+/// `mlx-k3 args...` with the environment variables `vars` set.
+fn mlx_k3_env(vars: &[(&str, &str)], args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_mlx-k3")).envs(vars.iter().copied()).args(args).output().unwrap();
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
 }
 
@@ -56,14 +61,7 @@ fn qmm_activation_mode_from_the_environment() {
     let tokens: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("logits.safetensors");
-    let run = |mode: &str, args: &[&str]| {
-        let o = Command::new(env!("CARGO_BIN_EXE_mlx-k3")).env("K3_QMM_ACT", mode).args(args).output().unwrap();
-        (
-            o.status.success(),
-            String::from_utf8_lossy(&o.stdout).to_string(),
-            String::from_utf8_lossy(&o.stderr).to_string(),
-        )
-    };
+    let run = |mode: &str, args: &[&str]| mlx_k3_env(&[("K3_QMM_ACT", mode)], args);
     let logits_args =
         ["logits", "--model", dir.to_str().unwrap(), "--tokens", &tokens.join(","), "--out", out.to_str().unwrap()];
     let (ok, stdout, stderr) = run("q8", &logits_args);
@@ -100,14 +98,7 @@ fn avx512_switch_from_the_environment() {
     let tokens: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("logits.safetensors");
-    let run = |mode: &str, args: &[&str]| {
-        let o = Command::new(env!("CARGO_BIN_EXE_mlx-k3")).env("K3_AVX512", mode).args(args).output().unwrap();
-        (
-            o.status.success(),
-            String::from_utf8_lossy(&o.stdout).to_string(),
-            String::from_utf8_lossy(&o.stderr).to_string(),
-        )
-    };
+    let run = |mode: &str, args: &[&str]| mlx_k3_env(&[("K3_AVX512", mode)], args);
     let logits_args =
         ["logits", "--model", dir.to_str().unwrap(), "--tokens", &tokens.join(","), "--out", out.to_str().unwrap()];
     #[cfg(target_arch = "x86_64")]
