@@ -4,7 +4,8 @@
 // row a format-specific `dot` decodes the row once per 32-weight block and multiplies it into up to
 // `kMaxRows` activation rows at a time (decode cost amortized over the rows; the activation rows of a tile
 // stay in L1/L2 while weight rows stream). Each format has a scalar path and an AVX2+FMA path chosen at run
-// time (`cpu_has_avx2_fma`), so one binary runs on any x86-64 and uses AVX2 where present. On AArch64 the
+// time (`cpu_has_avx2_fma`), so one binary runs on any x86-64 and uses AVX2 where present (and, for 8-bit affine
+// rows with f32 activations, AVX-512 where present: cpu_has_avx512). On AArch64 the
 // f32-activation kernels have NEON paths (always present there). The codebook has a scalar path for other
 // CPUs (the compiler auto-vectorizes it). MLX's own formats (affine, mxfp4) have scalar paths too, but plain
 // affine/mxfp4 ops use MLX's kernels where there is no SIMD path (`cpu_has_simd`); only tiered expert stacks
