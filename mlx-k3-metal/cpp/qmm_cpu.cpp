@@ -1053,43 +1053,6 @@ __attribute__((target("avx2,fma"))) static void affine2_rows_mb(const AffineRows
   for (; n < n1; ++n) affine2_tile_avx2<MB, 1, GK>(w, xp, gx, m0, n, out, ldo);
 }
 
-template <int BITS, int MB, int BPG>
-__attribute__((target("avx2,fma"))) static void affine_rows_bpg(const AffineRows& w, const float* xp, const float* gx,
-                                                                int m0, int n0, int n1, float* out, int ldo) {
-  int n = n0;
-  // 8-bit rows for one activation row stream from memory faster one at a time: a thread reading two adjacent
-  // rows at once (two streams) reached 59-74% of a plain read's bandwidth in a two-thread harness over the
-  // mid-size model's 8-bit matrices, one row at a time 78-89% (same-run pairs); in cache the two are equal.
-  if constexpr (!(BITS == 8 && MB == 1)) {
-    for (; n + 2 <= n1; n += 2) affine_tile_avx2<BITS, MB, 2, BPG>(w, xp, gx, m0, n, out, ldo);
-  }
-  for (; n < n1; ++n) affine_tile_avx2<BITS, MB, 1, BPG>(w, xp, gx, m0, n, out, ldo);
-}
-
-template <int BITS, int MB>
-__attribute__((target("avx2,fma"))) static void affine_rows_mb(const AffineRows& w, const float* xp,
-                                                               const float* xsums, int m0, int n0, int n1, float* out,
-                                                               int ldo) {
-  std::vector<float> gx;
-  affine_group_sums(w, xsums, m0, MB, gx);
-  if constexpr (BITS == 2) {
-    switch (w.group) {
-      case 32: return affine2_rows_mb<MB, 1>(w, xp, gx.data(), m0, n0, n1, out, ldo);
-      case 64: return affine2_rows_mb<MB, 2>(w, xp, gx.data(), m0, n0, n1, out, ldo);
-      default:
-        if (w.group % 128 == 0) return affine2_rows_mb<MB, 4>(w, xp, gx.data(), m0, n0, n1, out, ldo);
-        return affine2_rows_mb<MB, 0>(w, xp, gx.data(), m0, n0, n1, out, ldo);
-    }
-  } else {
-    switch (w.group) {
-      case 32: return affine_rows_bpg<BITS, MB, 1>(w, xp, gx.data(), m0, n0, n1, out, ldo);
-      case 64: return affine_rows_bpg<BITS, MB, 2>(w, xp, gx.data(), m0, n0, n1, out, ldo);
-      case 128: return affine_rows_bpg<BITS, MB, 4>(w, xp, gx.data(), m0, n0, n1, out, ldo);
-      default: return affine_rows_bpg<BITS, MB, 0>(w, xp, gx.data(), m0, n0, n1, out, ldo);
-    }
-  }
-}
-
 // 8-bit rows with f32 activations, AVX-512 (natural order, as the AVX2 kernel): each 32-block is two 16-code
 // loads widened and converted in one zmm each (half the AVX2 kernel's instructions per weight). Two product
 // chains per group, then the group's scale; biases as in affine_tile_avx2. On the 2-core Zen 5 VM of the README
@@ -1162,32 +1125,48 @@ K3_AVX512_TARGET static void affine8_rows_bpg_avx512(const AffineRows& w, const 
   for (; n < n1; ++n) affine8_tile_avx512<MB, 1, BPG>(w, x, gx, m0, n, out, ldo);
 }
 
-template <int MB>
-K3_AVX512_TARGET static void affine8_rows_mb_avx512(const AffineRows& w, const float* x, const float* xsums, int m0,
-                                                    int n0, int n1, float* out, int ldo) {
-  std::vector<float> gx;
-  affine_group_sums(w, xsums, m0, MB, gx);
-  switch (w.group) {
-    case 32: return affine8_rows_bpg_avx512<MB, 1>(w, x, gx.data(), m0, n0, n1, out, ldo);
-    case 64: return affine8_rows_bpg_avx512<MB, 2>(w, x, gx.data(), m0, n0, n1, out, ldo);
-    case 128: return affine8_rows_bpg_avx512<MB, 4>(w, x, gx.data(), m0, n0, n1, out, ldo);
-    default: return affine8_rows_bpg_avx512<MB, 0>(w, x, gx.data(), m0, n0, n1, out, ldo);
+#pragma GCC diagnostic pop
+
+template <int BITS, int MB, int BPG>
+__attribute__((target("avx2,fma"))) static void affine_rows_bpg(const AffineRows& w, const float* xp, const float* gx,
+                                                                int m0, int n0, int n1, float* out, int ldo) {
+  if constexpr (BITS == 8) {
+    if (cpu_has_avx512()) return affine8_rows_bpg_avx512<MB, BPG>(w, xp, gx, m0, n0, n1, out, ldo);
   }
+  int n = n0;
+  // 8-bit rows for one activation row stream from memory faster one at a time: a thread reading two adjacent
+  // rows at once (two streams) reached 59-74% of a plain read's bandwidth in a two-thread harness over the
+  // mid-size model's 8-bit matrices, one row at a time 78-89% (same-run pairs); in cache the two are equal.
+  if constexpr (!(BITS == 8 && MB == 1)) {
+    for (; n + 2 <= n1; n += 2) affine_tile_avx2<BITS, MB, 2, BPG>(w, xp, gx, m0, n, out, ldo);
+  }
+  for (; n < n1; ++n) affine_tile_avx2<BITS, MB, 1, BPG>(w, xp, gx, m0, n, out, ldo);
 }
 
-K3_AVX512_TARGET static void affine8_rows_avx512(const AffineRows& w, const float* x, const float* xsums, int rows,
-                                                 int n0, int n1, float* out, int ldo) {
-  for (int m0 = 0; m0 < rows; m0 += kMaxRows) {
-    switch (std::min(kMaxRows, rows - m0)) {
-      case 1: affine8_rows_mb_avx512<1>(w, x, xsums, m0, n0, n1, out, ldo); break;
-      case 2: affine8_rows_mb_avx512<2>(w, x, xsums, m0, n0, n1, out, ldo); break;
-      case 3: affine8_rows_mb_avx512<3>(w, x, xsums, m0, n0, n1, out, ldo); break;
-      default: affine8_rows_mb_avx512<4>(w, x, xsums, m0, n0, n1, out, ldo); break;
+template <int BITS, int MB>
+__attribute__((target("avx2,fma"))) static void affine_rows_mb(const AffineRows& w, const float* xp,
+                                                               const float* xsums, int m0, int n0, int n1, float* out,
+                                                               int ldo) {
+  std::vector<float> gx;
+  affine_group_sums(w, xsums, m0, MB, gx);
+  if constexpr (BITS == 2) {
+    switch (w.group) {
+      case 32: return affine2_rows_mb<MB, 1>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+      case 64: return affine2_rows_mb<MB, 2>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+      default:
+        if (w.group % 128 == 0) return affine2_rows_mb<MB, 4>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+        return affine2_rows_mb<MB, 0>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+    }
+  } else {
+    switch (w.group) {
+      case 32: return affine_rows_bpg<BITS, MB, 1>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+      case 64: return affine_rows_bpg<BITS, MB, 2>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+      case 128: return affine_rows_bpg<BITS, MB, 4>(w, xp, gx.data(), m0, n0, n1, out, ldo);
+      default: return affine_rows_bpg<BITS, MB, 0>(w, xp, gx.data(), m0, n0, n1, out, ldo);
     }
   }
 }
 
-#pragma GCC diagnostic pop
 
 template <int BITS>
 __attribute__((target("avx2,fma"))) static void affine_rows_avx2(const AffineRows& w, const float* xp,
@@ -1673,9 +1652,7 @@ static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, i
       case 4: return affine_rows_avx2<4>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
       case 5: return affine_rows_avx2<5>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
       case 6: return affine_rows_avx2<6>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
-      default:
-        if (cpu_has_avx512()) return affine8_rows_avx512(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
-        return affine_rows_avx2<8>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+      default: return affine_rows_avx2<8>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);  // (AVX-512 where present)
     }
   }
 #elif defined(K3_NEON)
