@@ -225,6 +225,21 @@ void kda_head(const Io<T>& io, const KdaParams& p, int bi, int h, float* scratch
   for (int i = 0; i < d; ++i) o[i] = static_cast<T>(y[i] * r * io.norm_w[i] * vmath::sigmoid(ld(g, i)));
 }
 
+// A multi-output primitive's CPU evaluation: allocates `outputs`, registers the arrays with the stream's CPU
+// encoder and dispatches run(in, out) on weak copies of them (the encoder keeps them alive until it has run).
+template <class Run>
+void dispatch_cpu(const mx::Stream& s, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                  Run run) {
+  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(s);
+  for (auto& in : inputs) enc.set_input_array(in);
+  for (auto& o : outputs) enc.set_output_array(o);
+  std::vector<mx::array> in, out;
+  for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+  for (auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
+  enc.dispatch([in = std::move(in), out = std::move(out), run = std::move(run)]() mutable { run(in, out); });
+}
+
 class KdaStep : public mx::Primitive {
  public:
   KdaStep(mx::Stream s, KdaParams p) : mx::Primitive(s), p_(p) {}
@@ -232,16 +247,7 @@ class KdaStep : public mx::Primitive {
   // Inputs: qkv, a, b, gate, conv_w (f32), a_log (f32), dt_bias (f32), norm_w (f32), [conv_state], [ssm];
   // any strides.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& in : inputs) enc.set_input_array(in);
-    for (auto& o : outputs) enc.set_output_array(o);
-    std::vector<mx::array> in;
-    for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-    std::vector<mx::array> out;
-    for (auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
-    auto p = p_;
-    enc.dispatch([in = std::move(in), out = std::move(out), p]() mutable {
+    dispatch_cpu(stream(), inputs, outputs, [p = p_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
       switch (out[0].dtype().val()) {
         case mx::Dtype::Val::float32: return run<float>(in, out, p);
         case mx::Dtype::Val::float16: return run<mx::float16_t>(in, out, p);
@@ -282,11 +288,7 @@ class KdaStep : public mx::Primitive {
     io.new_conv = out[1].data<T>();
     io.new_ssm = out[2].data<float>();
     const int tasks = B * p.heads;
-#ifdef K3_X86
-    const bool simd = cpu_has_avx2_fma();
-#else
-    const bool simd = false;
-#endif
+    const bool simd = cpu_has_avx2_fma();  // (false off x86-64)
     auto one = [&](size_t t) {
       thread_local std::vector<float> scratch;
       scratch.resize(5 * (size_t)p.head_dim);
@@ -309,17 +311,10 @@ class GatedDeltaScan : public mx::Primitive {
   GatedDeltaScan(mx::Stream s, bool has_state) : mx::Primitive(s), has_state_(has_state) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& in : inputs) enc.set_input_array(in);
-    for (auto& o : outputs) enc.set_output_array(o);
-    std::vector<mx::array> in;
-    for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-    std::vector<mx::array> out;
-    for (auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
-    enc.dispatch([in = std::move(in), out = std::move(out), has_state = has_state_]() mutable {
-      run(in, out, has_state);
-    });
+    dispatch_cpu(stream(), inputs, outputs,
+                 [has_state = has_state_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
+                   run(in, out, has_state);
+                 });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -341,11 +336,7 @@ class GatedDeltaScan : public mx::Primitive {
     const float* s0 = has_state ? ptr(5) : nullptr;
     float* y = out[0].data<float>();
     float* s_out = out[1].data<float>();
-#ifdef K3_X86
-    const bool simd = cpu_has_avx2_fma();
-#else
-    const bool simd = false;
-#endif
+    const bool simd = cpu_has_avx2_fma();  // (false off x86-64)
     parallel_for((size_t)B * H, [&](size_t task) {
       const int bi = (int)task / H, h = (int)task % H;
       float* S = s_out + task * d * d;  // the state lives in its output slot from the first token on

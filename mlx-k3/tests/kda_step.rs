@@ -13,7 +13,7 @@ use common::{max_abs, max_abs_diff};
 use mlx_k3::kernels::{
     force_scalar, gated_delta_scan, kda_step, kda_step_reference, kda_step_supported, KdaStepInputs, KdaWeights,
 };
-use mlx_k3::model::kda::gated_delta_step;
+use mlx_k3::model::kda::gated_delta_steps;
 use mlx_k3::{random, with_device, Array, Device, Dtype};
 
 fn randn(shape: &[i32], scale: f32, seed: u64) -> Array {
@@ -151,21 +151,6 @@ fn kda_step_rejects_bad_shapes() {
     .unwrap();
 }
 
-/// The per-step ops over T tokens (the model's path off the CPU, and mlx-lm's ops reference).
-fn scan_reference(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, state: &Array) -> (Array, Array) {
-    let t = q.shape()[1];
-    let mut state = state.clone();
-    let mut ys = Vec::new();
-    for step in 0..t {
-        let at = |a: &Array| a.slice_axis(1, step, step + 1).unwrap().squeeze(&[1]).unwrap();
-        let (y, s) = gated_delta_step(&at(q), &at(k), &at(v), &at(g), &at(beta), &state).unwrap();
-        ys.push(y);
-        state = s;
-    }
-    let refs: Vec<&Array> = ys.iter().collect();
-    (mlx_k3::ops::stack(&refs, 1).unwrap(), state)
-}
-
 /// The prefill primitive against the per-step ops: batch 1 and 2, d = 16 / 32 / 128 (AVX2 rows need d % 16
 /// == 0; 24 runs the scalar loop), with and without an initial state, f32 and bf16 q/k/v, q/k/v as strided
 /// views of one merged tensor (as the model passes them). Same tolerance as the step (f32 sums over d in
@@ -195,7 +180,9 @@ fn gated_delta_scan_matches_the_per_step_ops() {
             let beta = randn(&[b, t, h], 1.0, seed + 2).sigmoid().unwrap().astype(dt).unwrap();
             let s0 = randn(&[b, h, d, d], 0.5, seed + 3);
             let zeros = mlx_k3::ops::zeros(&[b, h, d, d], Dtype::F32).unwrap();
-            let (ry, rs) = scan_reference(&q, &k, &v, &g, &beta, if with_state { &s0 } else { &zeros });
+            // The per-step ops over T tokens (the model's path off the CPU, and mlx-lm's ops reference).
+            let (ry, rs) =
+                gated_delta_steps(&q, &k, &v, &g, &beta, if with_state { s0.clone() } else { zeros }).unwrap();
             let (y, s) = gated_delta_scan(&q, &k, &v, &g, &beta, with_state.then_some(&s0)).unwrap();
             assert_eq!(y.shape(), vec![b, t, h, d]);
             assert_eq!(y.dtype(), dt);

@@ -61,7 +61,7 @@ pub fn kda_step_supported() -> bool {
 pub fn kda_step(x: KdaStepInputs<'_>, w: KdaWeights<'_>) -> Result<(Array, Array, Array)> {
     let st = s();
     // SAFETY: live handles (or null) in; the op writes 3 outputs.
-    let mut out = multi_output("kda_step", 3, |res, cap, n| unsafe {
+    let out = multi_output("kda_step", 3, |res, cap, n| unsafe {
         mlx_k3_metal::k3_kda_step(
             res,
             cap,
@@ -84,10 +84,8 @@ pub fn kda_step(x: KdaStepInputs<'_>, w: KdaWeights<'_>) -> Result<(Array, Array
             st,
         )
     })?;
-    let missing = || Error::invalid("kda_step", "fewer outputs than expected");
-    let ssm = out.pop().ok_or_else(missing)?;
-    let conv = out.pop().ok_or_else(missing)?;
-    let y = out.pop().ok_or_else(missing)?;
+    let [y, conv, ssm]: [Array; 3] =
+        out.try_into().map_err(|_| Error::invalid("kda_step", "fewer outputs than expected"))?;
     Ok((y, conv, ssm))
 }
 
@@ -153,7 +151,7 @@ pub fn gated_delta_scan(
 ) -> Result<(Array, Array)> {
     let st = s();
     // SAFETY: live handles (or null) in; the op writes 2 outputs.
-    let mut out = multi_output("gated_delta_scan", 2, |res, cap, n| unsafe {
+    let out = multi_output("gated_delta_scan", 2, |res, cap, n| unsafe {
         mlx_k3_metal::k3_gated_delta_scan(
             res,
             cap,
@@ -167,8 +165,7 @@ pub fn gated_delta_scan(
             st,
         )
     })?;
-    let missing = || Error::invalid("gated_delta_scan", "fewer outputs than expected");
-    let state = out.pop().ok_or_else(missing)?;
-    let y = out.pop().ok_or_else(missing)?;
+    let [y, state]: [Array; 2] =
+        out.try_into().map_err(|_| Error::invalid("gated_delta_scan", "fewer outputs than expected"))?;
     Ok((y, state))
 }

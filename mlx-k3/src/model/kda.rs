@@ -175,20 +175,11 @@ impl Kda {
             // All T tokens in one primitive (tests/kda_step.rs checks it against the per-step ops below).
             crate::kernels::gated_delta_scan(&q, &k, &v, &g, &beta, ssm_state.as_ref())?
         } else {
-            let mut state = match ssm_state {
+            let state = match ssm_state {
                 Some(s) => s,
                 None => zeros(&[b, h, d, d], Dtype::F32)?,
             };
-            let mut ys = Vec::with_capacity(t as usize);
-            for step in 0..t {
-                let at = |arr: &Array| arr.slice_axis(1, step, step + 1).and_then(|s| s.squeeze(&[1]));
-                let (qt, kt, vt, gt, bt) = (at(&q)?, at(&k)?, at(&v)?, at(&g)?, at(&beta)?);
-                let (y, s) = gated_delta_step(&qt, &kt, &vt, &gt, &bt, &state)?;
-                ys.push(y);
-                state = s;
-            }
-            let refs: Vec<&Array> = ys.iter().collect();
-            (stack(&refs, 1)?, state)
+            gated_delta_steps(&q, &k, &v, &g, &beta, state)?
         };
 
         if let Some(c) = cache {
@@ -229,6 +220,29 @@ impl Kda {
             Some(lb) => a_log.exp()?.multiply(&a.astype(Dtype::F32)?.add(&dt_bias)?)?.sigmoid()?.multiply(lb)?.exp(),
         }
     }
+}
+
+/// The gated delta rule over T tokens, one [`gated_delta_step`] each: q, k, g `[B, T, H, d_k]`, v
+/// `[B, T, H, d_v]`, beta `[B, T, H]`, state `[B, H, d_v, d_k]` -> (y `[B, T, H, d_v]`, final state). The
+/// model's prefill off the CPU, and the reference `kernels::gated_delta_scan` is tested against.
+pub fn gated_delta_steps(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    mut state: Array,
+) -> Result<(Array, Array)> {
+    let t = q.shape()[1];
+    let mut ys = Vec::with_capacity(t as usize);
+    for step in 0..t {
+        let at = |arr: &Array| arr.slice_axis(1, step, step + 1).and_then(|s| s.squeeze(&[1]));
+        let (y, s) = gated_delta_step(&at(q)?, &at(k)?, &at(v)?, &at(g)?, &at(beta)?, &state)?;
+        ys.push(y);
+        state = s;
+    }
+    let refs: Vec<&Array> = ys.iter().collect();
+    Ok((stack(&refs, 1)?, state))
 }
 
 /// One step of the gated delta rule (mlx-lm `_gated_delta_step_ops`): q, k `[B, H, d_k]`, v `[B, H, d_v]`,
