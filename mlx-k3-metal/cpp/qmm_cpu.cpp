@@ -40,12 +40,16 @@ void set_avx512(int mode) {
   avx512_mode.store(mode < 0 ? -1 : mode > 0 ? 1 : 0);
 }
 
-// K3_AVX512: unset, empty or 1 = use the AVX-512 paths where the CPU has them; 0 = AVX2 only.
+// K3_AVX512: unset, empty or 1 = use the AVX-512 paths where the CPU has them; 0 = AVX2 only; -1 = invalid.
+// Read once (every op build checks it).
 static int avx512_env() {
-  const char* env = std::getenv("K3_AVX512");
-  if (!env || !*env || std::strcmp(env, "1") == 0) return 1;
-  if (std::strcmp(env, "0") == 0) return 0;
-  return -1;
+  static const int v = [] {
+    const char* env = std::getenv("K3_AVX512");
+    if (!env || !*env || std::strcmp(env, "1") == 0) return 1;
+    if (std::strcmp(env, "0") == 0) return 0;
+    return -1;
+  }();
+  return v;
 }
 
 void check_avx512_env() {
@@ -61,8 +65,7 @@ bool cpu_has_avx512() {
   if (!yes || !cpu_has_avx2_fma()) return false;
   const int mode = avx512_mode.load(std::memory_order_relaxed);
   if (mode >= 0) return mode == 1;
-  static const int env = avx512_env();  // (an invalid value fails each op's construction: check_avx512_env)
-  return env == 1;
+  return avx512_env() == 1;  // (an invalid value fails each op's construction: check_avx512_env)
 #else
   return false;
 #endif
