@@ -40,7 +40,7 @@ fn check(what: &str, out: Output) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{what} failed ({}):\n{stdout}\n{stderr}", out.status);
     let cases = stdout.lines().filter(|l| l.starts_with("ok")).count();
-    // 114 cases: a harness that ran none (or stopped early) must not pass.
+    // 114 cases per path (156 on x86-64, with the q8 ones): a harness that ran none (or stopped early) must not pass.
     assert!(cases >= 100, "{what}: only {cases} cases ran:\n{stdout}");
     println!("{what}: {}", stdout.lines().last().unwrap_or(""));
 }

@@ -4,6 +4,8 @@
 //
 // Each case draws random weights and activations, runs the kernel with cpu_has_simd()'s path and with the
 // scalar path (which the model tests compare with MLX's ops), over two row ranges (n0 > 0 checks the offsets).
+// On x86-64 the formats with integer kernels run again with q8 activations (cases tagged ", q8"): both paths
+// then work on the same rounded activations, and their integer dots are exact, so the same bound applies.
 // Tolerance: both are f32 sums of the same K products in different orders, so each differs from the exact dot
 // by at most ~K * eps * sum_k |w_k x_k| (the classic bound for recursive summation, with one more rounding per
 // partial scale); the check allows 2 * K * eps * Wmax * sum_k |x_k|, where Wmax bounds |w| from the generation
@@ -88,7 +90,7 @@ std::vector<float> activations(Rng& r, int rows, int K) {
   return x;
 }
 
-void affine_case(Rng& r, int bits, int group, int rows, int N, int K, int scale_dtype) {
+void affine_case(Rng& r, int bits, int group, int rows, int N, int K, int scale_dtype, bool q8 = false) {
   const int ng = K / group;
   std::vector<uint32_t> wq((size_t)N * K * bits / 32);
   for (auto& v : wq) v = r.u32();
@@ -120,14 +122,14 @@ void affine_case(Rng& r, int bits, int group, int rows, int N, int K, int scale_
   static const char* dt[] = {"f32", "f16", "bf16"};
   const std::string name = "affine " + std::to_string(bits) + "-bit group " + std::to_string(group) + " " +
                            dt[scale_dtype] + " scales, " + std::to_string(rows) + " x " + std::to_string(K) +
-                           " @ " + std::to_string(N);
+                           " @ " + std::to_string(N) + (q8 ? ", q8" : "");
   compare(name, rows, N, K, x, wmax, [&](bool simd, int n0, int n1, float* out) {
-    kk::PreparedActivations p(x.data(), rows, K, 'a', bits, simd, false);
+    kk::PreparedActivations p(x.data(), rows, K, 'a', bits, simd, q8);
     kk::affine_rows(w, p.a, n0, n1, out, N, simd);
   });
 }
 
-void mxfp4_case(Rng& r, int rows, int N, int K) {
+void mxfp4_case(Rng& r, int rows, int N, int K, bool q8 = false) {
   std::vector<uint32_t> wq((size_t)N * K / 8);
   for (auto& v : wq) v = r.u32();
   std::vector<uint8_t> e((size_t)N * K / 32);
@@ -139,14 +141,14 @@ void mxfp4_case(Rng& r, int rows, int N, int K) {
   const float wmax = 6.0f * std::ldexp(1.0f, emax - 127);
   kk::Mxfp4Rows w{wq.data(), e.data(), K};
   auto x = activations(r, rows, K);
-  compare("mxfp4 " + std::to_string(rows) + " x " + std::to_string(K) + " @ " + std::to_string(N), rows, N, K, x, wmax,
-          [&](bool simd, int n0, int n1, float* out) {
-            kk::PreparedActivations p(x.data(), rows, K, 'm', 4, simd, false);
+  compare("mxfp4 " + std::to_string(rows) + " x " + std::to_string(K) + " @ " + std::to_string(N) + (q8 ? ", q8" : ""),
+          rows, N, K, x, wmax, [&](bool simd, int n0, int n1, float* out) {
+            kk::PreparedActivations p(x.data(), rows, K, 'm', 4, simd, q8);
             kk::mxfp4_rows(w, p.a, n0, n1, out, N, simd);
           });
 }
 
-void codebook_case(Rng& r, int rows, int N, int K) {
+void codebook_case(Rng& r, int rows, int N, int K, bool q8 = false) {
   const int nb = K / 32, nsb = kk::codebook_super_blocks(K);
   std::vector<uint8_t> codes((size_t)N * K / 8);
   std::vector<uint16_t> qh((size_t)N * nb), d((size_t)N * nsb);
@@ -160,9 +162,9 @@ void codebook_case(Rng& r, int rows, int N, int K) {
   const float wmax = dmax * 15.0f * 1.125f;  // d * (2L + 1) * |grid + delta|, L <= 7
   kk::CodebookRows w{codes.data(), qh.data(), d.data(), K};
   auto x = activations(r, rows, K);
-  compare("codebook " + std::to_string(rows) + " x " + std::to_string(K) + " @ " + std::to_string(N), rows, N, K, x,
-          wmax, [&](bool simd, int n0, int n1, float* out) {
-            kk::PreparedActivations p(x.data(), rows, K, 'c', 0, simd, false);
+  compare("codebook " + std::to_string(rows) + " x " + std::to_string(K) + " @ " + std::to_string(N) + (q8 ? ", q8" : ""),
+          rows, N, K, x, wmax, [&](bool simd, int n0, int n1, float* out) {
+            kk::PreparedActivations p(x.data(), rows, K, 'c', 0, simd, q8);
             kk::codebook_rows(w, p.a, n0, n1, out, N, simd);
           });
 }
@@ -190,6 +192,22 @@ void run_all(const std::string& tag) {
       codebook_case(r, rows, 11, K);
     }
   }
+#if !defined(__aarch64__)
+  // q8 activations (int8 with per-256 scales, K3_QMM_ACT=q8): the x86 integer kernels against the scalar q8 path,
+  // both on the same rounded activations. (AArch64 has no q8 SIMD path: both sides would be the scalar one.)
+  for (int K : {512, 416, 96}) {
+    for (int rows : {1, 2, 5}) {
+      codebook_case(r, rows, 11, K, true);
+      mxfp4_case(r, rows, 11, K, true);
+    }
+    for (int bits : {2, 4, 8}) {
+      for (int group : {32, 64, 128}) {
+        if (K % group == 0) affine_case(r, bits, group, K == 512 ? 3 : 1, 13, K, 0, true);
+      }
+      affine_case(r, bits, 64, 2, 9, 256, 1 + (K == 512), true);  // f16 / bf16 scales
+    }
+  }
+#endif
 }
 
 }  // namespace
