@@ -289,7 +289,7 @@ PreparedActivations::PreparedActivations(const float* x, int rows, int K, char f
 #ifdef K3_X86
     const bool interleave = simd && format == 'a' && (bits == 2 || bits == 4);
 #else
-    const bool interleave = false;  // q8 mode runs the scalar kernels there, in natural order
+    const bool interleave = false;  // the q8 kernels there (NEON codebook, scalar) read natural order
 #endif
     if (interleave) {
       inter.resize((size_t)rows * K);
@@ -662,8 +662,8 @@ __attribute__((target("avx2,fma,f16c"))) static void codebook_rows_q8_avx2(const
 // NEON (AArch64) paths for f32 activations. They read the activations in natural order (activation_order is 0
 // there): each 32-block's codes are decoded to 32 values in order, widened to f32 and multiplied into up to
 // kMaxRows activation rows. The partial sums are scaled per block (codebook, mxfp4) or per group (affine) as
-// the scalar paths do, so the results match theirs within f32 reassociation. q8 mode runs the scalar q8
-// kernels on these CPUs.
+// the scalar paths do, so the results match theirs within f32 reassociation. In q8 mode the codebook has a
+// NEON kernel (codebook_rows_q8_neon); the other formats run their scalar q8 kernels on these CPUs.
 
 // 16 codes, widened to int16 (lo: codes 0-7, hi: 8-15) -> four float32x4 (codes 0-3, 4-7, 8-11, 12-15).
 static inline void widen_s16(int16x8_t lo, int16x8_t hi, float32x4_t f[4]) {
@@ -726,6 +726,66 @@ static void codebook_rows_neon(const CodebookRows& w, const Activations& a, int 
       case 2: codebook_rows_neon_mb<2>(w, a, m0, n0, n1, out, ldo); break;
       case 3: codebook_rows_neon_mb<3>(w, a, m0, n0, n1, out, ldo); break;
       default: codebook_rows_neon_mb<4>(w, a, m0, n0, n1, out, ldo); break;
+    }
+  }
+}
+
+// q8 mode for the codebook: the scalar q8 kernel's integers (S per super-block, exact), the block dots in
+// vectors. The grid's signed bytes times the int8 activations: with the dot-product extension (compiled in
+// where the target has it, e.g. every Apple M chip) two SDOTs per 32-block; without it widening multiplies
+// into int16 (four products per lane, |sum| <= 508) and one widening pairwise add. 8 * dot + sign * bsum is
+// 8 * sum((g + 1) q) + (8 * delta - 8) * bsum of the scalar kernel, so S and the f32 result are the same.
+template <int MB>
+static void codebook_rows_q8_neon_mb(const CodebookRows& w, const Activations& a, int m0, int n0, int n1, float* out,
+                                     int ldo) {
+  const int K = w.K, nb = K / 32, nsb = codebook_super_blocks(K);
+  const int8_t* grid = reinterpret_cast<const int8_t*>(k3_iq1s_grid);
+  for (int n = n0; n < n1; ++n) {
+    float acc[MB] = {};
+    for (int sb = 0; sb < nsb; ++sb) {
+      int32x4_t S[MB];
+      int32_t extra[MB] = {};  // the sign terms: ls * sign * bsum
+      for (int m = 0; m < MB; ++m) S[m] = vdupq_n_s32(0);
+      for (int b = 8 * sb; b < std::min(8 * sb + 8, nb); ++b) {
+        float dl, delta;
+        int idx[4];
+        codebook_block(w, n, b, dl, delta, idx);
+        const uint16_t qh = w.qh[(size_t)n * nb + b];
+        const int ls = 2 * ((qh >> 12) & 7) + 1, sign = (qh & 0x8000) ? -1 : 1;
+        const int8x16_t g0 = vcombine_s8(vld1_s8(grid + 8 * idx[0]), vld1_s8(grid + 8 * idx[1]));
+        const int8x16_t g1 = vcombine_s8(vld1_s8(grid + 8 * idx[2]), vld1_s8(grid + 8 * idx[3]));
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* q = a.q8 + (size_t)(m0 + m) * K + 32 * b;
+          const int8x16_t q0 = vld1q_s8(q), q1 = vld1q_s8(q + 16);
+#if defined(__ARM_FEATURE_DOTPROD)
+          const int32x4_t dot = vdotq_s32(vdotq_s32(vdupq_n_s32(0), g0, q0), g1, q1);
+#else
+          int16x8_t p = vmull_s8(vget_low_s8(g0), vget_low_s8(q0));
+          p = vmlal_high_s8(p, g0, q0);
+          p = vmlal_s8(p, vget_low_s8(g1), vget_low_s8(q1));
+          p = vmlal_high_s8(p, g1, q1);
+          const int32x4_t dot = vpaddlq_s16(p);
+#endif
+          S[m] = vmlaq_n_s32(S[m], dot, 8 * ls);
+          extra[m] += ls * sign * a.q8_bsums[(size_t)(m0 + m) * nb + b];
+        }
+      }
+      const float d = f16_to_f32(w.scales[(size_t)n * nsb + sb]);
+      for (int m = 0; m < MB; ++m) {
+        acc[m] += d * a.q8_d[(size_t)(m0 + m) * nsb + sb] * 0.125f * (float)(vaddvq_s32(S[m]) + extra[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = acc[m];
+  }
+}
+
+static void codebook_rows_q8_neon(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
+  for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
+    switch (std::min(kMaxRows, a.rows - m0)) {
+      case 1: codebook_rows_q8_neon_mb<1>(w, a, m0, n0, n1, out, ldo); break;
+      case 2: codebook_rows_q8_neon_mb<2>(w, a, m0, n0, n1, out, ldo); break;
+      case 3: codebook_rows_q8_neon_mb<3>(w, a, m0, n0, n1, out, ldo); break;
+      default: codebook_rows_q8_neon_mb<4>(w, a, m0, n0, n1, out, ldo); break;
     }
   }
 }
@@ -818,7 +878,8 @@ void codebook_rows(const CodebookRows& w, const Activations& a, int n0, int n1, 
   if (simd && a.q8) return codebook_rows_q8_avx2(w, a, n0, n1, out, ldo);
   if (simd) return codebook_rows_avx2(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
 #elif defined(K3_NEON)
-  if (simd && !a.q8) return codebook_rows_neon(w, a, n0, n1, out, ldo);
+  if (simd && a.q8) return codebook_rows_q8_neon(w, a, n0, n1, out, ldo);
+  if (simd) return codebook_rows_neon(w, a, n0, n1, out, ldo);
 #endif
   if (a.q8) return codebook_rows_q8_scalar(w, a, n0, n1, out, ldo);
   codebook_rows_scalar(w, a.x, a.sums, a.rows, n0, n1, out, ldo);

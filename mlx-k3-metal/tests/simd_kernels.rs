@@ -3,7 +3,8 @@
 //! tails), built from the kernel sources alone:
 //! - natively, with the build script's compiler: the AVX2 paths, and the AVX-512 ones where the CPU has them (the
 //!   model tests also cover them through MLX);
-//! - for AArch64 with Debian's cross compiler (`aarch64-linux-gnu-g++`), run under qemu user emulation
+//! - for AArch64 with Debian's cross compiler (`aarch64-linux-gnu-g++`), for the baseline ISA and with the
+//!   dot-product extension, run under qemu user emulation
 //!   (`qemu-aarch64`, package qemu-user): the only way the NEON paths run on an x86-64 machine.
 //!
 //! Without the cross compiler or qemu the AArch64 half is skipped with a message, unless
@@ -40,7 +41,7 @@ fn check(what: &str, out: Output) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{what} failed ({}):\n{stdout}\n{stderr}", out.status);
     let cases = stdout.lines().filter(|l| l.starts_with("ok")).count();
-    // 114 cases per path (156 on x86-64, with the q8 ones): a harness that ran none (or stopped early) must not pass.
+    // 123 cases per path (156 on x86-64, with more q8 ones): a harness that ran none (or stopped early) must not pass.
     assert!(cases >= 100, "{what}: only {cases} cases ran:\n{stdout}");
     println!("{what}: {}", stdout.lines().last().unwrap_or(""));
 }
@@ -97,10 +98,17 @@ fn neon_paths_match_the_scalar_paths_under_qemu() {
         eprintln!("SKIPPED: {msg}; the NEON paths were not checked");
         return;
     };
-    let exe = scratch("aarch64");
-    // Static, so qemu needs no AArch64 loader or libraries.
-    let out = compile(&cxx, &["-static"], &exe);
-    assert!(out.status.success(), "cross compile: {}", String::from_utf8_lossy(&out.stderr));
-    check("AArch64 under qemu (NEON vs scalar)", Command::new(&qemu).arg(&exe).output().unwrap());
-    let _ = std::fs::remove_file(&exe);
+    // Twice: for the baseline ISA, and with the dot-product extension (Apple M chips, Neoverse), which the q8
+    // codebook kernel uses where the compiler targets it. (qemu-aarch64's default CPU model has it.)
+    for (tag, flags) in [("baseline", &["-static"][..]), ("+dotprod", &["-static", "-march=armv8.2-a+dotprod"][..])] {
+        let exe = scratch(&format!("aarch64-{tag}"));
+        // Static, so qemu needs no AArch64 loader or libraries.
+        let out = compile(&cxx, flags, &exe);
+        assert!(out.status.success(), "cross compile ({tag}): {}", String::from_utf8_lossy(&out.stderr));
+        let run = Command::new(&qemu).arg(&exe).output().unwrap();
+        let dotprod = String::from_utf8_lossy(&run.stdout).contains("with the dot-product extension");
+        assert_eq!(dotprod, tag == "+dotprod", "{tag}: the harness reports the other q8 codebook variant");
+        check(&format!("AArch64 {tag} under qemu (NEON vs scalar)"), run);
+        let _ = std::fs::remove_file(&exe);
+    }
 }
