@@ -662,8 +662,9 @@ __attribute__((target("avx2,fma,f16c"))) static void codebook_rows_q8_avx2(const
 // NEON (AArch64) paths for f32 activations. They read the activations in natural order (activation_order is 0
 // there): each 32-block's codes are decoded to 32 values in order, widened to f32 and multiplied into up to
 // kMaxRows activation rows. The partial sums are scaled per block (codebook, mxfp4) or per group (affine) as
-// the scalar paths do, so the results match theirs within f32 reassociation. In q8 mode the codebook has a
-// NEON kernel (codebook_rows_q8_neon); the other formats run their scalar q8 kernels on these CPUs.
+// the scalar paths do, so the results match theirs within f32 reassociation. In q8 mode the codebook and affine
+// 2/4/8-bit rows have NEON kernels (codebook_rows_q8_neon_mb, affine_rows_q8_neon_mb); MXFP4 runs its scalar q8
+// kernel on these CPUs.
 
 // 16 codes, widened to int16 (lo: codes 0-7, hi: 8-15) -> four float32x4 (codes 0-3, 4-7, 8-11, 12-15).
 static inline void widen_s16(int16x8_t lo, int16x8_t hi, float32x4_t f[4]) {
@@ -719,16 +720,6 @@ static void codebook_rows_neon_mb(const CodebookRows& w, const Activations& a, i
   }
 }
 
-static void codebook_rows_neon(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
-  for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
-    switch (std::min(kMaxRows, a.rows - m0)) {
-      case 1: codebook_rows_neon_mb<1>(w, a, m0, n0, n1, out, ldo); break;
-      case 2: codebook_rows_neon_mb<2>(w, a, m0, n0, n1, out, ldo); break;
-      case 3: codebook_rows_neon_mb<3>(w, a, m0, n0, n1, out, ldo); break;
-      default: codebook_rows_neon_mb<4>(w, a, m0, n0, n1, out, ldo); break;
-    }
-  }
-}
 
 // q8 mode for the codebook: the scalar q8 kernel's integers (S per super-block, exact), the block dots in
 // vectors. The grid's signed bytes times the int8 activations: with the dot-product extension (compiled in
@@ -779,13 +770,15 @@ static void codebook_rows_q8_neon_mb(const CodebookRows& w, const Activations& a
   }
 }
 
-static void codebook_rows_q8_neon(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
+// f32 or q8 activations (a.q8 set), up to kMaxRows activation rows per pass.
+static void codebook_rows_neon(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
   for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
+    const bool q8 = a.q8 != nullptr;
     switch (std::min(kMaxRows, a.rows - m0)) {
-      case 1: codebook_rows_q8_neon_mb<1>(w, a, m0, n0, n1, out, ldo); break;
-      case 2: codebook_rows_q8_neon_mb<2>(w, a, m0, n0, n1, out, ldo); break;
-      case 3: codebook_rows_q8_neon_mb<3>(w, a, m0, n0, n1, out, ldo); break;
-      default: codebook_rows_q8_neon_mb<4>(w, a, m0, n0, n1, out, ldo); break;
+      case 1: (q8 ? codebook_rows_q8_neon_mb<1> : codebook_rows_neon_mb<1>)(w, a, m0, n0, n1, out, ldo); break;
+      case 2: (q8 ? codebook_rows_q8_neon_mb<2> : codebook_rows_neon_mb<2>)(w, a, m0, n0, n1, out, ldo); break;
+      case 3: (q8 ? codebook_rows_q8_neon_mb<3> : codebook_rows_neon_mb<3>)(w, a, m0, n0, n1, out, ldo); break;
+      default: (q8 ? codebook_rows_q8_neon_mb<4> : codebook_rows_neon_mb<4>)(w, a, m0, n0, n1, out, ldo); break;
     }
   }
 }
@@ -860,14 +853,70 @@ static void affine_rows_neon_mb(const AffineRows& w, const Activations& a, int m
   }
 }
 
+// acc + the dot of one 32-block's codes c (u8, as affine_codes_neon gives them) with int8 activations q0, q1.
+// Codes below 16 are valid signed bytes, so 2/4-bit blocks take SDOT where the target has it; otherwise (and
+// for 8-bit codes) each product fits int16 (|255 * -128| < 2^15) and pairs of them are added into the lanes.
+template <int BITS>
+static inline int32x4_t affine_block_dot_q8(int32x4_t acc, const uint8x16_t c[2], int8x16_t q0, int8x16_t q1) {
+#if defined(__ARM_FEATURE_DOTPROD)
+  if constexpr (BITS < 8) {
+    return vdotq_s32(vdotq_s32(acc, vreinterpretq_s8_u8(c[0]), q0), vreinterpretq_s8_u8(c[1]), q1);
+  }
+#endif
+  const int8x16_t q[2] = {q0, q1};
+  for (int h = 0; h < 2; ++h) {
+    const int16x8_t lo = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(c[h])));
+    const int16x8_t hi = vreinterpretq_s16_u16(vmovl_high_u8(c[h]));
+    acc = vpadalq_s16(acc, vmulq_s16(lo, vmovl_s8(vget_low_s8(q[h]))));
+    acc = vpadalq_s16(acc, vmulq_s16(hi, vmovl_high_s8(q[h])));
+  }
+  return acc;
+}
+
+// q8 mode (2/4/8-bit codes, f32 scales and biases; group 32..256 within one 256-chunk): the scalar q8 kernel's
+// integer group dots in vectors, its f32 steps per group as it takes them.
+template <int BITS, int MB>
+static void affine_rows_q8_neon_mb(const AffineRows& w, const Activations& a, int m0, int n0, int n1, float* out,
+                                   int ldo) {
+  const int K = w.K, nb = K / 32, ng = K / w.group, bpg = w.group / 32, nsb = codebook_super_blocks(K);
+  const size_t row_bytes = (size_t)K * BITS / 8;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
+    float acc[MB] = {};
+    for (int g = 0; g < ng; ++g) {
+      int32x4_t dot[MB];
+      for (int m = 0; m < MB; ++m) dot[m] = vdupq_n_s32(0);
+      for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+        uint8x16_t c[2];
+        affine_codes_neon<BITS>(row + (size_t)b * 4 * BITS, c);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* q = a.q8 + (size_t)(m0 + m) * K + 32 * b;
+          dot[m] = affine_block_dot_q8<BITS>(dot[m], c, vld1q_s8(q), vld1q_s8(q + 16));
+        }
+      }
+      const float scale = w.scales[(size_t)n * ng + g], bias = w.biases[(size_t)n * ng + g];
+      for (int m = 0; m < MB; ++m) {
+        float xs = 0;
+        for (int b = g * bpg; b < (g + 1) * bpg; ++b) xs += a.sums[(size_t)(m0 + m) * nb + b];
+        const float dx = a.q8_d[(size_t)(m0 + m) * nsb + g * w.group / 256];
+        acc[m] += scale * dx * (float)vaddvq_s32(dot[m]) + bias * xs;
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = acc[m];
+  }
+}
+
+// f32 activations, or q8 ones (a.q8 set; 2/4/8-bit codes only, see affine_rows_f32), up to kMaxRows rows a pass.
 template <int BITS>
 static void affine_rows_neon(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
+  constexpr bool has_q8 = BITS == 2 || BITS == 4 || BITS == 8;
+  const bool q8 = has_q8 && a.q8 != nullptr && q8_supported('a', BITS, w.group);
   for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
     switch (std::min(kMaxRows, a.rows - m0)) {
-      case 1: affine_rows_neon_mb<BITS, 1>(w, a, m0, n0, n1, out, ldo); break;
-      case 2: affine_rows_neon_mb<BITS, 2>(w, a, m0, n0, n1, out, ldo); break;
-      case 3: affine_rows_neon_mb<BITS, 3>(w, a, m0, n0, n1, out, ldo); break;
-      default: affine_rows_neon_mb<BITS, 4>(w, a, m0, n0, n1, out, ldo); break;
+      case 1: (q8 ? affine_rows_q8_neon_mb<BITS, 1> : affine_rows_neon_mb<BITS, 1>)(w, a, m0, n0, n1, out, ldo); break;
+      case 2: (q8 ? affine_rows_q8_neon_mb<BITS, 2> : affine_rows_neon_mb<BITS, 2>)(w, a, m0, n0, n1, out, ldo); break;
+      case 3: (q8 ? affine_rows_q8_neon_mb<BITS, 3> : affine_rows_neon_mb<BITS, 3>)(w, a, m0, n0, n1, out, ldo); break;
+      default: (q8 ? affine_rows_q8_neon_mb<BITS, 4> : affine_rows_neon_mb<BITS, 4>)(w, a, m0, n0, n1, out, ldo); break;
     }
   }
 }
@@ -878,7 +927,6 @@ void codebook_rows(const CodebookRows& w, const Activations& a, int n0, int n1, 
   if (simd && a.q8) return codebook_rows_q8_avx2(w, a, n0, n1, out, ldo);
   if (simd) return codebook_rows_avx2(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
 #elif defined(K3_NEON)
-  if (simd && a.q8) return codebook_rows_q8_neon(w, a, n0, n1, out, ldo);
   if (simd) return codebook_rows_neon(w, a, n0, n1, out, ldo);
 #endif
   if (a.q8) return codebook_rows_q8_scalar(w, a, n0, n1, out, ldo);
@@ -1710,8 +1758,19 @@ void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, floa
 
 static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo,
                             bool simd) {
-  // (q8 mode with SIMD returned in affine_rows.)
-  if (a.q8 && q8_supported('a', w.bits, w.group)) return affine_rows_q8_scalar(w, a, n0, n1, out, ldo);
+  // (q8 mode with SIMD returned in affine_rows on x86-64.)
+  if (a.q8 && q8_supported('a', w.bits, w.group)) {
+#ifdef K3_NEON
+    if (simd) {
+      switch (w.bits) {
+        case 2: return affine_rows_neon<2>(w, a, n0, n1, out, ldo);
+        case 4: return affine_rows_neon<4>(w, a, n0, n1, out, ldo);
+        default: return affine_rows_neon<8>(w, a, n0, n1, out, ldo);
+      }
+    }
+#endif
+    return affine_rows_q8_scalar(w, a, n0, n1, out, ldo);
+  }
 #ifdef K3_X86
   if (simd && affine_has_simd(w.bits) && w.group % 32 == 0) {
     switch (w.bits) {

@@ -41,7 +41,7 @@ fn check(what: &str, out: Output) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{what} failed ({}):\n{stdout}\n{stderr}", out.status);
     let cases = stdout.lines().filter(|l| l.starts_with("ok")).count();
-    // 123 cases per path (156 on x86-64, with more q8 ones): a harness that ran none (or stopped early) must not pass.
+    // 147 cases on AArch64, 156 per path on x86-64: a harness that ran none (or stopped early) must not pass.
     assert!(cases >= 100, "{what}: only {cases} cases ran:\n{stdout}");
     println!("{what}: {}", stdout.lines().last().unwrap_or(""));
 }
@@ -99,7 +99,8 @@ fn neon_paths_match_the_scalar_paths_under_qemu() {
         return;
     };
     // Twice: for the baseline ISA, and with the dot-product extension (Apple M chips, Neoverse), which the q8
-    // codebook kernel uses where the compiler targets it. (qemu-aarch64's default CPU model has it.)
+    // codebook and 2/4-bit affine kernels use where the compiler targets it. (qemu-aarch64's default CPU model
+    // has it.)
     for (tag, flags) in [("baseline", &["-static"][..]), ("+dotprod", &["-static", "-march=armv8.2-a+dotprod"][..])] {
         let exe = scratch(&format!("aarch64-{tag}"));
         // Static, so qemu needs no AArch64 loader or libraries.
