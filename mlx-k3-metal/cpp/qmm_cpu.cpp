@@ -662,9 +662,8 @@ __attribute__((target("avx2,fma,f16c"))) static void codebook_rows_q8_avx2(const
 // NEON (AArch64) paths for f32 activations. They read the activations in natural order (activation_order is 0
 // there): each 32-block's codes are decoded to 32 values in order, widened to f32 and multiplied into up to
 // kMaxRows activation rows. The partial sums are scaled per block (codebook, mxfp4) or per group (affine) as
-// the scalar paths do, so the results match theirs within f32 reassociation. In q8 mode the codebook and affine
-// 2/4/8-bit rows have NEON kernels (codebook_rows_q8_neon_mb, affine_rows_q8_neon_mb); MXFP4 runs its scalar q8
-// kernel on these CPUs.
+// the scalar paths do, so the results match theirs within f32 reassociation. q8 mode has NEON kernels too
+// (codebook, affine 2/4/8-bit, MXFP4: *_q8_neon_mb), equal to the scalar q8 kernels bit for bit.
 
 // 16 codes, widened to int16 (lo: codes 0-7, hi: 8-15) -> four float32x4 (codes 0-3, 4-7, 8-11, 12-15).
 static inline void widen_s16(int16x8_t lo, int16x8_t hi, float32x4_t f[4]) {
@@ -721,11 +720,24 @@ static void codebook_rows_neon_mb(const CodebookRows& w, const Activations& a, i
 }
 
 
+// The dot of 32 signed weights (w0, w1) with 32 int8 activations (q0, q1) in four int32 lanes. With the
+// dot-product extension (compiled in where the target has it, e.g. every Apple M chip) two SDOTs; without it
+// widening multiplies into int16 (four products per lane: fine for |w| <= 64) and one widening pairwise add.
+static inline int32x4_t s8_block_dot(int8x16_t w0, int8x16_t w1, int8x16_t q0, int8x16_t q1) {
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, q0), w1, q1);
+#else
+  int16x8_t p = vmull_s8(vget_low_s8(w0), vget_low_s8(q0));
+  p = vmlal_high_s8(p, w0, q0);
+  p = vmlal_s8(p, vget_low_s8(w1), vget_low_s8(q1));
+  p = vmlal_high_s8(p, w1, q1);
+  return vpaddlq_s16(p);
+#endif
+}
+
 // q8 mode for the codebook: the scalar q8 kernel's integers (S per super-block, exact), the block dots in
-// vectors. The grid's signed bytes times the int8 activations: with the dot-product extension (compiled in
-// where the target has it, e.g. every Apple M chip) two SDOTs per 32-block; without it widening multiplies
-// into int16 (four products per lane, |sum| <= 508) and one widening pairwise add. 8 * dot + sign * bsum is
-// 8 * sum((g + 1) q) + (8 * delta - 8) * bsum of the scalar kernel, so S and the f32 result are the same.
+// vectors (grid bytes in {-1, 0, 1}). 8 * dot + sign * bsum is 8 * sum((g + 1) q) + (8 * delta - 8) * bsum of
+// the scalar kernel, so S and the f32 result are the same.
 template <int MB>
 static void codebook_rows_q8_neon_mb(const CodebookRows& w, const Activations& a, int m0, int n0, int n1, float* out,
                                      int ldo) {
@@ -747,17 +759,7 @@ static void codebook_rows_q8_neon_mb(const CodebookRows& w, const Activations& a
         const int8x16_t g1 = vcombine_s8(vld1_s8(grid + 8 * idx[2]), vld1_s8(grid + 8 * idx[3]));
         for (int m = 0; m < MB; ++m) {
           const int8_t* q = a.q8 + (size_t)(m0 + m) * K + 32 * b;
-          const int8x16_t q0 = vld1q_s8(q), q1 = vld1q_s8(q + 16);
-#if defined(__ARM_FEATURE_DOTPROD)
-          const int32x4_t dot = vdotq_s32(vdotq_s32(vdupq_n_s32(0), g0, q0), g1, q1);
-#else
-          int16x8_t p = vmull_s8(vget_low_s8(g0), vget_low_s8(q0));
-          p = vmlal_high_s8(p, g0, q0);
-          p = vmlal_s8(p, vget_low_s8(g1), vget_low_s8(q1));
-          p = vmlal_high_s8(p, g1, q1);
-          const int32x4_t dot = vpaddlq_s16(p);
-#endif
-          S[m] = vmlaq_n_s32(S[m], dot, 8 * ls);
+          S[m] = vmlaq_n_s32(S[m], s8_block_dot(g0, g1, vld1q_s8(q), vld1q_s8(q + 16)), 8 * ls);
           extra[m] += ls * sign * a.q8_bsums[(size_t)(m0 + m) * nb + b];
         }
       }
@@ -854,23 +856,22 @@ static void affine_rows_neon_mb(const AffineRows& w, const Activations& a, int m
 }
 
 // acc + the dot of one 32-block's codes c (u8, as affine_codes_neon gives them) with int8 activations q0, q1.
-// Codes below 16 are valid signed bytes, so 2/4-bit blocks take SDOT where the target has it; otherwise (and
-// for 8-bit codes) each product fits int16 (|255 * -128| < 2^15) and pairs of them are added into the lanes.
+// Codes below 16 are valid signed bytes (s8_block_dot); 8-bit codes are widened, each product fitting int16
+// (|255 * -128| < 2^15), and pairs of products added into the lanes.
 template <int BITS>
 static inline int32x4_t affine_block_dot_q8(int32x4_t acc, const uint8x16_t c[2], int8x16_t q0, int8x16_t q1) {
-#if defined(__ARM_FEATURE_DOTPROD)
   if constexpr (BITS < 8) {
-    return vdotq_s32(vdotq_s32(acc, vreinterpretq_s8_u8(c[0]), q0), vreinterpretq_s8_u8(c[1]), q1);
+    return vaddq_s32(acc, s8_block_dot(vreinterpretq_s8_u8(c[0]), vreinterpretq_s8_u8(c[1]), q0, q1));
+  } else {
+    const int8x16_t q[2] = {q0, q1};
+    for (int h = 0; h < 2; ++h) {
+      const int16x8_t lo = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(c[h])));
+      const int16x8_t hi = vreinterpretq_s16_u16(vmovl_high_u8(c[h]));
+      acc = vpadalq_s16(acc, vmulq_s16(lo, vmovl_s8(vget_low_s8(q[h]))));
+      acc = vpadalq_s16(acc, vmulq_s16(hi, vmovl_high_s8(q[h])));
+    }
+    return acc;
   }
-#endif
-  const int8x16_t q[2] = {q0, q1};
-  for (int h = 0; h < 2; ++h) {
-    const int16x8_t lo = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(c[h])));
-    const int16x8_t hi = vreinterpretq_s16_u16(vmovl_high_u8(c[h]));
-    acc = vpadalq_s16(acc, vmulq_s16(lo, vmovl_s8(vget_low_s8(q[h]))));
-    acc = vpadalq_s16(acc, vmulq_s16(hi, vmovl_high_s8(q[h])));
-  }
-  return acc;
 }
 
 // q8 mode (2/4/8-bit codes, f32 scales and biases; group 32..256 within one 256-chunk): the scalar q8 kernel's
@@ -1962,6 +1963,43 @@ static void mxfp4_rows_neon_mb(const Mxfp4Rows& w, const Activations& a, int m0,
     for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = vaddvq_f32(acc[m]);
   }
 }
+
+// q8 mode: the same decode (E2M1 x2: |w| <= 12), integer block dots, the scalar q8 kernel's f32 step per block.
+template <int MB>
+static void mxfp4_rows_q8_neon_mb(const Mxfp4Rows& w, const Activations& a, int m0, int n0, int n1, float* out,
+                                  int ldo) {
+  const int K = w.K, nb = K / 32, nsb = codebook_super_blocks(K);
+  const int8x16_t lut = vld1q_s8(kE2m1x2);
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 2;
+    float acc[MB] = {};
+    for (int b = 0; b < nb; ++b) {
+      const uint8x16_t v = vld1q_u8(row + 16 * b);
+      const uint8x16_t lo = vandq_u8(v, vdupq_n_u8(0x0f)), hi = vshrq_n_u8(v, 4);
+      const int8x16_t w0 = vqtbl1q_s8(lut, vzip1q_u8(lo, hi)), w1 = vqtbl1q_s8(lut, vzip2q_u8(lo, hi));
+      const float s = 0.5f * e8m0(w.scales[(size_t)n * nb + b]);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* q = a.q8 + (size_t)(m0 + m) * K + 32 * b;
+        const int32x4_t dot = s8_block_dot(w0, w1, vld1q_s8(q), vld1q_s8(q + 16));
+        acc[m] += s * a.q8_d[(size_t)(m0 + m) * nsb + b / 8] * (float)vaddvq_s32(dot);
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = acc[m];
+  }
+}
+
+// f32 or q8 activations (a.q8 set), up to kMaxRows activation rows per pass.
+static void mxfp4_rows_neon(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
+  const bool q8 = a.q8 != nullptr;
+  for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
+    switch (std::min(kMaxRows, a.rows - m0)) {
+      case 1: (q8 ? mxfp4_rows_q8_neon_mb<1> : mxfp4_rows_neon_mb<1>)(w, a, m0, n0, n1, out, ldo); break;
+      case 2: (q8 ? mxfp4_rows_q8_neon_mb<2> : mxfp4_rows_neon_mb<2>)(w, a, m0, n0, n1, out, ldo); break;
+      case 3: (q8 ? mxfp4_rows_q8_neon_mb<3> : mxfp4_rows_neon_mb<3>)(w, a, m0, n0, n1, out, ldo); break;
+      default: (q8 ? mxfp4_rows_q8_neon_mb<4> : mxfp4_rows_neon_mb<4>)(w, a, m0, n0, n1, out, ldo); break;
+    }
+  }
+}
 #endif
 
 void mxfp4_rows(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
@@ -1980,6 +2018,8 @@ void mxfp4_rows(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float*
       }
       return;
     }
+#elif defined(K3_NEON)
+    if (simd) return mxfp4_rows_neon(w, a, n0, n1, out, ldo);
 #endif
     return mxfp4_rows_q8_scalar(w, a, n0, n1, out, ldo);
   }
@@ -1996,17 +2036,7 @@ void mxfp4_rows(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float*
     return;
   }
 #elif defined(K3_NEON)
-  if (simd) {
-    for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
-      switch (std::min(kMaxRows, a.rows - m0)) {
-        case 1: mxfp4_rows_neon_mb<1>(w, a, m0, n0, n1, out, ldo); break;
-        case 2: mxfp4_rows_neon_mb<2>(w, a, m0, n0, n1, out, ldo); break;
-        case 3: mxfp4_rows_neon_mb<3>(w, a, m0, n0, n1, out, ldo); break;
-        default: mxfp4_rows_neon_mb<4>(w, a, m0, n0, n1, out, ldo); break;
-      }
-    }
-    return;
-  }
+  if (simd) return mxfp4_rows_neon(w, a, n0, n1, out, ldo);
 #endif
   mxfp4_rows_scalar(w, a, n0, n1, out, ldo);
 }

@@ -41,7 +41,7 @@ fn check(what: &str, out: Output) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{what} failed ({}):\n{stdout}\n{stderr}", out.status);
     let cases = stdout.lines().filter(|l| l.starts_with("ok")).count();
-    // 147 cases on AArch64, 156 per path on x86-64: a harness that ran none (or stopped early) must not pass.
+    // 156 cases per path: a harness that ran none (or stopped early) must not pass.
     assert!(cases >= 100, "{what}: only {cases} cases ran:\n{stdout}");
     println!("{what}: {}", stdout.lines().last().unwrap_or(""));
 }
@@ -99,8 +99,7 @@ fn neon_paths_match_the_scalar_paths_under_qemu() {
         return;
     };
     // Twice: for the baseline ISA, and with the dot-product extension (Apple M chips, Neoverse), which the q8
-    // codebook and 2/4-bit affine kernels use where the compiler targets it. (qemu-aarch64's default CPU model
-    // has it.)
+    // kernels use where the compiler targets it. (qemu-aarch64's default CPU model has it.)
     for (tag, flags) in [("baseline", &["-static"][..]), ("+dotprod", &["-static", "-march=armv8.2-a+dotprod"][..])] {
         let exe = scratch(&format!("aarch64-{tag}"));
         // Static, so qemu needs no AArch64 loader or libraries.
@@ -108,7 +107,7 @@ fn neon_paths_match_the_scalar_paths_under_qemu() {
         assert!(out.status.success(), "cross compile ({tag}): {}", String::from_utf8_lossy(&out.stderr));
         let run = Command::new(&qemu).arg(&exe).output().unwrap();
         let dotprod = String::from_utf8_lossy(&run.stdout).contains("with the dot-product extension");
-        assert_eq!(dotprod, tag == "+dotprod", "{tag}: the harness reports the other q8 codebook variant");
+        assert_eq!(dotprod, tag == "+dotprod", "{tag}: the harness reports the other q8 kernel variant");
         check(&format!("AArch64 {tag} under qemu (NEON vs scalar)"), run);
         let _ = std::fs::remove_file(&exe);
     }

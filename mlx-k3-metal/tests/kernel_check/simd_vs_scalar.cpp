@@ -4,9 +4,9 @@
 //
 // Each case draws random weights and activations, runs the kernel with cpu_has_simd()'s path and with the
 // scalar path (which the model tests compare with MLX's ops), over two row ranges (n0 > 0 checks the offsets).
-// The formats with integer kernels run again with q8 activations (cases tagged ", q8"; on AArch64 the codebook
-// and affine 2/4/8-bit): both paths then work on the same rounded activations, and their integer dots are exact, so the same
-// bound applies.
+// The formats with integer kernels (codebook, MXFP4, affine 2/4/8-bit) run again with q8 activations (cases
+// tagged ", q8"): both paths then work on the same rounded activations, and their integer dots are exact, so
+// the same bound applies.
 // Tolerance: both are f32 sums of the same K products in different orders, so each differs from the exact dot
 // by at most ~K * eps * sum_k |w_k x_k| (the classic bound for recursive summation, with one more rounding per
 // partial scale); the check allows 2 * K * eps * Wmax * sum_k |x_k|, where Wmax bounds |w| from the generation
@@ -194,13 +194,12 @@ void run_all(const std::string& tag) {
     }
   }
   // q8 activations (int8 with per-256 scales, K3_QMM_ACT=q8): the integer kernels against the scalar q8 path,
-  // both on the same rounded activations. (AArch64 has no q8 SIMD kernel for MXFP4: its cases there would
-  // compare the scalar path with itself.)
+  // both on the same rounded activations.
   for (int K : {512, 416, 96}) {
-    for (int rows : {1, 2, 5}) codebook_case(r, rows, 11, K, true);
-#if !defined(__aarch64__)
-    for (int rows : {1, 2, 5}) mxfp4_case(r, rows, 11, K, true);
-#endif
+    for (int rows : {1, 2, 5}) {
+      codebook_case(r, rows, 11, K, true);
+      mxfp4_case(r, rows, 11, K, true);
+    }
     for (int bits : {2, 4, 8}) {
       for (int group : {32, 64, 128}) {
         if (K % group == 0) affine_case(r, bits, group, K == 512 ? 3 : 1, 13, K, 0, true);
@@ -225,9 +224,9 @@ int main() {
   kk::set_force_scalar(false);
 #if defined(__aarch64__)
 #if defined(__ARM_FEATURE_DOTPROD)
-  std::printf("paths: NEON vs scalar (AArch64, q8 codebook with the dot-product extension)\n");
+  std::printf("paths: NEON vs scalar (AArch64, q8 kernels with the dot-product extension)\n");
 #else
-  std::printf("paths: NEON vs scalar (AArch64, q8 codebook without the dot-product extension)\n");
+  std::printf("paths: NEON vs scalar (AArch64, q8 kernels without the dot-product extension)\n");
 #endif
   run_all("");
 #else
