@@ -289,7 +289,7 @@ PreparedActivations::PreparedActivations(const float* x, int rows, int K, char f
 #ifdef K3_X86
     const bool interleave = simd && format == 'a' && (bits == 2 || bits == 4);
 #else
-    const bool interleave = false;  // the q8 kernels there (NEON codebook, scalar) read natural order
+    const bool interleave = false;  // the q8 kernels there (NEON, scalar) read natural order
 #endif
     if (interleave) {
       inter.resize((size_t)rows * K);
@@ -719,10 +719,10 @@ static void codebook_rows_neon_mb(const CodebookRows& w, const Activations& a, i
   }
 }
 
-
 // The dot of 32 signed weights (w0, w1) with 32 int8 activations (q0, q1) in four int32 lanes. With the
 // dot-product extension (compiled in where the target has it, e.g. every Apple M chip) two SDOTs; without it
-// widening multiplies into int16 (four products per lane: fine for |w| <= 64) and one widening pairwise add.
+// widening multiplies into int16 (four products per lane: fine for |w| <= 64, as |q| <= 127) and one widening
+// pairwise add.
 static inline int32x4_t s8_block_dot(int8x16_t w0, int8x16_t w1, int8x16_t q0, int8x16_t q1) {
 #if defined(__ARM_FEATURE_DOTPROD)
   return vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, q0), w1, q1);
