@@ -907,11 +907,10 @@ static void affine_rows_q8_neon_mb(const AffineRows& w, const Activations& a, in
   }
 }
 
-// f32 activations, or q8 ones (a.q8 set; 2/4/8-bit codes only, see affine_rows_f32), up to kMaxRows rows a pass.
+// f32 activations, or q8 ones (a.q8 set, where q8_supported: 2/4/8-bit codes), up to kMaxRows rows a pass.
 template <int BITS>
 static void affine_rows_neon(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
-  constexpr bool has_q8 = BITS == 2 || BITS == 4 || BITS == 8;
-  const bool q8 = has_q8 && a.q8 != nullptr && q8_supported('a', BITS, w.group);
+  const bool q8 = a.q8 != nullptr && q8_supported('a', BITS, w.group);
   for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
     switch (std::min(kMaxRows, a.rows - m0)) {
       case 1: (q8 ? affine_rows_q8_neon_mb<BITS, 1> : affine_rows_neon_mb<BITS, 1>)(w, a, m0, n0, n1, out, ldo); break;
@@ -1283,7 +1282,6 @@ __attribute__((target("avx2,fma"))) static void affine_rows_mb(const AffineRows&
     }
   }
 }
-
 
 template <int BITS>
 __attribute__((target("avx2,fma"))) static void affine_rows_avx2(const AffineRows& w, const float* xp,
@@ -1759,21 +1757,10 @@ void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, floa
 
 static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo,
                             bool simd) {
-  // (q8 mode with SIMD returned in affine_rows on x86-64.)
-  if (a.q8 && q8_supported('a', w.bits, w.group)) {
-#ifdef K3_NEON
-    if (simd) {
-      switch (w.bits) {
-        case 2: return affine_rows_neon<2>(w, a, n0, n1, out, ldo);
-        case 4: return affine_rows_neon<4>(w, a, n0, n1, out, ldo);
-        default: return affine_rows_neon<8>(w, a, n0, n1, out, ldo);
-      }
-    }
-#endif
-    return affine_rows_q8_scalar(w, a, n0, n1, out, ldo);
-  }
+  const bool q8 = a.q8 && q8_supported('a', w.bits, w.group);
+  // (On x86-64 q8 mode with SIMD returned in affine_rows; the NEON kernels take q8 activations themselves.)
 #ifdef K3_X86
-  if (simd && affine_has_simd(w.bits) && w.group % 32 == 0) {
+  if (simd && !q8 && affine_has_simd(w.bits) && w.group % 32 == 0) {
     switch (w.bits) {
       case 2: return affine_rows_avx2<2>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
       case 3: return affine_rows_avx2<3>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
@@ -1795,6 +1782,7 @@ static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, i
     }
   }
 #endif
+  if (q8) return affine_rows_q8_scalar(w, a, n0, n1, out, ldo);
   affine_rows_scalar(w, a, n0, n1, out, ldo);
 }
 

@@ -20,6 +20,16 @@ fn mlx_k3_env(vars: &[(&str, &str)], args: &[&str]) -> (bool, String, String) {
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
 }
 
+/// Each command of `commands` run with `var=value` fails with a one-line `mlx-k3: error:` containing `want`.
+fn assert_env_rejected(var: &str, value: &str, want: &str, commands: &[&[&str]]) {
+    for args in commands {
+        let (ok, _, stderr) = mlx_k3_env(&[(var, value)], args);
+        assert!(!ok, "{args:?} with {var}={value} should fail");
+        assert!(stderr.starts_with("mlx-k3: error:") && stderr.contains(want), "{stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    }
+}
+
 #[test]
 fn logits_matches_the_reference() {
     let dir = fixture("c_hidden_experts_grouped");
@@ -79,12 +89,7 @@ fn qmm_activation_mode_from_the_environment() {
     }
     let (ok, stdout, _) = run("q8", &["info"]);
     assert!(ok && stdout.contains("activations: q8"), "{stdout}");
-    for args in [&["info"][..], &logits_args[..]] {
-        let (ok, _, stderr) = run("int4", args);
-        assert!(!ok, "{args:?} with K3_QMM_ACT=int4 should fail");
-        assert!(stderr.starts_with("mlx-k3: error:") && stderr.contains("K3_QMM_ACT must be q8 or f32"), "{stderr}");
-        assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
-    }
+    assert_env_rejected("K3_QMM_ACT", "int4", "K3_QMM_ACT must be q8 or f32", &[&["info"], &logits_args]);
 }
 
 /// K3_AVX512: 0 keeps the CPU kernels to AVX2, 1 (the default) allows the AVX-512 ones where the CPU has them;
@@ -121,12 +126,7 @@ fn avx512_switch_from_the_environment() {
         // (tests/model.rs's bound against mlx-lm's f32 logits; this fixture measures ~7e-6 with either path.)
         assert!(diff <= 1e-4 * scale, "K3_AVX512={mode}: rel err {}", diff / scale);
     }
-    for args in [&["info"][..], &logits_args[..]] {
-        let (ok, _, stderr) = run("yes", args);
-        assert!(!ok, "{args:?} with K3_AVX512=yes should fail");
-        assert!(stderr.starts_with("mlx-k3: error:") && stderr.contains("K3_AVX512 must be 0 or 1"), "{stderr}");
-        assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
-    }
+    assert_env_rejected("K3_AVX512", "yes", "K3_AVX512 must be 0 or 1", &[&["info"], &logits_args]);
 }
 
 #[test]
