@@ -2,10 +2,12 @@
 // addmm, the attention and convolution paths), and the Linux CPU wheel links the reference BLAS (netlib,
 // ~3 GFLOP/s on 1024^3 here). Programs of this project export their own `cblas_sgemm` (mlx-k3's build.rs
 // exports the symbol from every binary), which the dynamic linker binds MLX's calls to ahead of the wheel's
-// libblas: a register-blocked AVX2/FMA SGEMM (6x16 micro-kernel over packed panels, KC x MC blocks sized for
-// L2) whose work is split over the kernel thread pool, with dedicated matrix-vector paths. Anything it does
-// not take (CPUs without AVX2+FMA, `K3_BLAS=reference`, `k3_dense_set_reference(true)`) goes to the next
-// `cblas_sgemm` in the search order (the wheel's), found with dlsym(RTLD_NEXT).
+// libblas: a register-blocked SGEMM (6x16 micro-kernel over packed panels, KC x MC blocks sized for L2) whose
+// work is split over the kernel thread pool, with dedicated matrix-vector paths. The micro-kernel and the
+// vector paths are AVX2/FMA on x86-64 and NEON on AArch64 Linux (the only AArch64 system where the symbol is
+// exported: on macOS MLX calls Accelerate). Anything it does not take (x86 CPUs without AVX2+FMA,
+// `K3_BLAS=reference`, `k3_dense_set_reference(true)`) goes to the next `cblas_sgemm` in the search order (the
+// wheel's), found with dlsym(RTLD_NEXT).
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -28,7 +30,7 @@ constexpr int MR = 6, NR = 16;
 constexpr int KC = 256, MC = 120;  // A block 120 x 256 x 4 B = 120 KiB; a B panel 256 x 16 x 4 B = 16 KiB
 
 std::atomic<bool> use_reference{false};
-std::atomic<uint64_t> calls{0};
+std::atomic<uint64_t> taken{0};  // calls the project's kernel computed
 
 bool reference_from_env() {
   const char* v = std::getenv("K3_BLAS");
@@ -43,7 +45,8 @@ struct Mat {
   float at(int r, int c) const { return t ? p[(size_t)c * ld + r] : p[(size_t)r * ld + c]; }
 };
 
-#ifdef K3_X86
+#if defined(K3_X86)
+#define K3_SGEMM 1
 // C[0:mr, 0:nr] (ldc) = alpha * (Ap panel x Bp panel) + beta * C, for kc steps; Ap is kc x MR, Bp kc x NR.
 __attribute__((target("avx2,fma"))) void micro_6x16(int kc, const float* Ap, const float* Bp, float* C, int ldc,
                                                      int mr, int nr, float alpha, float beta) {
@@ -81,6 +84,50 @@ __attribute__((target("avx2,fma"))) void micro_6x16(int kc, const float* Ap, con
   }
 }
 
+#elif defined(K3_NEON) && defined(__linux__)
+#define K3_SGEMM 1
+// The same micro-kernel in NEON: 24 accumulators of 4 lanes, each A value applied by lane (FMLA by element).
+void micro_6x16(int kc, const float* Ap, const float* Bp, float* C, int ldc, int mr, int nr, float alpha,
+                float beta) {
+  float32x4_t c[MR][4];
+  for (int r = 0; r < MR; ++r) c[r][0] = c[r][1] = c[r][2] = c[r][3] = vdupq_n_f32(0.0f);
+  for (int k = 0; k < kc; ++k) {
+    const float* bk = Bp + k * NR;
+    const float32x4_t b[4] = {vld1q_f32(bk), vld1q_f32(bk + 4), vld1q_f32(bk + 8), vld1q_f32(bk + 12)};
+    const float32x4_t a03 = vld1q_f32(Ap + k * MR);
+    const float32x2_t a45 = vld1_f32(Ap + k * MR + 4);
+    for (int q = 0; q < 4; ++q) {
+      c[0][q] = vfmaq_laneq_f32(c[0][q], b[q], a03, 0);
+      c[1][q] = vfmaq_laneq_f32(c[1][q], b[q], a03, 1);
+      c[2][q] = vfmaq_laneq_f32(c[2][q], b[q], a03, 2);
+      c[3][q] = vfmaq_laneq_f32(c[3][q], b[q], a03, 3);
+      c[4][q] = vfmaq_lane_f32(c[4][q], b[q], a45, 0);
+      c[5][q] = vfmaq_lane_f32(c[5][q], b[q], a45, 1);
+    }
+  }
+  if (mr == MR && nr == NR) {
+    for (int r = 0; r < MR; ++r) {
+      float* cr = C + (size_t)r * ldc;
+      for (int q = 0; q < 4; ++q) {
+        float32x4_t v = vmulq_n_f32(c[r][q], alpha);
+        if (beta != 0.0f) v = vfmaq_n_f32(v, vld1q_f32(cr + 4 * q), beta);
+        vst1q_f32(cr + 4 * q, v);
+      }
+    }
+    return;
+  }
+  float tmp[MR][NR];
+  for (int r = 0; r < MR; ++r) {
+    for (int q = 0; q < 4; ++q) vst1q_f32(tmp[r] + 4 * q, c[r][q]);
+  }
+  for (int r = 0; r < mr; ++r) {
+    float* cr = C + (size_t)r * ldc;
+    for (int j = 0; j < nr; ++j) cr[j] = alpha * tmp[r][j] + (beta != 0.0f ? beta * cr[j] : 0.0f);
+  }
+}
+#endif
+
+#ifdef K3_SGEMM
 // Packs op(A)[i0:i0+mc, k0:k0+kc] into MR-row panels (zero-padded), k-major within a panel.
 void pack_a(const Mat& A, int i0, int mc, int k0, int kc, float* dst) {
   for (int ip = 0; ip < mc; ip += MR) {
@@ -153,8 +200,11 @@ void gemm_block(const Mat& A, const Mat& B, float* C, int ldc, int i0, int i1, i
   }
 }
 
+#endif  // K3_SGEMM
+
 }  // namespace
 
+#ifdef K3_X86
 __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int n) {
   __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
   int k = 0;
@@ -169,8 +219,14 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
   for (; k < n; ++k) r += a[k] * b[k];
   return r;
 }
+#endif
 
 namespace {
+
+#if defined(K3_X86)
+__attribute__((target("avx2,fma"))) float dot_f32(const float* a, const float* b, int n) {
+  return dot_avx2(a, b, n);
+}
 
 // y[j] (stride incy) = alpha * sum_k x[k] * W[k, j] + beta * y, W row-major [K, n] (ld) over columns [j0, j1).
 __attribute__((target("avx2,fma"))) void axpy_rows(const float* x, const float* W, int ld, int K, int j0, int j1,
@@ -198,8 +254,51 @@ __attribute__((target("avx2,fma"))) void axpy_rows(const float* x, const float* 
   }
 }
 
-// Row-major C[M, N] = alpha op(A) op(B) + beta C with the AVX2 kernels, split over the pool.
-void sgemm_avx2(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
+#elif defined(K3_NEON) && defined(__linux__)
+float dot_f32(const float* a, const float* b, int n) {
+  float32x4_t s0 = vdupq_n_f32(0.0f), s1 = s0, s2 = s0, s3 = s0;
+  int k = 0;
+  for (; k + 16 <= n; k += 16) {
+    s0 = vfmaq_f32(s0, vld1q_f32(a + k), vld1q_f32(b + k));
+    s1 = vfmaq_f32(s1, vld1q_f32(a + k + 4), vld1q_f32(b + k + 4));
+    s2 = vfmaq_f32(s2, vld1q_f32(a + k + 8), vld1q_f32(b + k + 8));
+    s3 = vfmaq_f32(s3, vld1q_f32(a + k + 12), vld1q_f32(b + k + 12));
+  }
+  for (; k + 4 <= n; k += 4) s0 = vfmaq_f32(s0, vld1q_f32(a + k), vld1q_f32(b + k));
+  float r = vaddvq_f32(vaddq_f32(vaddq_f32(s0, s1), vaddq_f32(s2, s3)));
+  for (; k < n; ++k) r += a[k] * b[k];
+  return r;
+}
+
+// As the AVX2 axpy_rows above, 64 columns in 16 NEON accumulators.
+void axpy_rows(const float* x, const float* W, int ld, int K, int j0, int j1, float* y, float alpha, float beta) {
+  constexpr int CW = 64;
+  for (int jb = j0; jb < j1; jb += CW) {
+    const int w = std::min(CW, j1 - jb);
+    float acc[CW] = {};
+    if (w == CW) {
+      float32x4_t a[CW / 4];
+      for (int q = 0; q < CW / 4; ++q) a[q] = vdupq_n_f32(0.0f);
+      for (int k = 0; k < K; ++k) {
+        const float32x4_t xv = vdupq_n_f32(x[k]);
+        const float* row = W + (size_t)k * ld + jb;
+        for (int q = 0; q < CW / 4; ++q) a[q] = vfmaq_f32(a[q], xv, vld1q_f32(row + 4 * q));
+      }
+      for (int q = 0; q < CW / 4; ++q) vst1q_f32(acc + 4 * q, a[q]);
+    } else {
+      for (int k = 0; k < K; ++k) {
+        const float* row = W + (size_t)k * ld + jb;
+        for (int j = 0; j < w; ++j) acc[j] += x[k] * row[j];
+      }
+    }
+    for (int j = 0; j < w; ++j) y[jb + j] = alpha * acc[j] + (beta != 0.0f ? beta * y[jb + j] : 0.0f);
+  }
+}
+#endif
+
+#ifdef K3_SGEMM
+// Row-major C[M, N] = alpha op(A) op(B) + beta C with this ISA's kernels, split over the pool.
+void sgemm_simd(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
                 float beta, float* C, int ldc) {
   const Mat a{A, lda, ta}, b{B, ldb, tb};
   const double flops = 2.0 * M * N * (double)K;
@@ -215,7 +314,7 @@ void sgemm_avx2(bool ta, bool tb, int M, int N, int K, float alpha, const float*
     if (tb) {  // C[0, j] = x . B[j, :]
       parallel_range(N, threads > 1 ? 64 : N, [&](size_t j0, size_t j1) {
         for (size_t j = j0; j < j1; ++j) {
-          float v = alpha * dot_avx2(x, B + j * (size_t)ldb, K);
+          float v = alpha * dot_f32(x, B + j * (size_t)ldb, K);
           C[j] = beta != 0.0f ? v + beta * C[j] : v;
         }
       });
@@ -231,7 +330,7 @@ void sgemm_avx2(bool ta, bool tb, int M, int N, int K, float alpha, const float*
     for (int k = 0; k < K; ++k) xs[k] = b.at(k, 0);
     parallel_range(M, threads > 1 ? 64 : M, [&](size_t i0, size_t i1) {
       for (size_t i = i0; i < i1; ++i) {
-        float v = alpha * dot_avx2(A + i * (size_t)lda, xs.data(), K);
+        float v = alpha * dot_f32(A + i * (size_t)lda, xs.data(), K);
         float* c = C + i * (size_t)ldc;
         *c = beta != 0.0f ? v + beta * *c : v;
       }
@@ -271,10 +370,14 @@ constexpr int kRowMajor = 101, kColMajor = 102, kNoTrans = 111;
 // Row-major sgemm through the project's kernel (false: not taken, the caller must use another BLAS).
 bool dense_sgemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
                  float beta, float* C, int ldc) {
+#ifdef K3_SGEMM
 #ifdef K3_X86
-  if (!cpu_has_avx2_fma() || use_reference.load(std::memory_order_relaxed)) return false;
+  if (!cpu_has_avx2_fma()) return false;
+#endif
+  if (use_reference.load(std::memory_order_relaxed)) return false;
+  taken.fetch_add(1, std::memory_order_relaxed);
   if (M <= 0 || N <= 0) return true;
-  sgemm_avx2(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  sgemm_simd(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   return true;
 #else
   return false;
@@ -295,7 +398,6 @@ extern "C" __attribute__((visibility("default"))) void cblas_sgemm(int order, in
     return true;
   }();
   (void)env_reference;
-  kk::calls.fetch_add(1, std::memory_order_relaxed);
   bool ta = trans_a != kk::kNoTrans, tb = trans_b != kk::kNoTrans;
   bool done = false;
   if (order == kk::kRowMajor) {
@@ -319,5 +421,5 @@ extern "C" int k3_dense_set_reference(bool on) {
 }
 
 extern "C" uint64_t k3_dense_sgemm_calls(void) {
-  return kk::calls.load();
+  return kk::taken.load();
 }

@@ -146,9 +146,10 @@ int k3_gather_codebook_gate_up_situ(k3_array* res, const k3_array x, const k3_ar
                                     bool has_linear_beta, float linear_beta, const k3_stream s);
 
 /* Dense f32 matmul: every program of this project exports `cblas_sgemm` (mlx-k3's build.rs), so MLX's CPU
- * float32 matmuls run the project's AVX2/FMA SGEMM (cpp/dense_sgemm.cpp) instead of the wheel's reference
- * BLAS. k3_dense_set_reference(true) (or K3_BLAS=reference in the environment) sends them back to the
- * wheel's BLAS; k3_dense_sgemm_calls counts the calls that reached the project's entry point. */
+ * float32 matmuls run the project's SGEMM (cpp/dense_sgemm.cpp: AVX2/FMA on x86-64, NEON on AArch64 Linux)
+ * instead of the wheel's reference BLAS. k3_dense_set_reference(true) (or K3_BLAS=reference in the
+ * environment) sends them back to the wheel's BLAS; k3_dense_sgemm_calls counts the calls the project's
+ * kernel computed (not those it passed on). */
 int k3_dense_set_reference(bool on);
 uint64_t k3_dense_sgemm_calls(void);
 

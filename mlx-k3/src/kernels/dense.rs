@@ -1,6 +1,7 @@
 //! Dense f32 matmul on the CPU. MLX's CPU back-end sends every float32 matmul to `cblas_sgemm`, which the
 //! Linux CPU wheel resolves to its bundled reference BLAS (~3 GFLOP/s). This crate's programs export the
-//! project's own `cblas_sgemm` (an AVX2/FMA SGEMM, `mlx-k3-metal/cpp/dense_sgemm.cpp`; see `build.rs`), so
+//! project's own `cblas_sgemm` (an AVX2/FMA SGEMM on x86-64, NEON on AArch64; `mlx-k3-metal/cpp/dense_sgemm.cpp`;
+//! see `build.rs`), so
 //! the dynamic linker binds MLX's calls to it: matmuls, attention and convolutions get a blocked,
 //! multi-threaded kernel with no change to the graph. The reference BLAS stays reachable for comparisons.
 
@@ -11,8 +12,8 @@ pub fn set_reference_blas(on: bool) {
     unsafe { mlx_k3_metal::k3_dense_set_reference(on) };
 }
 
-/// How many `cblas_sgemm` calls reached the project's entry point (all of MLX's f32 matmuls do when the
-/// program exports it, whichever kernel then runs them).
+/// How many `cblas_sgemm` calls the project's kernel computed (MLX's f32 matmuls reach its entry point when
+/// the program exports it; those it passes on to the reference BLAS are not counted).
 pub fn sgemm_calls() -> u64 {
     // SAFETY: plain call.
     unsafe { mlx_k3_metal::k3_dense_sgemm_calls() }
