@@ -116,16 +116,21 @@ fn bench_gate_up(c: &mut Criterion) {
 }
 
 /// MLX's dense f32 matmul through the project's SGEMM (exported `cblas_sgemm`) against the wheel's reference
-/// BLAS (`set_reference_blas(true)`): 1024^3 and the mid-size prefill's 512 x 2048 @ 2048 x 2048.
+/// BLAS (`set_reference_blas(true)`): 1024^3 and the mid-size prefill's 512 x 2048 @ 2048 x 2048. `project` is
+/// the default path (the AVX-512 micro-kernel where the CPU has it), `project_avx2` the AVX2 one.
 fn bench_dense(c: &mut Criterion) {
     let mut grp = c.benchmark_group("dense_sgemm");
     for (m, k, n) in [(1024, 1024, 1024), (512, 2048, 2048)] {
         let a = randn(&[m, k], 1.0, 31);
         let b = randn(&[k, n], 1.0, 32);
-        for (name, reference) in [("project", false), ("reference_blas", true)] {
+        for (name, reference, avx512) in
+            [("project", false, None), ("project_avx2", false, Some(false)), ("reference_blas", true, None)]
+        {
             grp.bench_function(format!("{name}/{m}x{k}x{n}"), |bn| {
                 kernels::set_reference_blas(reference);
+                kernels::set_avx512(avx512);
                 bn.iter(|| a.matmul(&b).unwrap().eval().unwrap());
+                kernels::set_avx512(None);
                 kernels::set_reference_blas(false);
             });
         }

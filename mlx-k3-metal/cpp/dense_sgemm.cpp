@@ -4,10 +4,10 @@
 // exports the symbol from every binary), which the dynamic linker binds MLX's calls to ahead of the wheel's
 // libblas: a register-blocked SGEMM (6x16 micro-kernel over packed panels, KC x MC blocks sized for L2) whose
 // work is split over the kernel thread pool, with dedicated matrix-vector paths. The micro-kernel and the
-// vector paths are AVX2/FMA on x86-64 and NEON on AArch64 Linux (the only AArch64 system where the symbol is
-// exported: on macOS MLX calls Accelerate). Anything it does not take (x86 CPUs without AVX2+FMA,
-// `K3_BLAS=reference`, `k3_dense_set_reference(true)`) goes to the next `cblas_sgemm` in the search order (the
-// wheel's), found with dlsym(RTLD_NEXT).
+// vector paths are AVX2/FMA on x86-64 (the micro-kernel 12x32 in AVX-512 where cpu_has_avx512()) and NEON on
+// AArch64 Linux (the only AArch64 system where the symbol is exported: on macOS MLX calls Accelerate). Anything
+// it does not take (x86 CPUs without AVX2+FMA, `K3_BLAS=reference`, `k3_dense_set_reference(true)`) goes to the
+// next `cblas_sgemm` in the search order (the wheel's), found with dlsym(RTLD_NEXT).
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -26,7 +26,7 @@
 namespace k3::kernels {
 namespace {
 
-constexpr int MR = 6, NR = 16;
+constexpr int MR = 6, NR = 16;  // the AVX2 and NEON micro-kernels' tile (AVX-512: 12 x 32)
 constexpr int KC = 256, MC = 120;  // A block 120 x 256 x 4 B = 120 KiB; a B panel 256 x 16 x 4 B = 16 KiB
 
 std::atomic<bool> use_reference{false};
@@ -84,6 +84,46 @@ __attribute__((target("avx2,fma"))) void micro_6x16(int kc, const float* Ap, con
   }
 }
 
+// The AVX-512 micro-kernel: a 12 x 32 tile in 24 zmm accumulators (two B vectors, twelve broadcasts of A per
+// step), twice the AVX2 tile's FMAs per load. Used where cpu_has_avx512() (K3_AVX512 / set_avx512 apply).
+constexpr int MR5 = 12, NR5 = 32;
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void micro_12x32(int kc, const float* Ap, const float* Bp,
+                                                                      float* C, int ldc, int mr, int nr,
+                                                                      float alpha, float beta) {
+  __m512 c[MR5][2];
+  for (int r = 0; r < MR5; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
+  for (int k = 0; k < kc; ++k) {
+    const __m512 b0 = _mm512_load_ps(Bp + k * NR5), b1 = _mm512_load_ps(Bp + k * NR5 + 16);
+    const float* a = Ap + k * MR5;
+    for (int r = 0; r < MR5; ++r) {
+      const __m512 av = _mm512_set1_ps(a[r]);
+      c[r][0] = _mm512_fmadd_ps(av, b0, c[r][0]);
+      c[r][1] = _mm512_fmadd_ps(av, b1, c[r][1]);
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  if (mr == MR5 && nr == NR5) {
+    for (int r = 0; r < MR5; ++r) {
+      float* cr = C + (size_t)r * ldc;
+      for (int h = 0; h < 2; ++h) {
+        __m512 v = _mm512_mul_ps(c[r][h], va);
+        if (beta != 0.0f) v = _mm512_fmadd_ps(_mm512_loadu_ps(cr + 16 * h), vb, v);
+        _mm512_storeu_ps(cr + 16 * h, v);
+      }
+    }
+    return;
+  }
+  alignas(64) float tmp[MR5][NR5];
+  for (int r = 0; r < MR5; ++r) {
+    _mm512_store_ps(tmp[r], c[r][0]);
+    _mm512_store_ps(tmp[r] + 16, c[r][1]);
+  }
+  for (int r = 0; r < mr; ++r) {
+    float* cr = C + (size_t)r * ldc;
+    for (int j = 0; j < nr; ++j) cr[j] = alpha * tmp[r][j] + (beta != 0.0f ? beta * cr[j] : 0.0f);
+  }
+}
+
 #elif defined(K3_NEON) && defined(__linux__)
 #define K3_SGEMM 1
 // The same micro-kernel in NEON: 24 accumulators of 4 lanes, each A value applied by lane (FMLA by element).
@@ -128,7 +168,10 @@ void micro_6x16(int kc, const float* Ap, const float* Bp, float* C, int ldc, int
 #endif
 
 #ifdef K3_SGEMM
+using MicroKernel = void (*)(int, const float*, const float*, float*, int, int, int, float, float);
+
 // Packs op(A)[i0:i0+mc, k0:k0+kc] into MR-row panels (zero-padded), k-major within a panel.
+template <int MR>
 void pack_a(const Mat& A, int i0, int mc, int k0, int kc, float* dst) {
   for (int ip = 0; ip < mc; ip += MR) {
     const int rows = std::min(MR, mc - ip);
@@ -148,6 +191,7 @@ void pack_a(const Mat& A, int i0, int mc, int k0, int kc, float* dst) {
 }
 
 // Packs op(B)[k0:k0+kc, j0:j0+nc] into NR-column panels (zero-padded), k-major within a panel.
+template <int NR>
 void pack_b(const Mat& B, int k0, int kc, int j0, int nc, float* dst) {
   for (int jp = 0; jp < nc; jp += NR) {
     const int cols = std::min(NR, nc - jp);
@@ -169,25 +213,26 @@ void pack_b(const Mat& B, int k0, int kc, int j0, int nc, float* dst) {
   }
 }
 
-// One thread's share: C[i0:i1, j0:j1] = alpha op(A) op(B) + beta C, blocked.
+// One thread's share: C[i0:i1, j0:j1] = alpha op(A) op(B) + beta C, blocked, with an MR x NR micro-kernel.
+template <int MR, int NR, MicroKernel micro>
 void gemm_block(const Mat& A, const Mat& B, float* C, int ldc, int i0, int i1, int j0, int j1, int K, float alpha,
                 float beta) {
   const int nc = j1 - j0;
   if (nc <= 0 || i1 <= i0) return;
   const int ncp = (nc + NR - 1) / NR * NR;
-  std::vector<float, std::allocator<float>> bbuf((size_t)KC * ncp + 16), abuf((size_t)KC * (MC + MR) + 16);
-  float* bp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(bbuf.data()) + 31) & ~uintptr_t(31));
-  float* ap = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(abuf.data()) + 31) & ~uintptr_t(31));
+  std::vector<float> bbuf((size_t)KC * ncp + 16), abuf((size_t)KC * (MC + MR) + 16);
+  float* bp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(bbuf.data()) + 63) & ~uintptr_t(63));
+  float* ap = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(abuf.data()) + 63) & ~uintptr_t(63));
   for (int k0 = 0; k0 < K; k0 += KC) {
     const int kc = std::min(KC, K - k0);
     const float b = k0 == 0 ? beta : 1.0f;
-    pack_b(B, k0, kc, j0, nc, bp);
+    pack_b<NR>(B, k0, kc, j0, nc, bp);
     for (int ic = i0; ic < i1; ic += MC) {
       const int mc = std::min(MC, i1 - ic);
-      pack_a(A, ic, mc, k0, kc, ap);
+      pack_a<MR>(A, ic, mc, k0, kc, ap);
       for (int jr = 0; jr < nc; jr += NR) {
         for (int ir = 0; ir < mc; ir += MR) {
-          micro_6x16(kc, ap + (size_t)ir * kc, bp + (size_t)jr * kc, C + (size_t)(ic + ir) * ldc + j0 + jr, ldc,
+          micro(kc, ap + (size_t)ir * kc, bp + (size_t)jr * kc, C + (size_t)(ic + ir) * ldc + j0 + jr, ldc,
                      std::min(MR, mc - ir), std::min(NR, nc - jr), alpha, b);
         }
       }
@@ -297,6 +342,26 @@ void axpy_rows(const float* x, const float* W, int ld, int K, int j0, int j1, fl
 #endif
 
 #ifdef K3_SGEMM
+// The blocked product split over the threads: the larger dimension, in whole NR / MR multiples.
+template <int MR, int NR, MicroKernel micro>
+void gemm_split(const Mat& a, const Mat& b, float* C, int ldc, int M, int N, int K, float alpha, float beta,
+                int threads) {
+  if (threads <= 1) return gemm_block<MR, NR, micro>(a, b, C, ldc, 0, M, 0, N, K, alpha, beta);
+  if (N >= M) {
+    const int per = ((N + threads - 1) / threads + NR - 1) / NR * NR;
+    parallel_for(threads, [&](size_t t) {
+      const int j0 = (int)t * per, j1 = std::min(N, j0 + per);
+      gemm_block<MR, NR, micro>(a, b, C, ldc, 0, M, j0, j1, K, alpha, beta);
+    });
+  } else {
+    const int per = ((M + threads - 1) / threads + MR - 1) / MR * MR;
+    parallel_for(threads, [&](size_t t) {
+      const int i0 = (int)t * per, i1 = std::min(M, i0 + per);
+      gemm_block<MR, NR, micro>(a, b, C, ldc, i0, i1, 0, N, K, alpha, beta);
+    });
+  }
+}
+
 // Row-major C[M, N] = alpha op(A) op(B) + beta C with this ISA's kernels, split over the pool.
 void sgemm_simd(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B, int ldb,
                 float beta, float* C, int ldc) {
@@ -337,21 +402,10 @@ void sgemm_simd(bool ta, bool tb, int M, int N, int K, float alpha, const float*
     });
     return;
   }
-  // Split the larger dimension over the threads (whole NR / MR multiples).
-  if (threads <= 1) return gemm_block(a, b, C, ldc, 0, M, 0, N, K, alpha, beta);
-  if (N >= M) {
-    const int per = ((N + threads - 1) / threads + NR - 1) / NR * NR;
-    parallel_for(threads, [&](size_t t) {
-      const int j0 = (int)t * per, j1 = std::min(N, j0 + per);
-      gemm_block(a, b, C, ldc, 0, M, j0, j1, K, alpha, beta);
-    });
-  } else {
-    const int per = ((M + threads - 1) / threads + MR - 1) / MR * MR;
-    parallel_for(threads, [&](size_t t) {
-      const int i0 = (int)t * per, i1 = std::min(M, i0 + per);
-      gemm_block(a, b, C, ldc, i0, i1, 0, N, K, alpha, beta);
-    });
-  }
+#ifdef K3_X86
+  if (cpu_has_avx512()) return gemm_split<MR5, NR5, micro_12x32>(a, b, C, ldc, M, N, K, alpha, beta, threads);
+#endif
+  gemm_split<MR, NR, micro_6x16>(a, b, C, ldc, M, N, K, alpha, beta, threads);
 }
 #endif
 
