@@ -37,6 +37,16 @@ bool reference_from_env() {
   return v && std::strcmp(v, "reference") == 0;
 }
 
+// Whether calls go to the reference BLAS now (K3_BLAS=reference is read once, then set_reference rules).
+bool reference_on() {
+  static const bool env_reference = [] {
+    if (reference_from_env()) use_reference.store(true);
+    return true;
+  }();
+  (void)env_reference;
+  return use_reference.load(std::memory_order_relaxed);
+}
+
 // Row-major view of op(X): element (r, c).
 struct Mat {
   const float* p;
@@ -428,7 +438,7 @@ bool dense_sgemm(bool ta, bool tb, int M, int N, int K, float alpha, const float
 #ifdef K3_X86
   if (!cpu_has_avx2_fma()) return false;
 #endif
-  if (use_reference.load(std::memory_order_relaxed)) return false;
+  if (reference_on()) return false;
   taken.fetch_add(1, std::memory_order_relaxed);
   if (M <= 0 || N <= 0) return true;
   sgemm_simd(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -447,11 +457,6 @@ extern "C" __attribute__((visibility("default"))) void cblas_sgemm(int order, in
                                                                     int K, float alpha, const float* A, int lda,
                                                                     const float* B, int ldb, float beta, float* C,
                                                                     int ldc) {
-  static const bool env_reference = [] {
-    if (kk::reference_from_env()) kk::use_reference.store(true);
-    return true;
-  }();
-  (void)env_reference;
   bool ta = trans_a != kk::kNoTrans, tb = trans_b != kk::kNoTrans;
   bool done = false;
   if (order == kk::kRowMajor) {
@@ -470,8 +475,23 @@ extern "C" __attribute__((visibility("default"))) void cblas_sgemm(int order, in
 }
 
 extern "C" int k3_dense_set_reference(bool on) {
+  (void)kk::reference_on();  // read K3_BLAS first, so that it cannot override this call later
   kk::use_reference.store(on);
   return 0;
+}
+
+extern "C" int k3_dense_sgemm_path(void) {
+#ifdef K3_SGEMM
+  if (kk::reference_on()) return 0;
+#ifdef K3_X86
+  if (!kk::cpu_has_avx2_fma()) return 0;
+  return kk::cpu_has_avx512() ? 2 : 1;
+#else
+  return 3;
+#endif
+#else
+  return 0;
+#endif
 }
 
 extern "C" uint64_t k3_dense_sgemm_calls(void) {

@@ -152,6 +152,9 @@ int k3_gather_codebook_gate_up_situ(k3_array* res, const k3_array x, const k3_ar
  * kernel computed (not those it passed on). */
 int k3_dense_set_reference(bool on);
 uint64_t k3_dense_sgemm_calls(void);
+/* Which kernel a dense f32 matmul that reaches the entry point runs now: 0 the next BLAS (K3_BLAS=reference,
+ * set_reference, or no project kernel for this CPU/system), 1 AVX2/FMA, 2 AVX-512, 3 NEON. */
+int k3_dense_sgemm_path(void);
 
 #ifdef __cplusplus
 }

@@ -256,3 +256,6 @@ unsafe extern "C" {
 unsafe extern "C" {
     pub fn k3_dense_sgemm_calls() -> u64;
 }
+unsafe extern "C" {
+    pub fn k3_dense_sgemm_path() -> ::std::os::raw::c_int;
+}

@@ -129,6 +129,33 @@ fn avx512_switch_from_the_environment() {
     assert_env_rejected("K3_AVX512", "yes", "K3_AVX512 must be 0 or 1", &[&["info"], &logits_args]);
 }
 
+/// `info` names the kernel MLX's dense f32 matmuls run: the project's SGEMM with the micro-kernel this CPU
+/// gets (`K3_AVX512` picks between the x86 ones), or the wheel's BLAS under `K3_BLAS=reference`.
+#[cfg(target_os = "linux")]
+#[test]
+fn info_names_the_dense_matmul_kernel() {
+    let info = |vars: &[(&str, &str)]| {
+        let (ok, stdout, stderr) = mlx_k3_env(vars, &["info"]);
+        assert!(ok, "{stdout}\n{stderr}");
+        stdout.lines().find_map(|l| l.strip_prefix("dense f32 matmul: ").map(str::to_string)).expect(&stdout)
+    };
+    assert_eq!(info(&[("K3_BLAS", "reference")]), "the MLX wheel's BLAS");
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+            && std::arch::is_x86_feature_detected!("avx512vl");
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            assert_eq!(info(&[("K3_AVX512", "0")]), "project SGEMM (AVX2/FMA)");
+            let want = if avx512 { "project SGEMM (AVX-512)" } else { "project SGEMM (AVX2/FMA)" };
+            assert_eq!(info(&[("K3_AVX512", "1")]), want);
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    assert_eq!(info(&[]), "project SGEMM (NEON)");
+}
+
 #[test]
 fn inspect_summarizes_a_quantized_checkpoint() {
     let (ok, stdout, stderr) = mlx_k3(&["inspect", fixture("a_latent_norm_attnres_mixed_2_8").to_str().unwrap()]);

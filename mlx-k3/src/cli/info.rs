@@ -24,5 +24,6 @@ pub(super) fn run() -> Result<()> {
     println!("quantized-kernel activations: {act}");
     // (The 8-bit affine kernel with f32 activations; K3_AVX512=0 keeps to AVX2.)
     println!("AVX-512 kernels: {}", if kernels::avx512()? { "on" } else { "off" });
+    println!("dense f32 matmul: {}", kernels::sgemm_path());
     Ok(())
 }

@@ -12,6 +12,21 @@ pub fn set_reference_blas(on: bool) {
     unsafe { mlx_k3_metal::k3_dense_set_reference(on) };
 }
 
+/// The kernel MLX's dense f32 matmuls run now, as `mlx-k3 info` names it: the project's SGEMM with its
+/// micro-kernel's instruction set, or the BLAS the wheel links (chosen with `K3_BLAS=reference` or
+/// [`set_reference_blas`], or because the project has no kernel for this CPU or system: on macOS MLX calls
+/// Accelerate, and only Linux programs export the project's `cblas_sgemm`).
+pub fn sgemm_path() -> &'static str {
+    // SAFETY: plain call.
+    match unsafe { mlx_k3_metal::k3_dense_sgemm_path() } {
+        1 => "project SGEMM (AVX2/FMA)",
+        2 => "project SGEMM (AVX-512)",
+        3 => "project SGEMM (NEON)",
+        _ if cfg!(target_os = "linux") => "the MLX wheel's BLAS",
+        _ => "MLX's platform BLAS",
+    }
+}
+
 /// How many `cblas_sgemm` calls the project's kernel computed (MLX's f32 matmuls reach its entry point when
 /// the program exports it; those it passes on to the reference BLAS are not counted).
 pub fn sgemm_calls() -> u64 {

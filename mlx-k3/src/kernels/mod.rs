@@ -12,7 +12,7 @@ mod situ;
 
 pub use attn_res::{attn_res_mix, attn_res_mix_reference, attn_res_supported};
 pub use combine::{moe_combine, moe_combine_reference};
-pub use dense::{set_reference_blas, sgemm_calls};
+pub use dense::{set_reference_blas, sgemm_calls, sgemm_path};
 pub use gate_up::{gate_up_fusable, gather_codebook_gate_up_situ, gather_gate_up_situ, Situ};
 pub use kda_step::{gated_delta_scan, kda_step, kda_step_reference, kda_step_supported, KdaStepInputs, KdaWeights};
 pub use norm::{log_softmax, rms_norm};
