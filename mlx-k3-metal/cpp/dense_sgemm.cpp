@@ -55,6 +55,15 @@ struct Mat {
   float at(int r, int c) const { return t ? p[(size_t)c * ld + r] : p[(size_t)r * ld + c]; }
 };
 
+// A partial tile's store (the micro-kernels' edge case): C[0:mr, 0:nr] = alpha * tile + beta * C, the tile's
+// rows `ld` floats apart.
+inline void store_edge(const float* tile, int ld, float* C, int ldc, int mr, int nr, float alpha, float beta) {
+  for (int r = 0; r < mr; ++r) {
+    float* cr = C + (size_t)r * ldc;
+    for (int j = 0; j < nr; ++j) cr[j] = alpha * tile[r * ld + j] + (beta != 0.0f ? beta * cr[j] : 0.0f);
+  }
+}
+
 #if defined(K3_X86)
 #define K3_SGEMM 1
 // C[0:mr, 0:nr] (ldc) = alpha * (Ap panel x Bp panel) + beta * C, for kc steps; Ap is kc x MR, Bp kc x NR.
@@ -88,10 +97,7 @@ __attribute__((target("avx2,fma"))) void micro_6x16(int kc, const float* Ap, con
     _mm256_store_ps(tmp[r], c[r][0]);
     _mm256_store_ps(tmp[r] + 8, c[r][1]);
   }
-  for (int r = 0; r < mr; ++r) {
-    float* cr = C + (size_t)r * ldc;
-    for (int j = 0; j < nr; ++j) cr[j] = alpha * tmp[r][j] + (beta != 0.0f ? beta * cr[j] : 0.0f);
-  }
+  store_edge(tmp[0], NR, C, ldc, mr, nr, alpha, beta);
 }
 
 // The AVX-512 micro-kernel: a 12 x 32 tile in 24 zmm accumulators (two B vectors, twelve broadcasts of A per
@@ -128,10 +134,7 @@ __attribute__((target("avx512f,avx512vl,avx2,fma"))) void micro_12x32(int kc, co
     _mm512_store_ps(tmp[r], c[r][0]);
     _mm512_store_ps(tmp[r] + 16, c[r][1]);
   }
-  for (int r = 0; r < mr; ++r) {
-    float* cr = C + (size_t)r * ldc;
-    for (int j = 0; j < nr; ++j) cr[j] = alpha * tmp[r][j] + (beta != 0.0f ? beta * cr[j] : 0.0f);
-  }
+  store_edge(tmp[0], NR5, C, ldc, mr, nr, alpha, beta);
 }
 
 #elif defined(K3_NEON) && defined(__linux__)
@@ -170,10 +173,7 @@ void micro_6x16(int kc, const float* Ap, const float* Bp, float* C, int ldc, int
   for (int r = 0; r < MR; ++r) {
     for (int q = 0; q < 4; ++q) vst1q_f32(tmp[r] + 4 * q, c[r][q]);
   }
-  for (int r = 0; r < mr; ++r) {
-    float* cr = C + (size_t)r * ldc;
-    for (int j = 0; j < nr; ++j) cr[j] = alpha * tmp[r][j] + (beta != 0.0f ? beta * cr[j] : 0.0f);
-  }
+  store_edge(tmp[0], NR, C, ldc, mr, nr, alpha, beta);
 }
 #endif
 
