@@ -310,7 +310,7 @@ fn a_killed_rank_makes_the_other_exit_with_an_error() {
     let mut err0 = String::new();
     r0.stderr.take().unwrap().read_to_string(&mut err0).unwrap();
     assert!(!status.success(), "rank 0 must exit non-zero");
-    assert!(err0.contains("mlx-k3: error:") && err0.contains("lost"), "rank 0 said: {err0}");
+    assert!(err0.contains("mlx-k3: error:") && err0.contains("lost"), "rank 0 exited {status:?}, saying: {err0}");
     eprintln!("rank 0 exited {:?} after {:?}: {}", status.code(), killed_at.elapsed(), err0.trim());
 }
 

@@ -33,6 +33,13 @@ pub(super) struct Args {
     dist: DistArgs,
 }
 
+impl Args {
+    /// Whether this runs as one rank of a distributed model (it then talks to its peers over sockets).
+    pub(super) fn is_distributed(&self) -> bool {
+        self.dist.distributed.is_some()
+    }
+}
+
 pub(super) fn run(args: Args) -> Result<()> {
     let tokens: Vec<i32> = args
         .tokens
