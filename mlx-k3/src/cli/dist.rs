@@ -27,6 +27,11 @@ pub struct DistArgs {
 }
 
 impl DistArgs {
+    /// Whether this process runs as one rank of a distributed model (it then talks to its peers over sockets).
+    pub fn is_distributed(&self) -> bool {
+        self.distributed.is_some()
+    }
+
     /// Joins the group when `--distributed` was given.
     pub fn join(&self) -> Result<Option<Arc<Comm>>> {
         let Some(name) = &self.distributed else { return Ok(None) };

@@ -160,7 +160,7 @@ pub(super) struct GenerateArgs {
 impl GenerateArgs {
     /// Whether this runs as one rank of a distributed model (it then talks to its peers over sockets).
     pub(super) fn is_distributed(&self) -> bool {
-        self.model.dist.distributed.is_some()
+        self.model.dist.is_distributed()
     }
 }
 

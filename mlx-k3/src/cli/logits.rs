@@ -30,14 +30,7 @@ pub(super) struct Args {
     #[arg(long, default_value_t = 0)]
     generate: usize,
     #[command(flatten)]
-    dist: DistArgs,
-}
-
-impl Args {
-    /// Whether this runs as one rank of a distributed model (it then talks to its peers over sockets).
-    pub(super) fn is_distributed(&self) -> bool {
-        self.dist.distributed.is_some()
-    }
+    pub(super) dist: DistArgs,
 }
 
 pub(super) fn run(args: Args) -> Result<()> {

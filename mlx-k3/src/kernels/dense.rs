@@ -1,9 +1,8 @@
 //! Dense f32 matmul on the CPU. MLX's CPU back-end sends every float32 matmul to `cblas_sgemm`, which the
 //! Linux CPU wheel resolves to its bundled reference BLAS (~3 GFLOP/s). This crate's programs export the
-//! project's own `cblas_sgemm` (an AVX2/FMA SGEMM on x86-64, NEON on AArch64; `mlx-k3-metal/cpp/dense_sgemm.cpp`;
-//! see `build.rs`), so
-//! the dynamic linker binds MLX's calls to it: matmuls, attention and convolutions get a blocked,
-//! multi-threaded kernel with no change to the graph. The reference BLAS stays reachable for comparisons.
+//! project's own `cblas_sgemm` (AVX2/FMA or AVX-512 on x86-64, NEON on AArch64;
+//! `mlx-k3-metal/cpp/dense_sgemm.cpp`; see `build.rs`), so the dynamic linker binds MLX's calls to it:
+//! matmuls, attention and convolutions get a blocked, multi-threaded kernel with no change to the graph. The reference BLAS stays reachable for comparisons.
 
 /// Sends MLX's float32 matmuls back to the wheel's reference BLAS (`true`) or to the project's SGEMM
 /// (`false`, the default unless `K3_BLAS=reference` is set).
