@@ -98,6 +98,14 @@ fn gemv(c: &mut Criterion) {
         g.bench_function(id("codebook_k3"), |b| {
             b.iter(|| codebook::codebook_qmm(&x, &cb).and_then(|y| y.eval()).unwrap())
         });
+        // Where the AVX-512 codebook kernel runs (f32 activations), the AVX2 one in the same run.
+        if kernels::avx512().unwrap() {
+            g.bench_function(id("codebook_avx2_k3"), |b| {
+                kernels::set_avx512(Some(false));
+                b.iter(|| codebook::codebook_qmm(&x, &cb).and_then(|y| y.eval()).unwrap());
+                kernels::set_avx512(None);
+            });
+        }
         // q8 mode (`*_q8_k3`): int8 activations, as ggml's dot products use; the op is built inside the timer.
         g.bench_function(id("codebook_q8_k3"), |b| {
             kernels::set_qmm_activations(Some(QmmActivations::Q8));
@@ -165,6 +173,13 @@ fn experts(c: &mut Criterion) {
     g.bench_function("codebook_k3", |b| {
         b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap())
     });
+    if kernels::avx512().unwrap() {
+        g.bench_function("codebook_avx2_k3", |b| {
+            kernels::set_avx512(Some(false));
+            b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
+            kernels::set_avx512(None);
+        });
+    }
     g.bench_function("codebook_q8_k3", |b| {
         kernels::set_qmm_activations(Some(QmmActivations::Q8));
         b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
@@ -210,6 +225,13 @@ fn experts(c: &mut Criterion) {
     g.bench_function("codebook_k3", |b| {
         b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap())
     });
+    if kernels::avx512().unwrap() {
+        g.bench_function("codebook_avx2_k3", |b| {
+            kernels::set_avx512(Some(false));
+            b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
+            kernels::set_avx512(None);
+        });
+    }
     g.bench_function("codebook_q8_k3", |b| {
         kernels::set_qmm_activations(Some(QmmActivations::Q8));
         b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());

@@ -5,7 +5,7 @@
 // `kMaxRows` activation rows at a time (decode cost amortized over the rows; the activation rows of a tile
 // stay in L1/L2 while weight rows stream). Each format has a scalar path and an AVX2+FMA path chosen at run
 // time (`cpu_has_avx2_fma`), so one binary runs on any x86-64 and uses AVX2 where present (and, for 8-bit affine
-// rows with f32 activations, AVX-512 where present: cpu_has_avx512). On AArch64 the
+// rows and the codebook with f32 activations, AVX-512 where present: cpu_has_avx512). On AArch64 the
 // f32-activation kernels have NEON paths (always present there). The codebook has a scalar path for other
 // CPUs (the compiler auto-vectorizes it). MLX's own formats (affine, mxfp4) have scalar paths too, but plain
 // affine/mxfp4 ops use MLX's kernels where there is no SIMD path (`cpu_has_simd`); only tiered expert stacks
@@ -30,7 +30,7 @@ bool cpu_has_avx2_fma();
 // The `simd` flag those kernels take is this value, read when an op is built.
 bool cpu_has_simd();
 
-// Whether the AVX-512 paths (F, BW, DQ, VL; the 8-bit affine kernel with f32 activations) run: the CPU has them,
+// Whether the AVX-512 paths (F, BW, DQ, VL; the 8-bit affine and codebook kernels with f32 activations) run: the CPU has them,
 // the AVX2 paths are on (cpu_has_avx2_fma) and they are not turned off (set_avx512(0), or K3_AVX512=0 while
 // set_avx512 is -1, the default). Read by the kernels when they run; the results differ from the AVX2 paths' only
 // in the order of f32 additions.
