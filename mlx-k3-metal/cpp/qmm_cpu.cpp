@@ -556,6 +556,13 @@ __attribute__((target("avx2,fma,f16c"))) static void codebook_rows_mb(const Code
 // library). `cargo bench -p mlx-k3 --bench qmm -- 'codebook_(k3|avx2_k3)'` on the README's Intel VM, same run:
 // 1.09-1.19x the AVX2 tile over the GEMV shapes, expert decode and sorted prefill, one or two threads. With the f32
 // grid in the same two-entry form (two 32-byte loads per zmm) it was 5% slower than this in a C++ harness.
+// Two int8 grid entries (8 bytes each) as 16 floats.
+K3_AVX512_TARGET static inline __m512 grid_pair_avx512(const int8_t* a, const int8_t* b) {
+  __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a));
+  v = _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(v), reinterpret_cast<const double*>(b)));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+
 template <int MB, int NB>
 K3_AVX512_TARGET static void codebook_tile_avx512(const CodebookRows& w, const float* x, const float* xsums, int m0,
                                                   int n, float* out, int ldo) {
@@ -581,12 +588,8 @@ K3_AVX512_TARGET static void codebook_tile_avx512(const CodebookRows& w, const f
       __m512 g01[NB], g23[NB];
       for (int j = 0; j < NB; ++j) {
         const int* o = offs[j] + 4 * bi;  // index * 8: the entry's byte offset in the int8 grid
-        __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(grid + o[0]));
-        v = _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(v), reinterpret_cast<const double*>(grid + o[1])));
-        g01[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
-        v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(grid + o[2]));
-        v = _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(v), reinterpret_cast<const double*>(grid + o[3])));
-        g23[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+        g01[j] = grid_pair_avx512(grid + o[0], grid + o[1]);
+        g23[j] = grid_pair_avx512(grid + o[2], grid + o[3]);
       }
       for (int m = 0; m < MB; ++m) {
         const float* xm = x + (size_t)(m0 + m) * K + 32 * b;
