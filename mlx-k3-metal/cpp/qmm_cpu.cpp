@@ -548,14 +548,6 @@ __attribute__((target("avx2,fma,f16c"))) static void codebook_rows_mb(const Code
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
-// The AVX-512 codebook tile (f32 activations, K a multiple of 256; other K take the AVX2 tile): one zmm holds two
-// grid entries (16 weights), read as int8 from the 16 KiB grid itself (L1-resident; the f32 grid above is 64 KiB)
-// and widened and converted in one step each, so a 32-block takes two multiply-adds per weight row instead of four.
-// Metadata and the delta term as codebook_tile_avx2; the lanes' sums differ from it only in f32 addition order.
-// Four weight rows per tile for one activation row (two ran 1.1x slower, no faster than the AVX2 tile inside the
-// library). `cargo bench -p mlx-k3 --bench qmm -- 'codebook_(k3|avx2_k3)'` on the README's Intel VM, same run:
-// 1.09-1.19x the AVX2 tile over the GEMV shapes, expert decode and sorted prefill, one or two threads. With the f32
-// grid in the same two-entry form (two 32-byte loads per zmm) it was 5% slower than this in a C++ harness.
 // Two int8 grid entries (8 bytes each) as 16 floats.
 K3_AVX512_TARGET static inline __m512 grid_pair_avx512(const int8_t* a, const int8_t* b) {
   __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a));
@@ -563,6 +555,14 @@ K3_AVX512_TARGET static inline __m512 grid_pair_avx512(const int8_t* a, const in
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
 }
 
+// The AVX-512 codebook tile (f32 activations, K a multiple of 256; other K take the AVX2 tile): one zmm holds two
+// grid entries (16 weights), read as int8 from the 16 KiB grid itself (L1-resident; the f32 grid above is 64 KiB)
+// and widened and converted in one step each, so a 32-block takes two multiply-adds per weight row instead of four.
+// Metadata and the delta term as codebook_tile_avx2; the lanes' sums differ from it only in f32 addition order.
+// Four weight rows per tile for one activation row (with two, the tile ran no faster than the AVX2 one inside the
+// library, though 1.15x faster in a C++ harness). `cargo bench -p mlx-k3 --bench qmm -- 'codebook_(k3|avx2_k3)'` on the README's Intel VM, same run:
+// 1.09-1.19x the AVX2 tile over the GEMV shapes, expert decode and sorted prefill, one or two threads. With the f32
+// grid in the same two-entry form (two 32-byte loads per zmm) it was 5% slower than this in a C++ harness.
 template <int MB, int NB>
 K3_AVX512_TARGET static void codebook_tile_avx512(const CodebookRows& w, const float* x, const float* xsums, int m0,
                                                   int n, float* out, int ldo) {
@@ -624,7 +624,7 @@ __attribute__((target("avx2,fma,f16c"))) static void codebook_rows_avx2(const Co
                                                                         const float* xsums, int rows, int n0, int n1,
                                                                         float* out, int ldo) {
   (void)g_grid_ready;
-  const bool avx512 = cpu_has_avx512() && rows > 0 && (w.K % 256) == 0;
+  const bool avx512 = cpu_has_avx512() && w.K % 256 == 0;
   for (int m0 = 0; m0 < rows; m0 += kMaxRows) {
     const int mb = std::min(kMaxRows, rows - m0);
     if (avx512) {
