@@ -10,7 +10,8 @@
 //! 512-token prefill through sorted experts at the mid-size configuration's expert shape (1024 -> 512, 8 of
 //! 128 experts per token), which is the largest that times in seconds on two cores.
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, Throughput};
 use mlx_k3::codebook::{self, Codebook};
 use mlx_k3::kernels::QmmActivations;
 use mlx_k3::quant::{self, Gather, QuantMode, QuantSpec, Quantized};
@@ -82,6 +83,18 @@ fn cbytes(c: &Codebook) -> u64 {
     (c.codes.nbytes() + c.qh.nbytes() + c.scales.nbytes()) as u64
 }
 
+/// Where the CPU has AVX-512, times `f` once more with the AVX2 kernels (`K3_AVX512` off for that row), so the
+/// two kernels meet in the same run; elsewhere adds nothing.
+fn bench_avx2(g: &mut BenchmarkGroup<'_, WallTime>, id: BenchmarkId, mut f: impl FnMut()) {
+    if kernels::avx512().unwrap() {
+        g.bench_function(id, |b| {
+            kernels::set_avx512(Some(false));
+            b.iter(&mut f);
+            kernels::set_avx512(None);
+        });
+    }
+}
+
 fn gemv(c: &mut Criterion) {
     let mut g = c.benchmark_group("gemv");
     g.sample_size(20);
@@ -98,14 +111,9 @@ fn gemv(c: &mut Criterion) {
         g.bench_function(id("codebook_k3"), |b| {
             b.iter(|| codebook::codebook_qmm(&x, &cb).and_then(|y| y.eval()).unwrap())
         });
-        // Where the AVX-512 codebook kernel runs (f32 activations), the AVX2 one in the same run.
-        if kernels::avx512().unwrap() {
-            g.bench_function(id("codebook_avx2_k3"), |b| {
-                kernels::set_avx512(Some(false));
-                b.iter(|| codebook::codebook_qmm(&x, &cb).and_then(|y| y.eval()).unwrap());
-                kernels::set_avx512(None);
-            });
-        }
+        bench_avx2(&mut g, id("codebook_avx2_k3"), || {
+            codebook::codebook_qmm(&x, &cb).and_then(|y| y.eval()).unwrap();
+        });
         // q8 mode (`*_q8_k3`): int8 activations, as ggml's dot products use; the op is built inside the timer.
         g.bench_function(id("codebook_q8_k3"), |b| {
             kernels::set_qmm_activations(Some(QmmActivations::Q8));
@@ -129,11 +137,9 @@ fn gemv(c: &mut Criterion) {
                 b.iter(|| quant::quantized_matmul(&x, &q, spec, true).and_then(|y| y.eval()).unwrap())
             });
             // Where the AVX-512 kernel runs (8-bit with f32 activations), the AVX2 one in the same run.
-            if name == "affine8" && kernels::avx512().unwrap() {
-                g.bench_function(id(&format!("{name}_avx2_k3")), |b| {
-                    kernels::set_avx512(Some(false));
-                    b.iter(|| kernels::quantized_matmul(&x, &q, spec).and_then(|y| y.eval()).unwrap());
-                    kernels::set_avx512(None);
+            if name == "affine8" {
+                bench_avx2(&mut g, id(&format!("{name}_avx2_k3")), || {
+                    kernels::quantized_matmul(&x, &q, spec).and_then(|y| y.eval()).unwrap();
                 });
             }
             if ["affine4", "affine2", "affine8", "mxfp4"].contains(&name) {
@@ -173,13 +179,9 @@ fn experts(c: &mut Criterion) {
     g.bench_function("codebook_k3", |b| {
         b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap())
     });
-    if kernels::avx512().unwrap() {
-        g.bench_function("codebook_avx2_k3", |b| {
-            kernels::set_avx512(Some(false));
-            b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
-            kernels::set_avx512(None);
-        });
-    }
+    bench_avx2(&mut g, BenchmarkId::from_parameter("codebook_avx2_k3"), || {
+        codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap();
+    });
     g.bench_function("codebook_q8_k3", |b| {
         kernels::set_qmm_activations(Some(QmmActivations::Q8));
         b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
@@ -225,13 +227,9 @@ fn experts(c: &mut Criterion) {
     g.bench_function("codebook_k3", |b| {
         b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap())
     });
-    if kernels::avx512().unwrap() {
-        g.bench_function("codebook_avx2_k3", |b| {
-            kernels::set_avx512(Some(false));
-            b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
-            kernels::set_avx512(None);
-        });
-    }
+    bench_avx2(&mut g, BenchmarkId::from_parameter("codebook_avx2_k3"), || {
+        codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap();
+    });
     g.bench_function("codebook_q8_k3", |b| {
         kernels::set_qmm_activations(Some(QmmActivations::Q8));
         b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());

@@ -144,7 +144,7 @@ pub fn print_stats(s: &GenerationStats) {
 #[derive(ClapArgs, Debug)]
 pub(super) struct GenerateArgs {
     #[command(flatten)]
-    model: ModelArgs,
+    pub(super) model: ModelArgs,
     /// The prompt.
     #[arg(long)]
     prompt: String,
@@ -155,13 +155,6 @@ pub(super) struct GenerateArgs {
     /// Use the prompt text as is.
     #[arg(long)]
     raw: bool,
-}
-
-impl GenerateArgs {
-    /// Whether this runs as one rank of a distributed model (it then talks to its peers over sockets).
-    pub(super) fn is_distributed(&self) -> bool {
-        self.model.dist.is_distributed()
-    }
 }
 
 pub(super) fn generate(args: GenerateArgs) -> Result<()> {

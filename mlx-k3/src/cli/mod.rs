@@ -68,7 +68,7 @@ pub fn main() -> ExitCode {
         Command::Info | Command::Inspect(_) | Command::Plan(_) | Command::Bench(_) => true,
         // A rank that wrote to a peer's closed socket would die of SIGPIPE with no message.
         Command::Logits(a) => !a.dist.is_distributed(),
-        Command::Generate(a) => !a.is_distributed(),
+        Command::Generate(a) => !a.model.dist.is_distributed(),
         _ => false,
     };
     if reporting {
