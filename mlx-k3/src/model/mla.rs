@@ -48,6 +48,24 @@ fn finfo_min(dtype: Dtype) -> f64 {
     }
 }
 
+/// One query token of every head attending over the shared latent cache: `q [B, H, 1, r]`, `latent [B, 1, S, r]`
+/// and the additive `bias [B, 1, H, S]` (heads as rows) -> `[B, H, 1, r]`, the heads the rows of one matrix
+/// product.
+///
+/// MLX's attention on the CPU is its fallback composition, which repeats the single latent head for each query
+/// head and multiplies each head's one query row on its own: H one-row products, each reading the whole cache
+/// (single-threaded matrix-vector products at decode). Folding the heads into the rows reads the cache once per
+/// product and lets the matmul use every thread. The operations are the fallback's (scale the query, scores,
+/// add the bias, precise softmax, weighted sum of the latents), so results differ from it only in the order in
+/// which the products add up.
+fn attend_latent_one_token(q: &Array, latent: &Array, scale: f32, bias: &Array) -> Result<Array> {
+    let s = q.shape();
+    let (b, h, r) = (s[0], s[1], s[3]);
+    let q = Array::scalar_as(scale as f64, q.dtype())?.multiply(q)?.reshape(&[b, 1, h, r])?;
+    let scores = q.matmul(&latent.swapaxes(-1, -2)?)?.add(bias)?;
+    scores.softmax(&[-1], true)?.matmul(latent)?.reshape(&[b, h, 1, r])
+}
+
 impl Mla {
     /// Loads the layer at `prefix` (`model.layers.N.self_attn`).
     pub fn load(ws: &mut WeightStore, prefix: &str, cfg: &TextConfig, shard: Option<Shard>) -> Result<Mla> {
@@ -150,27 +168,37 @@ impl Mla {
             None => (latent, k_pe),
         };
 
-        let mut pe_scores = q_pe.multiply(self.scale)?.matmul(&k_pe.swapaxes(-1, -2)?)?;
-        if let Some(m) = mask {
-            let dt = pe_scores.dtype();
-            pe_scores = ops::where_(m, &pe_scores, &Array::scalar_as(finfo_min(dt), dt)?)?;
-        }
-
-        let out = if l == 1 {
+        // The rope slot's scores, an additive bias on the latent scores ([B, H, L, S]).
+        let pe_q = q_pe.multiply(self.scale)?;
+        let k_pe_t = k_pe.swapaxes(-1, -2)?;
+        let out = if l == 1 && mask.is_none() && crate::current_stream()?.device() == crate::Device::Cpu {
+            // One token on the CPU: the heads as the rows of each product (attend_latent_one_token), the bias
+            // too ([B, 1, H, S]: k_pe is one head as well).
+            let bias = pe_q.reshape(&[b, 1, h, self.qk_rope])?.matmul(&k_pe_t)?;
             let q_abs = self.embed_q.forward(&q_nope, true)?;
-            let o = fast::scaled_dot_product_attention(
-                &q_abs,
-                &latent,
-                &latent,
-                self.scale,
-                AttentionMask::Array(&pe_scores),
-                None,
-            )?;
-            self.unembed_out.forward(&o, true)?
+            self.unembed_out.forward(&attend_latent_one_token(&q_abs, &latent, self.scale, &bias)?, true)?
         } else {
-            let k = self.embed_q.forward(&latent, false)?;
-            let v = self.unembed_out.forward(&latent, true)?;
-            fast::scaled_dot_product_attention(&q_nope, &k, &v, self.scale, AttentionMask::Array(&pe_scores), None)?
+            let mut pe_scores = pe_q.matmul(&k_pe_t)?;
+            if let Some(m) = mask {
+                let dt = pe_scores.dtype();
+                pe_scores = ops::where_(m, &pe_scores, &Array::scalar_as(finfo_min(dt), dt)?)?;
+            }
+            if l == 1 {
+                let q_abs = self.embed_q.forward(&q_nope, true)?;
+                let o = fast::scaled_dot_product_attention(
+                    &q_abs,
+                    &latent,
+                    &latent,
+                    self.scale,
+                    AttentionMask::Array(&pe_scores),
+                    None,
+                )?;
+                self.unembed_out.forward(&o, true)?
+            } else {
+                let k = self.embed_q.forward(&latent, false)?;
+                let v = self.unembed_out.forward(&latent, true)?;
+                fast::scaled_dot_product_attention(&q_nope, &k, &v, self.scale, AttentionMask::Array(&pe_scores), None)?
+            }
         };
         let mut out = out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
         if let Some(g) = gate {
