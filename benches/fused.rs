@@ -2,7 +2,9 @@
 //! one-token step (`kda_step` vs `kda_step_reference`), the attention-residual mix (`attn_res_mix` vs
 //! `attn_res_mix_reference`), and the routed experts' gate/up + SiTU (`gather_gate_up_situ` vs the project's
 //! two gathered kernels + the SiTU primitive, and vs MLX's stock `gather_qmm` twice + plain-ops SiTU), and
-//! MLX's dense f32 matmul through the project's SGEMM vs the wheel's reference BLAS.
+//! MLX's dense f32 matmul through the project's SGEMM vs the wheel's reference BLAS, and an MLA layer's
+//! one-token attention over its latent cache with the heads as matmul rows (`attend_latent_one_token`, what
+//! the model runs on the CPU) vs MLX's attention (its CPU fallback composition, what it ran before).
 //! Shapes are the mid-size K3 configuration of scripts/bench_e2e.py (16 KDA heads of 128, hidden 2048,
 //! 3 block snapshots, 128 experts 1024 -> 512 at 2-bit, top-8). Graph building and evaluation are inside
 //! the timer (MLX is lazy).
@@ -10,7 +12,9 @@
 //! Run: `cargo bench -p mlx-k3 --bench fused -- --warm-up-time 1 --measurement-time 3`.
 
 use criterion::{criterion_group, criterion_main, Criterion};
+use mlx_k3::fast::{self, AttentionMask};
 use mlx_k3::kernels::{self, KdaStepInputs, KdaWeights, Situ};
+use mlx_k3::model::mla::attend_latent_one_token;
 use mlx_k3::quant::{self, Gather, QuantMode, QuantSpec};
 use mlx_k3::{random, Array, Dtype};
 
@@ -138,5 +142,30 @@ fn bench_dense(c: &mut Criterion) {
     grp.finish();
 }
 
-criterion_group!(benches, bench_kda, bench_attn_res, bench_gate_up, bench_dense);
+fn bench_mla_decode(c: &mut Criterion) {
+    // The mid-size model's MLA layers: 16 heads, latent rank 512; the cache a slice of a longer buffer.
+    let (h, r, scale) = (16, 512, 0.07);
+    let mut grp = c.benchmark_group("mla_decode_attention_16x512");
+    for s in [128, 1024, 4096] {
+        let q = randn(&[1, h, 1, r], 1.0, 21);
+        let buf = randn(&[1, 1, s + 256, r], 1.0, 22);
+        let latent = buf.slice_axis(2, 0, s).unwrap();
+        let bias = randn(&[1, h, 1, s], 1.0, 23);
+        let bias_rows = bias.reshape(&[1, 1, h, s]).unwrap();
+        grp.bench_function(format!("heads_as_rows/{s}"), |bn| {
+            bn.iter(|| attend_latent_one_token(&q, &latent, scale, &bias_rows).unwrap().eval().unwrap())
+        });
+        grp.bench_function(format!("mlx_attention/{s}"), |bn| {
+            bn.iter(|| {
+                fast::scaled_dot_product_attention(&q, &latent, &latent, scale, AttentionMask::Array(&bias), None)
+                    .unwrap()
+                    .eval()
+                    .unwrap()
+            })
+        });
+    }
+    grp.finish();
+}
+
+criterion_group!(benches, bench_kda, bench_attn_res, bench_gate_up, bench_dense, bench_mla_decode);
 criterion_main!(benches);

@@ -58,7 +58,7 @@ fn finfo_min(dtype: Dtype) -> f64 {
 /// product and lets the matmul use every thread. The operations are the fallback's (scale the query, scores,
 /// add the bias, precise softmax, weighted sum of the latents), so results differ from it only in the order in
 /// which the products add up.
-fn attend_latent_one_token(q: &Array, latent: &Array, scale: f32, bias: &Array) -> Result<Array> {
+pub fn attend_latent_one_token(q: &Array, latent: &Array, scale: f32, bias: &Array) -> Result<Array> {
     let s = q.shape();
     let (b, h, r) = (s[0], s[1], s[3]);
     let q = Array::scalar_as(scale as f64, q.dtype())?.multiply(q)?.reshape(&[b, 1, h, r])?;
