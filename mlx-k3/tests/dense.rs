@@ -37,6 +37,13 @@ fn project_sgemm_matches_reference_blas() {
                 (1, 37, 301, 53, true, false),
                 (3, 65, 129, 33, true, true),
                 (2, 7, 5, 3, false, false),
+                // A few rows: an MLA layer's 16 heads at one token against a 4096-entry latent cache (both
+                // products of its decode attention), odd columns and a K tail, a narrow last block.
+                (1, 16, 512, 4096, false, true),
+                (1, 16, 4096, 512, false, false),
+                (2, 5, 37, 45, false, true),
+                (1, 13, 300, 50, false, false),
+                (1, 2, 9, 3, false, true),
             ]
             .iter()
             .enumerate()
