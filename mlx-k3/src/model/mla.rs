@@ -49,8 +49,8 @@ fn finfo_min(dtype: Dtype) -> f64 {
 }
 
 /// One query token of every head attending over the shared latent cache: `q [B, H, 1, r]`, `latent [B, 1, S, r]`
-/// and the additive `bias [B, 1, H, S]` (heads as rows) -> `[B, H, 1, r]`, the heads the rows of one matrix
-/// product.
+/// and the additive `bias [B, 1, H, S]` (heads as rows) -> `[B, H, 1, r]`, computed with the heads as the rows
+/// of each matrix product.
 ///
 /// MLX's attention on the CPU is its fallback composition, which repeats the single latent head for each query
 /// head and multiplies each head's one query row on its own: H one-row products, each reading the whole cache
