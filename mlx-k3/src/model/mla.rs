@@ -49,8 +49,7 @@ fn finfo_min(dtype: Dtype) -> f64 {
 }
 
 /// One query token of every head attending over the shared latent cache: `q [B, H, 1, r]`, `latent [B, 1, S, r]`
-/// and the additive `bias [B, 1, H, S]` (heads as rows) -> `[B, H, 1, r]`, computed with the heads as the rows
-/// of each matrix product.
+/// and the additive `bias [B, 1, H, S]` -> `[B, H, 1, r]`, with the heads as the rows of each matrix product.
 ///
 /// MLX's attention on the CPU is its fallback composition, which repeats the single latent head for each query
 /// head and multiplies each head's one query row on its own: H one-row products, each reading the whole cache
@@ -171,34 +170,41 @@ impl Mla {
         // The rope slot's scores, an additive bias on the latent scores ([B, H, L, S]).
         let pe_q = q_pe.multiply(self.scale)?;
         let k_pe_t = k_pe.swapaxes(-1, -2)?;
-        let out = if l == 1 && mask.is_none() && crate::current_stream()?.device() == crate::Device::Cpu {
-            // One token on the CPU: the heads as the rows of each product (attend_latent_one_token), the bias
-            // too ([B, 1, H, S]: k_pe is one head as well).
-            let bias = pe_q.reshape(&[b, 1, h, self.qk_rope])?.matmul(&k_pe_t)?;
-            let q_abs = self.embed_q.forward(&q_nope, true)?;
-            self.unembed_out.forward(&attend_latent_one_token(&q_abs, &latent, self.scale, &bias)?, true)?
-        } else {
-            let mut pe_scores = pe_q.matmul(&k_pe_t)?;
-            if let Some(m) = mask {
-                let dt = pe_scores.dtype();
-                pe_scores = ops::where_(m, &pe_scores, &Array::scalar_as(finfo_min(dt), dt)?)?;
+        let pe_scores = || -> Result<Array> {
+            let scores = pe_q.matmul(&k_pe_t)?;
+            match mask {
+                Some(m) => {
+                    let dt = scores.dtype();
+                    ops::where_(m, &scores, &Array::scalar_as(finfo_min(dt), dt)?)
+                }
+                None => Ok(scores),
             }
-            if l == 1 {
-                let q_abs = self.embed_q.forward(&q_nope, true)?;
-                let o = fast::scaled_dot_product_attention(
+        };
+
+        let out = if l == 1 {
+            let q_abs = self.embed_q.forward(&q_nope, true)?;
+            let o = if mask.is_none() && crate::current_stream()?.device() == crate::Device::Cpu {
+                // The heads as the rows of each product (attend_latent_one_token), the bias too ([B, 1, H, S]:
+                // k_pe is one head as well).
+                let bias = pe_q.reshape(&[b, 1, h, self.qk_rope])?.matmul(&k_pe_t)?;
+                attend_latent_one_token(&q_abs, &latent, self.scale, &bias)?
+            } else {
+                let pe = pe_scores()?;
+                fast::scaled_dot_product_attention(
                     &q_abs,
                     &latent,
                     &latent,
                     self.scale,
-                    AttentionMask::Array(&pe_scores),
+                    AttentionMask::Array(&pe),
                     None,
-                )?;
-                self.unembed_out.forward(&o, true)?
-            } else {
-                let k = self.embed_q.forward(&latent, false)?;
-                let v = self.unembed_out.forward(&latent, true)?;
-                fast::scaled_dot_product_attention(&q_nope, &k, &v, self.scale, AttentionMask::Array(&pe_scores), None)?
-            }
+                )?
+            };
+            self.unembed_out.forward(&o, true)?
+        } else {
+            let k = self.embed_q.forward(&latent, false)?;
+            let v = self.unembed_out.forward(&latent, true)?;
+            let pe = pe_scores()?;
+            fast::scaled_dot_product_attention(&q_nope, &k, &v, self.scale, AttentionMask::Array(&pe), None)?
         };
         let mut out = out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
         if let Some(g) = gate {
