@@ -136,8 +136,8 @@ fn gemv(c: &mut Criterion) {
             g.bench_function(id(&format!("{name}_mlx")), |b| {
                 b.iter(|| quant::quantized_matmul(&x, &q, spec, true).and_then(|y| y.eval()).unwrap())
             });
-            // Where the AVX-512 kernel runs (8-bit with f32 activations), the AVX2 one in the same run.
-            if name == "affine8" {
+            // Where an AVX-512 kernel runs (8-bit and MXFP4 with f32 activations), the AVX2 one in the same run.
+            if name == "affine8" || name == "mxfp4" {
                 bench_avx2(&mut g, id(&format!("{name}_avx2_k3")), || {
                     kernels::quantized_matmul(&x, &q, spec).and_then(|y| y.eval()).unwrap();
                 });

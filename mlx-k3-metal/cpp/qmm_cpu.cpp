@@ -1949,6 +1949,64 @@ __attribute__((target("avx2,fma"))) static void mxfp4_rows_mb(const Mxfp4Rows& w
   for (; n + 2 <= n1; n += 2) mxfp4_tile_avx2<MB, 2>(w, xp, m0, n, out, ldo);
   for (; n < n1; ++n) mxfp4_tile_avx2<MB, 1>(w, xp, m0, n, out, ldo);
 }
+
+// MXFP4 rows with f32 activations, AVX-512, reading the activations in the AVX2 tile's order (per 32-block the
+// even elements, then the odd). A block's 16 bytes are widened to 16 i32 lanes; vpermps reads only the low 4 bits
+// of each index lane, so with the 16 E2M1 values as its table one instruction turns the low nibbles into floats,
+// and after a 4-bit shift a second one the high nibbles (the AVX2 tile spends a mask, two byte shuffles, four
+// widenings and four converts per block). Four weight rows per tile at one activation row. Measured in a C++
+// harness against the AVX2 tile, one thread, same process (README, stop of 2026-12-03): 1.4-2.2x at
+// 4096 x 14336, 1.6x at 1024 x 4096.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+template <int MB, int NB>
+K3_AVX512_TARGET static void mxfp4_tile_avx512(const Mxfp4Rows& w, const float* xp, int m0, int n, float* out,
+                                               int ldo) {
+  const int K = w.K, nb = K / 32;
+  const size_t row_bytes = (size_t)K / 2;
+  const uint8_t* rows = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
+  const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
+                                      -2.0f, -3.0f, -4.0f, -6.0f);
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  }
+  for (int b = 0; b < nb; ++b) {
+    __m512 lo[NB], hi[NB], s[NB];
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* src = rows + j * row_bytes + 16 * (size_t)b;
+      if (starts_line(b, 16)) prefetch_ahead(src);
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+      lo[j] = _mm512_permutexvar_ps(v, table);
+      hi[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+      s[j] = _mm512_set1_ps(e8m0(w.scales[(size_t)(n + j) * nb + b]));
+    }
+    for (int m = 0; m < MB; ++m) {
+      const float* xm = xp + (size_t)(m0 + m) * K + 32 * (size_t)b;
+      const __m512 x0 = _mm512_loadu_ps(xm), x1 = _mm512_loadu_ps(xm + 16);
+      for (int j = 0; j < NB; ++j) {
+        const __m512 p = _mm512_fmadd_ps(hi[j], x1, _mm512_mul_ps(lo[j], x0));
+        acc[m][j] = _mm512_fmadd_ps(p, s[j], acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) out[(size_t)(m0 + m) * ldo + n + j] = _mm512_reduce_add_ps(acc[m][j]);
+  }
+}
+#pragma GCC diagnostic pop
+
+template <int MB>
+K3_AVX512_TARGET static void mxfp4_rows_mb_avx512(const Mxfp4Rows& w, const float* xp, int m0, int n0, int n1,
+                                                  float* out, int ldo) {
+  int n = n0;
+  if constexpr (MB == 1) {
+    for (; n + 4 <= n1; n += 4) mxfp4_tile_avx512<MB, 4>(w, xp, m0, n, out, ldo);
+  }
+  for (; n + 2 <= n1; n += 2) mxfp4_tile_avx512<MB, 2>(w, xp, m0, n, out, ldo);
+  for (; n < n1; ++n) mxfp4_tile_avx512<MB, 1>(w, xp, m0, n, out, ldo);
+}
 #endif
 
 // Scalar mxfp4 path: the tiered op's fallback on CPUs without a SIMD path.
@@ -2109,7 +2167,17 @@ void mxfp4_rows(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float*
   }
 #ifdef K3_X86
   if (simd) {
+    const bool avx512 = cpu_has_avx512();
     for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
+      if (avx512) {
+        switch (std::min(kMaxRows, a.rows - m0)) {
+          case 1: mxfp4_rows_mb_avx512<1>(w, a.permuted, m0, n0, n1, out, ldo); break;
+          case 2: mxfp4_rows_mb_avx512<2>(w, a.permuted, m0, n0, n1, out, ldo); break;
+          case 3: mxfp4_rows_mb_avx512<3>(w, a.permuted, m0, n0, n1, out, ldo); break;
+          default: mxfp4_rows_mb_avx512<4>(w, a.permuted, m0, n0, n1, out, ldo); break;
+        }
+        continue;
+      }
       switch (std::min(kMaxRows, a.rows - m0)) {
         case 1: mxfp4_rows_mb<1>(w, a.permuted, m0, n0, n1, out, ldo); break;
         case 2: mxfp4_rows_mb<2>(w, a.permuted, m0, n0, n1, out, ldo); break;
