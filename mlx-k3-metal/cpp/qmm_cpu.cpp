@@ -1886,6 +1886,9 @@ static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, i
 
 // E2M1 values times 2 (integers), by code: the f32 and q8 kernels' decoding table.
 static const int8_t kE2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// E2M1 values by code: the scalar kernel's decoding table and the AVX-512 tile's vpermps table.
+alignas(64) static const float kE2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 static inline float e8m0(uint8_t e) {
   // 2^(e - 127); MLX decodes e = 0 as 2^-127 (a subnormal) and 0xFF as NaN.
@@ -1966,8 +1969,7 @@ K3_AVX512_TARGET static void mxfp4_tile_avx512(const Mxfp4Rows& w, const float* 
   const int K = w.K, nb = K / 32;
   const size_t row_bytes = (size_t)K / 2;
   const uint8_t* rows = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
-  const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
-                                      -2.0f, -3.0f, -4.0f, -6.0f);
+  const __m512 table = _mm512_load_ps(kE2m1);
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -2011,8 +2013,6 @@ K3_AVX512_TARGET static void mxfp4_rows_mb_avx512(const Mxfp4Rows& w, const floa
 
 // Scalar mxfp4 path: the tiered op's fallback on CPUs without a SIMD path.
 static void mxfp4_rows_scalar(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
-  static const float e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
   const int K = w.K, nb = K / 32;
   for (int n = n0; n < n1; ++n) {
     const uint8_t* row = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * K / 2;
@@ -2023,7 +2023,7 @@ static void mxfp4_rows_scalar(const Mxfp4Rows& w, const Activations& a, int n0, 
         float s = 0;
         for (int i = 0; i < 32; ++i) {
           uint8_t byte = row[16 * b + i / 2];
-          s += e2m1[(i & 1) ? byte >> 4 : byte & 15] * xm[32 * b + i];
+          s += kE2m1[(i & 1) ? byte >> 4 : byte & 15] * xm[32 * b + i];
         }
         acc += e8m0(w.scales[(size_t)n * nb + b]) * s;
       }
@@ -2169,20 +2169,11 @@ void mxfp4_rows(const Mxfp4Rows& w, const Activations& a, int n0, int n1, float*
   if (simd) {
     const bool avx512 = cpu_has_avx512();
     for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
-      if (avx512) {
-        switch (std::min(kMaxRows, a.rows - m0)) {
-          case 1: mxfp4_rows_mb_avx512<1>(w, a.permuted, m0, n0, n1, out, ldo); break;
-          case 2: mxfp4_rows_mb_avx512<2>(w, a.permuted, m0, n0, n1, out, ldo); break;
-          case 3: mxfp4_rows_mb_avx512<3>(w, a.permuted, m0, n0, n1, out, ldo); break;
-          default: mxfp4_rows_mb_avx512<4>(w, a.permuted, m0, n0, n1, out, ldo); break;
-        }
-        continue;
-      }
       switch (std::min(kMaxRows, a.rows - m0)) {
-        case 1: mxfp4_rows_mb<1>(w, a.permuted, m0, n0, n1, out, ldo); break;
-        case 2: mxfp4_rows_mb<2>(w, a.permuted, m0, n0, n1, out, ldo); break;
-        case 3: mxfp4_rows_mb<3>(w, a.permuted, m0, n0, n1, out, ldo); break;
-        default: mxfp4_rows_mb<4>(w, a.permuted, m0, n0, n1, out, ldo); break;
+        case 1: (avx512 ? mxfp4_rows_mb_avx512<1> : mxfp4_rows_mb<1>)(w, a.permuted, m0, n0, n1, out, ldo); break;
+        case 2: (avx512 ? mxfp4_rows_mb_avx512<2> : mxfp4_rows_mb<2>)(w, a.permuted, m0, n0, n1, out, ldo); break;
+        case 3: (avx512 ? mxfp4_rows_mb_avx512<3> : mxfp4_rows_mb<3>)(w, a.permuted, m0, n0, n1, out, ldo); break;
+        default: (avx512 ? mxfp4_rows_mb_avx512<4> : mxfp4_rows_mb<4>)(w, a.permuted, m0, n0, n1, out, ldo); break;
       }
     }
     return;
