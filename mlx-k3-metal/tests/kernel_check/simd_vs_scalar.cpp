@@ -174,9 +174,10 @@ void codebook_case(Rng& r, int rows, int N, int K, bool q8 = false) {
 void run_all(const std::string& tag) {
   prefix = tag;
   Rng r(20261201);
-  // K: a multiple of 256, one with a short last super-block and a 128-chunk tail (416 = 256 + 160), and 96.
+  // K: a multiple of 256, one with a short last super-block and a 128-chunk tail (416 = 256 + 160), and 96. Group
+  // 256 takes the kernels' path for groups not known at compile time.
   for (int bits : {2, 3, 4, 5, 6, 8}) {
-    for (int group : {32, 64, 128}) {
+    for (int group : {32, 64, 128, 256}) {
       for (int K : {512, 416, 96}) {
         if (K % group) continue;
         for (int rows : {1, 3, 6}) affine_case(r, bits, group, rows, 13, K, 0);
