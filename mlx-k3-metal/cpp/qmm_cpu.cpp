@@ -1267,82 +1267,23 @@ __attribute__((target("avx2,fma"))) static void affine2_rows_mb(const AffineRows
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
-template <int MB, int NB, int BPG>
-K3_AVX512_TARGET static void affine8_tile_avx512(const AffineRows& w, const float* x, const float* gx, int m0, int n,
-                                                 float* out, int ldo) {
+// 4-bit rows (same tile): in the AVX2 kernel's activation order (permute_for_bits(4): each 32-block's even
+// elements, then its odd ones). A block's 16 bytes widen to 16 dword lanes; vpermps reads only the low 4 bits of each
+// index lane, so with the table {0, ..., 15} it turns the low nibbles (the even elements) into floats, and after a
+// shift by 4 the high ones: two permutes and a shift per 32 weights where the AVX2 kernel spends two byte shuffles,
+// two masks, two shifts and four conversions. With several activation rows the 4-bit tile keeps one product chain
+// per (activation row, weight row) pair. Both widths take one weight row per tile for one activation row (one stream
+// per thread, as the AVX2 kernel: see affine_rows_bpg), two for several. For 4 bits, in a one-thread C++ harness on
+// the README's Intel VM (4096 x 4096 and 4096 x 14336 from memory, 1024 x 1024 in cache, the two kernels
+// alternated): at one activation row 1.6-1.9x the AVX2 kernel with one weight row per tile, 1.3x with two, 0.7-1.0x
+// with four; at 2-4 rows two weight rows per tile 0.93-1.25x, one 0.74-1.39x.
+template <int BITS, int MB, int NB, int BPG>
+K3_AVX512_TARGET static void affine_tile_avx512(const AffineRows& w, const float* x, const float* gx, int m0, int n,
+                                                float* out, int ldo) {
+  static_assert(BITS == 4 || BITS == 8, "AVX-512 affine tiles: 4 and 8 bits");
+  constexpr int CH = BITS == 4 && MB > 1 ? 1 : 2;  // product chains per (activation row, weight row)
   const int K = w.K, ng = K / w.group, bpg = BPG ? BPG : w.group / 32;
-  const size_t row_bytes = (size_t)K;
-  const uint8_t* rows = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
-  __m512 acc[MB][NB];
-  for (int m = 0; m < MB; ++m) {
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
-  }
-  for (int j = 0; j < NB; ++j) prefetch_span(w.biases + (size_t)(n + j) * ng, (size_t)ng * sizeof(float));
-  for (int g = 0; g < ng; ++g) {
-    __m512 p[MB][NB][2];
-    for (int m = 0; m < MB; ++m) {
-      for (int j = 0; j < NB; ++j) p[m][j][0] = p[m][j][1] = _mm512_setzero_ps();
-    }
-#pragma GCC unroll 8
-    for (int bi = 0; bi < bpg; ++bi) {
-      const int b = g * bpg + bi;
-      __m512 v[NB][2];
-      for (int j = 0; j < NB; ++j) {
-        const uint8_t* src = rows + j * row_bytes + (size_t)b * 32;
-        if (starts_line(b, 32)) prefetch_ahead(src);
-        v[j][0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-        v[j][1] =
-            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-      }
-      for (int m = 0; m < MB; ++m) {
-        const float* xm = x + (size_t)(m0 + m) * K + 32 * b;
-        const __m512 x0 = _mm512_loadu_ps(xm), x1 = _mm512_loadu_ps(xm + 16);
-        for (int j = 0; j < NB; ++j) {
-          p[m][j][0] = _mm512_fmadd_ps(v[j][0], x0, p[m][j][0]);
-          p[m][j][1] = _mm512_fmadd_ps(v[j][1], x1, p[m][j][1]);
-        }
-      }
-    }
-    for (int j = 0; j < NB; ++j) {
-      const __m512 s = _mm512_set1_ps(w.scales[(size_t)(n + j) * ng + g]);
-      for (int m = 0; m < MB; ++m) acc[m][j] = _mm512_fmadd_ps(_mm512_add_ps(p[m][j][0], p[m][j][1]), s, acc[m][j]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) {
-    for (int j = 0; j < NB; ++j) {
-      const __m256 a8 = _mm256_add_ps(_mm512_extractf32x8_ps(acc[m][j], 0), _mm512_extractf32x8_ps(acc[m][j], 1));
-      out[(size_t)(m0 + m) * ldo + n + j] = hsum_plus_dot(a8, w.biases + (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
-    }
-  }
-}
-
-template <int MB, int BPG>
-K3_AVX512_TARGET static void affine8_rows_bpg_avx512(const AffineRows& w, const float* x, const float* gx, int m0,
-                                                     int n0, int n1, float* out, int ldo) {
-  int n = n0;
-  // One row at a time for one activation row (one stream per thread, as the AVX2 kernel: see affine_rows_bpg).
-  if constexpr (MB > 1) {
-    for (; n + 2 <= n1; n += 2) affine8_tile_avx512<MB, 2, BPG>(w, x, gx, m0, n, out, ldo);
-  }
-  for (; n < n1; ++n) affine8_tile_avx512<MB, 1, BPG>(w, x, gx, m0, n, out, ldo);
-}
-
-// 4-bit rows with f32 activations, AVX-512, in the AVX2 kernel's activation order (permute_for_bits(4): each
-// 32-block's even elements, then its odd ones). A block's 16 bytes widen to 16 dword lanes; vpermps reads only the
-// low 4 bits of each index lane, so with the table {0, ..., 15} it turns the low nibbles (the even elements) into
-// floats, and after a shift by 4 the high ones: two permutes and a shift per 32 weights where the AVX2 kernel
-// spends two byte shuffles, two masks, two shifts and four conversions. Per-group product chains, then the group's
-// scale; biases as in affine_tile_avx2. One weight row per tile for one activation row (one stream per thread, as
-// the 8-bit kernels), two for several, with one product chain per (activation row, weight row) pair then. In a
-// one-thread C++ harness on the README's Intel VM (4096 x 4096 and 4096 x 14336 from memory, 1024 x 1024 in cache,
-// the two kernels alternated): at one activation row 1.6-1.9x the AVX2 kernel with one weight row per tile, 1.3x
-// with two, 0.7-1.0x with four; at 2-4 rows two weight rows per tile 0.93-1.25x, one 0.75-1.39x.
-template <int MB, int NB, int BPG>
-K3_AVX512_TARGET static void affine4_tile_avx512(const AffineRows& w, const float* x, const float* gx, int m0, int n,
-                                                 float* out, int ldo) {
-  constexpr int CH = MB == 1 ? 2 : 1;  // product chains per (activation row, weight row)
-  const int K = w.K, ng = K / w.group, bpg = BPG ? BPG : w.group / 32;
-  const size_t row_bytes = (size_t)K / 2;
+  const size_t row_bytes = (size_t)K * BITS / 8;
   const uint8_t* rows = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[MB][NB];
@@ -1362,11 +1303,17 @@ K3_AVX512_TARGET static void affine4_tile_avx512(const AffineRows& w, const floa
       const int b = g * bpg + bi;
       __m512 v[NB][2];
       for (int j = 0; j < NB; ++j) {
-        const uint8_t* src = rows + j * row_bytes + (size_t)b * 16;
-        if (starts_line(b, 16)) prefetch_ahead(src);
-        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-        v[j][0] = _mm512_permutexvar_ps(c, table);
-        v[j][1] = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table);
+        const uint8_t* src = rows + j * row_bytes + (size_t)b * 4 * BITS;
+        if (starts_line(b, 4 * BITS)) prefetch_ahead(src);
+        const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+        if constexpr (BITS == 4) {
+          v[j][0] = _mm512_permutexvar_ps(c0, table);
+          v[j][1] = _mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), table);
+        } else {
+          v[j][0] = _mm512_cvtepi32_ps(c0);
+          v[j][1] = _mm512_cvtepi32_ps(
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+        }
       }
       for (int m = 0; m < MB; ++m) {
         const float* xm = x + (size_t)(m0 + m) * K + 32 * b;
@@ -1393,13 +1340,14 @@ K3_AVX512_TARGET static void affine4_tile_avx512(const AffineRows& w, const floa
   }
 }
 
-template <int MB, int BPG>
-K3_AVX512_TARGET static void affine4_rows_bpg_avx512(const AffineRows& w, const float* x, const float* gx, int m0,
-                                                     int n0, int n1, float* out, int ldo) {
-  constexpr int NB = MB == 1 ? 1 : 2;
+template <int BITS, int MB, int BPG>
+K3_AVX512_TARGET static void affine_rows_bpg_avx512(const AffineRows& w, const float* x, const float* gx, int m0,
+                                                    int n0, int n1, float* out, int ldo) {
   int n = n0;
-  for (; n + NB <= n1; n += NB) affine4_tile_avx512<MB, NB, BPG>(w, x, gx, m0, n, out, ldo);
-  for (; n < n1; ++n) affine4_tile_avx512<MB, 1, BPG>(w, x, gx, m0, n, out, ldo);
+  if constexpr (MB > 1) {
+    for (; n + 2 <= n1; n += 2) affine_tile_avx512<BITS, MB, 2, BPG>(w, x, gx, m0, n, out, ldo);
+  }
+  for (; n < n1; ++n) affine_tile_avx512<BITS, MB, 1, BPG>(w, x, gx, m0, n, out, ldo);
 }
 
 #pragma GCC diagnostic pop
@@ -1407,10 +1355,8 @@ K3_AVX512_TARGET static void affine4_rows_bpg_avx512(const AffineRows& w, const 
 template <int BITS, int MB, int BPG>
 __attribute__((target("avx2,fma"))) static void affine_rows_bpg(const AffineRows& w, const float* xp, const float* gx,
                                                                 int m0, int n0, int n1, float* out, int ldo) {
-  if constexpr (BITS == 8) {
-    if (cpu_has_avx512()) return affine8_rows_bpg_avx512<MB, BPG>(w, xp, gx, m0, n0, n1, out, ldo);
-  } else if constexpr (BITS == 4) {
-    if (cpu_has_avx512()) return affine4_rows_bpg_avx512<MB, BPG>(w, xp, gx, m0, n0, n1, out, ldo);
+  if constexpr (BITS == 4 || BITS == 8) {
+    if (cpu_has_avx512()) return affine_rows_bpg_avx512<BITS, MB, BPG>(w, xp, gx, m0, n0, n1, out, ldo);
   }
   int n = n0;
   // 8-bit rows for one activation row stream from memory faster one at a time: a thread reading two adjacent
