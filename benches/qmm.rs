@@ -136,9 +136,9 @@ fn gemv(c: &mut Criterion) {
             g.bench_function(id(&format!("{name}_mlx")), |b| {
                 b.iter(|| quant::quantized_matmul(&x, &q, spec, true).and_then(|y| y.eval()).unwrap())
             });
-            // Where an AVX-512 kernel runs (4-bit, 8-bit and MXFP4 with f32 activations), the AVX2 one in the
+            // Where an AVX-512 kernel runs (2-, 4- and 8-bit and MXFP4 with f32 activations), the AVX2 one in the
             // same run.
-            if ["affine4", "affine8", "mxfp4"].contains(&name) {
+            if ["affine4", "affine2", "affine8", "mxfp4"].contains(&name) {
                 bench_avx2(&mut g, id(&format!("{name}_avx2_k3")), || {
                     kernels::quantized_matmul(&x, &q, spec).and_then(|y| y.eval()).unwrap();
                 });

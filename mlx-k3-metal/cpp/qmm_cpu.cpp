@@ -174,6 +174,12 @@ static void interleave_2bit_f32(const float* x, int rows, int K, float* out) {
   interleave_rows(x, rows, K, 128, 2, [](int p) { return 16 * (p % 8) + p / 8; }, out);
 }
 
+// The same for the AVX-512 2-bit kernel (affine2_tile_avx512), over 256-chunks of sixteen words: position 16s + i
+// takes element 16i + s. Only for K % 256 == 0.
+static void interleave_2bit_f32_256(const float* x, int rows, int K, float* out) {
+  interleave_rows(x, rows, K, 256, 2, [](int p) { return 16 * (p % 16) + p / 16; }, out);
+}
+
 void prepare_activations(const float* x, int rows, int K, int order, float* permuted, float* sums) {
   int nb = K / 32;
   for (int m = 0; m < rows; ++m) {
@@ -185,6 +191,7 @@ void prepare_activations(const float* x, int rows, int K, int order, float* perm
     }
   }
   if (order == 2) interleave_2bit_f32(x, rows, K, permuted);
+  else if (order == kOrder2Bit256) interleave_2bit_f32_256(x, rows, K, permuted);
   else if (order != 0) permute_for_bits(x, rows, K, order, permuted);
 }
 
@@ -273,10 +280,12 @@ static void interleave_4bit_q8(const float* x, int rows, int K, float* out) {
 
 PreparedActivations::PreparedActivations(const float* x, int rows, int K, char format, int bits, bool simd, bool q8)
     : sums_((size_t)rows * (K / 32)) {
-  const int order = activation_order(format, bits, simd);
+  int order = activation_order(format, bits, simd);
+  if (order == 2 && K % 256 == 0 && cpu_has_avx512()) order = kOrder2Bit256;  // (affine2_tile_avx512)
   if (order) permuted_.resize((size_t)rows * K);
   prepare_activations(x, rows, K, order, permuted_.data(), sums_.data());
   a = Activations{x, order ? permuted_.data() : x, sums_.data(), rows, K};
+  a.order256 = order == kOrder2Bit256;
   if (q8) {
     q8_.resize((size_t)rows * K);
     q8_d_.resize((size_t)rows * codebook_super_blocks(K));
@@ -1263,7 +1272,8 @@ __attribute__((target("avx2,fma"))) static void affine2_rows_mb(const AffineRows
 // chains per group, then the group's scale; biases as in affine_tile_avx2. On the 2-core Zen 5 VM of the README
 // (criterion, same run) 1.3-2x the AVX2 kernel where the matrix is in cache; streaming from memory both run at
 // about the memory's rate. (A 2-bit AVX-512 kernel, the AVX2 one's lookup on two 128-chunks per register, measured
-// within 2% of it here, 4096x4096 and 3072x7168, so it was not kept.)
+// within 2% of it here, 4096x4096 and 3072x7168, so it was not kept; affine2_tile_avx512 below decodes two codes
+// per permute instead.)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -1348,6 +1358,135 @@ K3_AVX512_TARGET static void affine_rows_bpg_avx512(const AffineRows& w, const f
     for (; n + 2 <= n1; n += 2) affine_tile_avx512<BITS, MB, 2, BPG>(w, x, gx, m0, n, out, ldo);
   }
   for (; n < n1; ++n) affine_tile_avx512<BITS, MB, 1, BPG>(w, x, gx, m0, n, out, ldo);
+}
+
+// 2-bit rows with f32 activations, AVX-512: 256-chunks of sixteen u32 words (64 bytes), word i holding elements
+// 16i + s at bits 2s, so the activations are interleaved over 256 values (interleave_2bit_f32_256: position
+// 16s + i takes element 16i + s; used only when K % 256 == 0, see PreparedActivations). vpermps reads the low 4
+// bits of each index lane, i.e. two codes at once: with the table {i & 3} it yields the lower code, with {i >> 2}
+// the upper, so one shift serves two codes (the AVX2 kernel's vpermilps reads two bits: a shift per code). Per 32
+// weights that is 2 permutes, half a shift and 2 FMAs against the AVX2 kernel's 4 shifts, 4 permutes and 4 FMAs.
+// Lanes 2q and 2q + 1 cover 32-block q of the chunk; its scale is applied per chunk as in affine2_tile_avx2. Two
+// weight rows per tile, as the AVX2 kernel: in a one-thread C++ harness on the README's Intel VM (the two kernels
+// alternated in one process, 1024 x 1024 in cache, 4096 x 4096, 4096 x 14336 and 14336 x 4096 from memory, one
+// activation row) two rows with two product chains each were 1.23-1.71x the AVX2 kernel, one row with two or four
+// chains 0.89-1.54x (0.89-0.95x at 4096 x 14336); at 2-4 activation rows two rows per tile 1.5-1.8x.
+// The lanes' scales for 256-chunk c of a 2-bit row whose group scales start at r: lane i covers block 8c + i / 2.
+// GK as in affine2_tile_avx2 (1: group 32, 2: group 64, 4: group 128, 0: any other multiple of 32).
+template <int GK>
+K3_AVX512_TARGET static inline __m512 affine2_scales_avx512(const float* r, int G, int c) {
+  const __m512i by_block = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  if constexpr (GK == 1) {
+    return _mm512_permutexvar_ps(by_block, _mm512_castps256_ps512(_mm256_loadu_ps(r + 8 * c)));
+  } else if constexpr (GK == 2) {
+    const __m512i by_64 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return _mm512_permutexvar_ps(by_64, _mm512_castps128_ps512(_mm_loadu_ps(r + 4 * c)));
+  } else if constexpr (GK == 4) {
+    const __m512i by_128 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(r + 2 * c)));
+    return _mm512_permutexvar_ps(by_128, _mm512_castps128_ps512(two));
+  } else {
+    if (G % 256 == 0) return _mm512_set1_ps(r[256 * c / G]);
+    alignas(32) float s8[8];
+    for (int q = 0; q < 8; ++q) s8[q] = r[(256 * c + 32 * q) / G];
+    return _mm512_permutexvar_ps(by_block, _mm512_castps256_ps512(_mm256_load_ps(s8)));
+  }
+}
+
+template <int MB, int NB, int GK>
+K3_AVX512_TARGET static void affine2_tile_avx512(const AffineRows& w, const float* xp, const float* gx, int m0, int n,
+                                                 float* out, int ldo) {
+  constexpr int CH = MB <= 2 ? 2 : 1;  // product chains per (activation row, weight row)
+  const int K = w.K, ng = K / w.group, nc = K / 256;
+  const size_t row_bytes = (size_t)K / 4;
+  const uint8_t* rows = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
+  const __m512 t_lo = _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  const __m512 t_hi = _mm512_setr_ps(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  }
+  for (int j = 0; j < NB; ++j) prefetch_span(w.biases + (size_t)(n + j) * ng, (size_t)ng * sizeof(float));
+  for (int c = 0; c < nc; ++c) {
+    __m512i v[NB];
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* src = rows + j * row_bytes + 64 * (size_t)c;
+      prefetch_ahead(src);
+      v[j] = _mm512_loadu_si512(src);
+    }
+    __m512 p[MB][NB][CH];
+    for (int m = 0; m < MB; ++m) {
+      for (int j = 0; j < NB; ++j) {
+        for (int h = 0; h < CH; ++h) p[m][j][h] = _mm512_setzero_ps();
+      }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      __m512 lo[NB], hi[NB];
+      for (int j = 0; j < NB; ++j) {
+        const __m512i idx = t == 0 ? v[j] : _mm512_srli_epi32(v[j], 4 * t);
+        lo[j] = _mm512_permutexvar_ps(idx, t_lo);
+        hi[j] = _mm512_permutexvar_ps(idx, t_hi);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = xp + (size_t)(m0 + m) * K + 256 * (size_t)c + 32 * t;
+        const __m512 x0 = _mm512_loadu_ps(xm), x1 = _mm512_loadu_ps(xm + 16);
+        for (int j = 0; j < NB; ++j) {
+          p[m][j][(2 * t) % CH] = _mm512_fmadd_ps(lo[j], x0, p[m][j][(2 * t) % CH]);
+          p[m][j][(2 * t + 1) % CH] = _mm512_fmadd_ps(hi[j], x1, p[m][j][(2 * t + 1) % CH]);
+        }
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const __m512 sv = affine2_scales_avx512<GK>(w.scales + (size_t)(n + j) * ng, w.group, c);
+      for (int m = 0; m < MB; ++m) {
+        __m512 d = p[m][j][0];
+        for (int h = 1; h < CH; ++h) d = _mm512_add_ps(d, p[m][j][h]);
+        acc[m][j] = _mm512_fmadd_ps(d, sv, acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      const __m256 a8 = _mm256_add_ps(_mm512_extractf32x8_ps(acc[m][j], 0), _mm512_extractf32x8_ps(acc[m][j], 1));
+      out[(size_t)(m0 + m) * ldo + n + j] = hsum_plus_dot(a8, w.biases + (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
+    }
+  }
+}
+
+template <int MB, int GK>
+K3_AVX512_TARGET static void affine2_rows_mb_avx512(const AffineRows& w, const float* xp, const float* gx, int m0,
+                                                    int n0, int n1, float* out, int ldo) {
+  int n = n0;
+  for (; n + 2 <= n1; n += 2) affine2_tile_avx512<MB, 2, GK>(w, xp, gx, m0, n, out, ldo);
+  for (; n < n1; ++n) affine2_tile_avx512<MB, 1, GK>(w, xp, gx, m0, n, out, ldo);
+}
+
+template <int MB>
+K3_AVX512_TARGET static void affine2_rows_gk_avx512(const AffineRows& w, const float* xp, const float* gx, int m0,
+                                                    int n0, int n1, float* out, int ldo) {
+  switch (w.group) {
+    case 32: return affine2_rows_mb_avx512<MB, 1>(w, xp, gx, m0, n0, n1, out, ldo);
+    case 64: return affine2_rows_mb_avx512<MB, 2>(w, xp, gx, m0, n0, n1, out, ldo);
+    case 128: return affine2_rows_mb_avx512<MB, 4>(w, xp, gx, m0, n0, n1, out, ldo);
+    default: return affine2_rows_mb_avx512<MB, 0>(w, xp, gx, m0, n0, n1, out, ldo);
+  }
+}
+
+// xp in the order of interleave_2bit_f32_256 (K % 256 == 0).
+static void affine2_rows_avx512(const AffineRows& w, const float* xp, const float* xsums, int rows, int n0, int n1,
+                                float* out, int ldo) {
+  std::vector<float> gx;
+  for (int m0 = 0; m0 < rows; m0 += kMaxRows) {
+    const int mb = std::min(kMaxRows, rows - m0);
+    affine_group_sums(w, xsums, m0, mb, gx);
+    switch (mb) {
+      case 1: affine2_rows_gk_avx512<1>(w, xp, gx.data(), m0, n0, n1, out, ldo); break;
+      case 2: affine2_rows_gk_avx512<2>(w, xp, gx.data(), m0, n0, n1, out, ldo); break;
+      case 3: affine2_rows_gk_avx512<3>(w, xp, gx.data(), m0, n0, n1, out, ldo); break;
+      default: affine2_rows_gk_avx512<4>(w, xp, gx.data(), m0, n0, n1, out, ldo); break;
+    }
+  }
 }
 
 #pragma GCC diagnostic pop
@@ -1881,7 +2020,9 @@ static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, i
 #ifdef K3_X86
   if (simd && !q8 && affine_has_simd(w.bits) && w.group % 32 == 0) {
     switch (w.bits) {
-      case 2: return affine_rows_avx2<2>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
+      case 2:
+        if (a.order256) return affine2_rows_avx512(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
+        return affine_rows_avx2<2>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
       case 3: return affine_rows_avx2<3>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
       case 4: return affine_rows_avx2<4>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);  // (AVX-512 where present)
       case 5: return affine_rows_avx2<5>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);

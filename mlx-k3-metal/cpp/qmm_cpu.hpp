@@ -75,12 +75,17 @@ struct Activations {
   const int8_t* q8 = nullptr;         // [rows, K]
   const float* q8_d = nullptr;        // [rows, ceil(K / 256)]
   const int16_t* q8_bsums = nullptr;  // [rows, K / 32 + 8] (8 zero entries of padding after the last row)
+  // `permuted` holds 2-bit activations in the AVX-512 kernel's 256-value order (kOrder2Bit256), not the AVX2 one.
+  bool order256 = false;
 };
 
 // Bit width whose decoder order `permuted` must follow for this format (0 = natural order). Formats:
 // 'c' codebook, 'a' affine (with bits), 'm' mxfp4. `simd` is the path choice made when the op was built
 // (cpu_has_simd() then), passed to the kernels too so a later toggle cannot split one op's decisions.
 int activation_order(char format, int bits, bool simd);
+// The order prepare_activations produces for the AVX-512 2-bit kernel (PreparedActivations picks it over order 2
+// where that kernel runs: AVX-512 and K % 256 == 0).
+constexpr int kOrder2Bit256 = 256;
 
 // Fills `permuted` (when order != 0) and `sums` for x.
 void prepare_activations(const float* x, int rows, int K, int order, float* permuted, float* sums);
