@@ -1267,6 +1267,23 @@ __attribute__((target("avx2,fma"))) static void affine2_rows_mb(const AffineRows
   for (; n < n1; ++n) affine2_tile_avx2<MB, 1, GK>(w, xp, gx, m0, n, out, ldo);
 }
 
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+// out[m0 + m][n + j] = the sum of acc[m][j]'s lanes plus row n + j's bias term (see hsum_plus_dot): the AVX-512
+// affine tiles' last step.
+template <int MB, int NB>
+K3_AVX512_TARGET static inline void store_affine_avx512(const __m512 (&acc)[MB][NB], const AffineRows& w,
+                                                        const float* gx, int m0, int n, float* out, int ldo) {
+  const int ng = w.K / w.group;
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      const __m256 a8 = _mm256_add_ps(_mm512_extractf32x8_ps(acc[m][j], 0), _mm512_extractf32x8_ps(acc[m][j], 1));
+      out[(size_t)(m0 + m) * ldo + n + j] = hsum_plus_dot(a8, w.biases + (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
+    }
+  }
+}
+
 // 8-bit rows with f32 activations, AVX-512 (natural order, as the AVX2 kernel): each 32-block is two 16-code
 // loads widened and converted in one zmm each (half the AVX2 kernel's instructions per weight). Two product
 // chains per group, then the group's scale; biases as in affine_tile_avx2. On the 2-core Zen 5 VM of the README
@@ -1274,9 +1291,6 @@ __attribute__((target("avx2,fma"))) static void affine2_rows_mb(const AffineRows
 // about the memory's rate. (A 2-bit AVX-512 kernel, the AVX2 one's lookup on two 128-chunks per register, measured
 // within 2% of it here, 4096x4096 and 3072x7168, so it was not kept; affine2_tile_avx512 below decodes two codes
 // per permute instead.)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
 // 4-bit rows (same tile): in the AVX2 kernel's activation order (permute_for_bits(4): each 32-block's even
 // elements, then its odd ones). A block's 16 bytes widen to 16 dword lanes; vpermps reads only the low 4 bits of each
 // index lane, so with the table {0, ..., 15} it turns the low nibbles (the even elements) into floats, and after a
@@ -1342,12 +1356,7 @@ K3_AVX512_TARGET static void affine_tile_avx512(const AffineRows& w, const float
       }
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    for (int j = 0; j < NB; ++j) {
-      const __m256 a8 = _mm256_add_ps(_mm512_extractf32x8_ps(acc[m][j], 0), _mm512_extractf32x8_ps(acc[m][j], 1));
-      out[(size_t)(m0 + m) * ldo + n + j] = hsum_plus_dot(a8, w.biases + (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
-    }
-  }
+  store_affine_avx512<MB, NB>(acc, w, gx, m0, n, out, ldo);
 }
 
 template <int BITS, int MB, int BPG>
@@ -1446,12 +1455,7 @@ K3_AVX512_TARGET static void affine2_tile_avx512(const AffineRows& w, const floa
       }
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    for (int j = 0; j < NB; ++j) {
-      const __m256 a8 = _mm256_add_ps(_mm512_extractf32x8_ps(acc[m][j], 0), _mm512_extractf32x8_ps(acc[m][j], 1));
-      out[(size_t)(m0 + m) * ldo + n + j] = hsum_plus_dot(a8, w.biases + (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
-    }
-  }
+  store_affine_avx512<MB, NB>(acc, w, gx, m0, n, out, ldo);
 }
 
 template <int MB, int GK>
