@@ -1369,17 +1369,6 @@ K3_AVX512_TARGET static void affine_rows_bpg_avx512(const AffineRows& w, const f
   for (; n < n1; ++n) affine_tile_avx512<BITS, MB, 1, BPG>(w, x, gx, m0, n, out, ldo);
 }
 
-// 2-bit rows with f32 activations, AVX-512: 256-chunks of sixteen u32 words (64 bytes), word i holding elements
-// 16i + s at bits 2s, so the activations are interleaved over 256 values (interleave_2bit_f32_256: position
-// 16s + i takes element 16i + s; used only when K % 256 == 0, see PreparedActivations). vpermps reads the low 4
-// bits of each index lane, i.e. two codes at once: with the table {i & 3} it yields the lower code, with {i >> 2}
-// the upper, so one shift serves two codes (the AVX2 kernel's vpermilps reads two bits: a shift per code). Per 32
-// weights that is 2 permutes, half a shift and 2 FMAs against the AVX2 kernel's 4 shifts, 4 permutes and 4 FMAs.
-// Lanes 2q and 2q + 1 cover 32-block q of the chunk; its scale is applied per chunk as in affine2_tile_avx2. Two
-// weight rows per tile, as the AVX2 kernel: in a one-thread C++ harness on the README's Intel VM (the two kernels
-// alternated in one process, 1024 x 1024 in cache, 4096 x 4096, 4096 x 14336 and 14336 x 4096 from memory, one
-// activation row) two rows with two product chains each were 1.23-1.71x the AVX2 kernel, one row with two or four
-// chains 0.89-1.54x (0.89-0.95x at 4096 x 14336); at 2-4 activation rows two rows per tile 1.5-1.8x.
 // The lanes' scales for 256-chunk c of a 2-bit row whose group scales start at r: lane i covers block 8c + i / 2.
 // GK as in affine2_tile_avx2 (1: group 32, 2: group 64, 4: group 128, 0: any other multiple of 32).
 template <int GK>
@@ -1402,6 +1391,17 @@ K3_AVX512_TARGET static inline __m512 affine2_scales_avx512(const float* r, int 
   }
 }
 
+// 2-bit rows with f32 activations, AVX-512: 256-chunks of sixteen u32 words (64 bytes), word i holding elements
+// 16i + s at bits 2s, so the activations are interleaved over 256 values (interleave_2bit_f32_256: position
+// 16s + i takes element 16i + s; used only when K % 256 == 0, see PreparedActivations). vpermps reads the low 4
+// bits of each index lane, i.e. two codes at once: with the table {i & 3} it yields the lower code, with {i >> 2}
+// the upper, so one shift serves two codes (the AVX2 kernel's vpermilps reads two bits: a shift per code). Per 32
+// weights that is 2 permutes, half a shift and 2 FMAs against the AVX2 kernel's 4 shifts, 4 permutes and 4 FMAs.
+// Lanes 2q and 2q + 1 cover 32-block q of the chunk; its scale is applied per chunk as in affine2_tile_avx2. Two
+// weight rows per tile, as the AVX2 kernel: in a one-thread C++ harness on the README's Intel VM (the two kernels
+// alternated in one process, 1024 x 1024 in cache, 4096 x 4096, 4096 x 14336 and 14336 x 4096 from memory, one
+// activation row) two rows with two product chains each were 1.23-1.71x the AVX2 kernel, one row with two or four
+// chains 0.89-1.54x (0.89-0.95x at 4096 x 14336); at 2-4 activation rows two rows per tile 1.5-1.8x.
 template <int MB, int NB, int GK>
 K3_AVX512_TARGET static void affine2_tile_avx512(const AffineRows& w, const float* xp, const float* gx, int m0, int n,
                                                  float* out, int ldo) {
