@@ -126,12 +126,13 @@ static inline float f16_to_f32(uint16_t h) {
   return f;
 }
 
-int activation_order(char format, int bits, bool simd) {
+int activation_order(char format, int bits, bool simd, int K) {
 #ifndef K3_X86
   simd = false;  // the NEON kernels read the activations in natural order
 #endif
   if (!simd) return 0;
   if (format == 'm') return 4;
+  if (format == 'a' && bits == 2 && K % 256 == 0 && cpu_has_avx512()) return kOrder2Bit256;  // affine2_tile_avx512
   if (format == 'a' && (bits == 2 || bits == 4)) return bits;
   return 0;
 }
@@ -280,8 +281,7 @@ static void interleave_4bit_q8(const float* x, int rows, int K, float* out) {
 
 PreparedActivations::PreparedActivations(const float* x, int rows, int K, char format, int bits, bool simd, bool q8)
     : sums_((size_t)rows * (K / 32)) {
-  int order = activation_order(format, bits, simd);
-  if (order == 2 && K % 256 == 0 && cpu_has_avx512()) order = kOrder2Bit256;  // (affine2_tile_avx512)
+  const int order = activation_order(format, bits, simd, K);
   if (order) permuted_.resize((size_t)rows * K);
   prepare_activations(x, rows, K, order, permuted_.data(), sums_.data());
   a = Activations{x, order ? permuted_.data() : x, sums_.data(), rows, K};
@@ -1972,23 +1972,14 @@ static void affine_rows_q8_direct(const AffineRows& w, const Activations& a, int
 }
 #endif
 
-// n f16 or bf16 values as f32. The AVX2/F16C loop is the scalar one's values (both conversions are exact). Scalar,
-// with its per-element branch on the dtype, this loop took 20-30% of a 2-bit GEMV with bf16 scales (4096 x 14336,
-// one thread, the README's Intel VM).
+// n f16 or bf16 values as f32, eight at a time with load_scales where AVX2/F16C is present (the same values: both
+// conversions are exact). Scalar, with its per-element branch on the dtype, this loop took about 20% of a 2-bit and
+// 15% of a 4-bit GEMV with bf16 scales (4096 x 14336, one thread, the README's Intel VM).
 #ifdef K3_X86
-__attribute__((target("avx2,f16c"))) static size_t widen_halves_avx2(const uint16_t* src, float* dst, size_t n,
-                                                                      bool bf16) {
+template <Sdt T>
+__attribute__((target("avx2,fma,f16c"))) static size_t widen_halves_avx2(const uint16_t* src, float* dst, size_t n) {
   size_t i = 0;
-  if (bf16) {
-    for (; i + 8 <= n; i += 8) {
-      const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_slli_epi32(h, 16));
-    }
-  } else {
-    for (; i + 8 <= n; i += 8) {
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-    }
-  }
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_scales<T>(src, i, 8));
   return i;
 }
 #endif
@@ -1996,7 +1987,7 @@ __attribute__((target("avx2,f16c"))) static size_t widen_halves_avx2(const uint1
 static void widen_halves(const uint16_t* src, float* dst, size_t n, bool bf16) {
   size_t i = 0;
 #ifdef K3_X86
-  if (cpu_has_avx2_fma()) i = widen_halves_avx2(src, dst, n, bf16);
+  if (cpu_has_avx2_fma()) i = bf16 ? widen_halves_avx2<Sdt::bf16>(src, dst, n) : widen_halves_avx2<Sdt::f16>(src, dst, n);
 #endif
   if (bf16) {
     for (; i < n; ++i) {

@@ -79,12 +79,11 @@ struct Activations {
   bool order256 = false;
 };
 
-// Bit width whose decoder order `permuted` must follow for this format (0 = natural order). Formats:
-// 'c' codebook, 'a' affine (with bits), 'm' mxfp4. `simd` is the path choice made when the op was built
+// Bit width whose decoder order `permuted` must follow for this format (0 = natural order), or kOrder2Bit256.
+// Formats: 'c' codebook, 'a' affine (with bits), 'm' mxfp4. `simd` is the path choice made when the op was built
 // (cpu_has_simd() then), passed to the kernels too so a later toggle cannot split one op's decisions.
-int activation_order(char format, int bits, bool simd);
-// The order prepare_activations produces for the AVX-512 2-bit kernel (PreparedActivations picks it over order 2
-// where that kernel runs: AVX-512 and K % 256 == 0).
+int activation_order(char format, int bits, bool simd, int K);
+// The order for 2-bit affine rows where the AVX-512 2-bit kernel runs (AVX-512 and K % 256 == 0).
 constexpr int kOrder2Bit256 = 256;
 
 // Fills `permuted` (when order != 0) and `sums` for x.
