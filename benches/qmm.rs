@@ -155,6 +155,9 @@ fn gemv(c: &mut Criterion) {
                 // q4_0's size, and a little under q2_K's 2.625).
                 let qh = packed(&w.astype(Dtype::BF16).unwrap(), spec);
                 g.throughput(Throughput::Bytes(qbytes(&qh)));
+                g.bench_function(id(&format!("{name}_bf16_k3")), |b| {
+                    b.iter(|| kernels::quantized_matmul(&x, &qh, spec).and_then(|y| y.eval()).unwrap())
+                });
                 g.bench_function(id(&format!("{name}_bf16_q8_k3")), |b| {
                     kernels::set_qmm_activations(Some(QmmActivations::Q8));
                     b.iter(|| kernels::quantized_matmul(&x, &qh, spec).and_then(|y| y.eval()).unwrap());

@@ -411,22 +411,84 @@ static inline void prefetch_codebook(const CodebookRows& w, int n, int sb) {
   if (starts_line(sb, 16)) prefetch_ahead(w.qh + (size_t)n * (w.K / 32) + 8 * sb);
 }
 
-// hsum(acc) + dot(b, g, n), the dot's products accumulated into acc's lanes: a row's bias term costs a few FMAs
-// and shares the row's one horizontal sum (an out-of-line dot per row was ~3% of a decode step's samples).
-__attribute__((target("avx2,fma"))) static inline float hsum_plus_dot(__m256 acc, const float* b, const float* g,
-                                                                      int n) {
+// Scale/bias element type read directly by the q8 and AVX-512 affine kernels (f16/bf16 scales are not converted
+// first).
+enum class Sdt { f32, f16, bf16 };
+
+// Prefetches n scales (or biases) of dtype T from index i0: a row's biases, read only at the row's end.
+template <Sdt T>
+static inline void prefetch_scales(const void* p, size_t i0, int n) {
+  constexpr size_t bytes = T == Sdt::f32 ? 4 : 2;
+  prefetch_span(static_cast<const char*>(p) + i0 * bytes, n * bytes);
+}
+
+template <Sdt T>
+__attribute__((target("avx2,fma,f16c"))) static inline float scale_at(const void* p, size_t i) {
+  if constexpr (T == Sdt::f32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (T == Sdt::bf16) {
+    const uint32_t b = (uint32_t) static_cast<const uint16_t*>(p)[i] << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  } else {
+    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+// n (1, 2, 4 or 8) consecutive values from element i, as f32 in the low n lanes (the others unspecified); reads
+// exactly n elements.
+template <Sdt T>
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 load_scales(const void* p, size_t i, int n) {
+  if constexpr (T == Sdt::f32) {
+    const float* f = static_cast<const float*>(p) + i;
+    switch (n) {
+      case 8: return _mm256_loadu_ps(f);
+      case 4: return _mm256_castps128_ps256(_mm_loadu_ps(f));
+      case 2: return _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f))));
+      default: return _mm256_set1_ps(*f);
+    }
+  } else {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + i;
+    __m128i v;
+    switch (n) {
+      case 8: v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h)); break;
+      case 4: v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)); break;
+      case 2: {
+        int32_t u;
+        std::memcpy(&u, h, 4);
+        v = _mm_cvtsi32_si128(u);
+        break;
+      }
+      default: v = _mm_cvtsi32_si128(*h); break;
+    }
+    if constexpr (T == Sdt::f16) return _mm256_cvtph_ps(v);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  }
+}
+
+// hsum(acc) + dot(b, g, n) with b the n values of dtype T from element i0, the dot's products accumulated into acc's
+// lanes: a row's bias term costs a few FMAs and shares the row's one horizontal sum (an out-of-line dot per row was
+// ~3% of a decode step's samples). Its callers' targets include f16c, as its own does, so that it inlines into them in
+// a build for the baseline ISA (cpu_has_avx2_fma requires F16C).
+template <Sdt T = Sdt::f32>
+__attribute__((target("avx2,fma,f16c"))) static inline float hsum_plus_dot(__m256 acc, const void* b, size_t i0,
+                                                                           const float* g, int n) {
   __m256 acc2 = _mm256_setzero_ps();
   int i = 0;
   for (; i + 16 <= n; i += 16) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(b + i), _mm256_loadu_ps(g + i), acc);
-    acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(b + i + 8), _mm256_loadu_ps(g + i + 8), acc2);
+    acc = _mm256_fmadd_ps(load_scales<T>(b, i0 + i, 8), _mm256_loadu_ps(g + i), acc);
+    acc2 = _mm256_fmadd_ps(load_scales<T>(b, i0 + i + 8, 8), _mm256_loadu_ps(g + i + 8), acc2);
   }
   if (i + 8 <= n) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(b + i), _mm256_loadu_ps(g + i), acc);
+    acc = _mm256_fmadd_ps(load_scales<T>(b, i0 + i, 8), _mm256_loadu_ps(g + i), acc);
     i += 8;
   }
   float t = hsum(_mm256_add_ps(acc, acc2));
-  for (; i < n; ++i) t += b[i] * g[i];
+  // An explicit FMA, as in dot_scales: every dtype of b rounds the same way (whether `t += b * g` was contracted
+  // differed between the f32 and f16 instances, so f16 biases gave results 1 ulp off those of f32 arrays holding the
+  // same values).
+  for (; i < n; ++i) t = std::fma(scale_at<T>(b, i0 + i), g[i], t);
   return t;
 }
 
@@ -1099,9 +1161,9 @@ __attribute__((target("avx2,fma"))) static inline void decode32(const uint8_t* p
 // BPG: 32-blocks per group when known at compile time (0: read from w). The biases meet the activations' group
 // sums gx ([MB][ng], affine_group_sums) once per row.
 template <int BITS, int MB, int NB, int BPG>
-__attribute__((target("avx2,fma"))) static void affine_tile_avx2(const AffineRows& w, const float* xp,
-                                                                 const float* gx, int m0, int n, float* out,
-                                                                 int ldo) {
+__attribute__((target("avx2,fma,f16c"))) static void affine_tile_avx2(const AffineRows& w, const float* xp,
+                                                                      const float* gx, int m0, int n, float* out,
+                                                                      int ldo) {
   const int K = w.K, nb = K / 32, ng = K / w.group, bpg = BPG ? BPG : w.group / 32;
   const size_t row_bytes = (size_t)K * BITS / 8;
   const uint8_t* rows = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
@@ -1151,7 +1213,7 @@ __attribute__((target("avx2,fma"))) static void affine_tile_avx2(const AffineRow
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < NB; ++j) {
       out[(size_t)(m0 + m) * ldo + n + j] =
-          hsum_plus_dot(acc[m][j], w.biases + (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
+          hsum_plus_dot(acc[m][j], w.biases, (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
     }
   }
 }
@@ -1179,9 +1241,9 @@ static void affine_group_sums(const AffineRows& w, const float* xsums, int m0, i
 // 2: group 64, 4: groups that are a multiple of 128, 0: any other multiple of 32). A row's last K % 128 values
 // are read block by block in the order of permute_for_bits(2).
 template <int MB, int NB, int GK>
-__attribute__((target("avx2,fma"))) static void affine2_tile_avx2(const AffineRows& w, const float* xp,
-                                                                  const float* gx, int m0, int n, float* out,
-                                                                  int ldo) {
+__attribute__((target("avx2,fma,f16c"))) static void affine2_tile_avx2(const AffineRows& w, const float* xp,
+                                                                       const float* gx, int m0, int n, float* out,
+                                                                       int ldo) {
   const int K = w.K, nb = K / 32, ng = K / w.group, nc = K / 128;
   const size_t row_bytes = (size_t)K / 4;
   const uint8_t* rows = reinterpret_cast<const uint8_t*>(w.wq) + (size_t)n * row_bytes;
@@ -1250,15 +1312,15 @@ __attribute__((target("avx2,fma"))) static void affine2_tile_avx2(const AffineRo
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < NB; ++j) {
       out[(size_t)(m0 + m) * ldo + n + j] =
-          hsum_plus_dot(acc[m][j], w.biases + (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
+          hsum_plus_dot(acc[m][j], w.biases, (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
     }
   }
 }
 
 template <int MB, int GK>
-__attribute__((target("avx2,fma"))) static void affine2_rows_mb(const AffineRows& w, const float* xp,
-                                                                const float* gx, int m0, int n0, int n1,
-                                                                float* out, int ldo) {
+__attribute__((target("avx2,fma,f16c"))) static void affine2_rows_mb(const AffineRows& w, const float* xp,
+                                                                     const float* gx, int m0, int n0, int n1,
+                                                                     float* out, int ldo) {
   // Two weight rows per step for one activation row; one when several activation rows share each decode (more
   // accumulators would not fit in the 16 registers).
   constexpr int NB = MB == 1 ? 2 : 1;
@@ -1270,16 +1332,30 @@ __attribute__((target("avx2,fma"))) static void affine2_rows_mb(const AffineRows
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+// The AVX-512 affine tiles read scales and biases in their stored dtype T (f16/bf16 widened as they are used, which
+// is exact). Converting 16 rows' worth to f32 first, as the AVX2 path does, took 10% of a 4096 x 14336 GEMV's perf
+// samples with bf16 scales (the conversion, which waits on memory for each chunk's scales, and each chunk's group
+// sums). Reading them in place: 1.09-1.22x at that shape, 2 and 4 bits, one thread, old and new builds alternated.
+template <Sdt T>
+static inline const void* scales_of(const AffineRows& w) {
+  return T == Sdt::f32 ? static_cast<const void*>(w.scales) : static_cast<const void*>(w.scales_h);
+}
+template <Sdt T>
+static inline const void* biases_of(const AffineRows& w) {
+  return T == Sdt::f32 ? static_cast<const void*>(w.biases) : static_cast<const void*>(w.biases_h);
+}
+
 // out[m0 + m][n + j] = the sum of acc[m][j]'s lanes plus row n + j's bias term (see hsum_plus_dot): the AVX-512
 // affine tiles' last step.
-template <int MB, int NB>
+template <int MB, int NB, Sdt T>
 K3_AVX512_TARGET static inline void store_affine_avx512(const __m512 (&acc)[MB][NB], const AffineRows& w,
                                                         const float* gx, int m0, int n, float* out, int ldo) {
   const int ng = w.K / w.group;
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < NB; ++j) {
       const __m256 a8 = _mm256_add_ps(_mm512_extractf32x8_ps(acc[m][j], 0), _mm512_extractf32x8_ps(acc[m][j], 1));
-      out[(size_t)(m0 + m) * ldo + n + j] = hsum_plus_dot(a8, w.biases + (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
+      out[(size_t)(m0 + m) * ldo + n + j] =
+          hsum_plus_dot<T>(a8, biases_of<T>(w), (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
     }
   }
 }
@@ -1301,7 +1377,7 @@ K3_AVX512_TARGET static inline void store_affine_avx512(const __m512 (&acc)[MB][
 // the README's Intel VM (4096 x 4096 and 4096 x 14336 from memory, 1024 x 1024 in cache, the two kernels
 // alternated): at one activation row 1.6-1.9x the AVX2 kernel with one weight row per tile, 1.3x with two, 0.7-1.0x
 // with four; at 2-4 rows two weight rows per tile 0.93-1.25x, one 0.74-1.39x.
-template <int BITS, int MB, int NB, int BPG>
+template <int BITS, int MB, int NB, int BPG, Sdt T>
 K3_AVX512_TARGET static void affine_tile_avx512(const AffineRows& w, const float* x, const float* gx, int m0, int n,
                                                 float* out, int ldo) {
   static_assert(BITS == 4 || BITS == 8, "AVX-512 affine tiles: 4 and 8 bits");
@@ -1314,7 +1390,7 @@ K3_AVX512_TARGET static void affine_tile_avx512(const AffineRows& w, const float
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   }
-  for (int j = 0; j < NB; ++j) prefetch_span(w.biases + (size_t)(n + j) * ng, (size_t)ng * sizeof(float));
+  for (int j = 0; j < NB; ++j) prefetch_scales<T>(biases_of<T>(w), (size_t)(n + j) * ng, ng);
   for (int g = 0; g < ng; ++g) {
     __m512 p[MB][NB][CH];
     for (int m = 0; m < MB; ++m) {
@@ -1349,44 +1425,44 @@ K3_AVX512_TARGET static void affine_tile_avx512(const AffineRows& w, const float
       }
     }
     for (int j = 0; j < NB; ++j) {
-      const __m512 s = _mm512_set1_ps(w.scales[(size_t)(n + j) * ng + g]);
+      const __m512 s = _mm512_set1_ps(scale_at<T>(scales_of<T>(w), (size_t)(n + j) * ng + g));
       for (int m = 0; m < MB; ++m) {
         const __m512 d = CH == 2 ? _mm512_add_ps(p[m][j][0], p[m][j][CH - 1]) : p[m][j][0];
         acc[m][j] = _mm512_fmadd_ps(d, s, acc[m][j]);
       }
     }
   }
-  store_affine_avx512<MB, NB>(acc, w, gx, m0, n, out, ldo);
+  store_affine_avx512<MB, NB, T>(acc, w, gx, m0, n, out, ldo);
 }
 
-template <int BITS, int MB, int BPG>
+template <int BITS, int MB, int BPG, Sdt T>
 K3_AVX512_TARGET static void affine_rows_bpg_avx512(const AffineRows& w, const float* x, const float* gx, int m0,
                                                     int n0, int n1, float* out, int ldo) {
   int n = n0;
   if constexpr (MB > 1) {
-    for (; n + 2 <= n1; n += 2) affine_tile_avx512<BITS, MB, 2, BPG>(w, x, gx, m0, n, out, ldo);
+    for (; n + 2 <= n1; n += 2) affine_tile_avx512<BITS, MB, 2, BPG, T>(w, x, gx, m0, n, out, ldo);
   }
-  for (; n < n1; ++n) affine_tile_avx512<BITS, MB, 1, BPG>(w, x, gx, m0, n, out, ldo);
+  for (; n < n1; ++n) affine_tile_avx512<BITS, MB, 1, BPG, T>(w, x, gx, m0, n, out, ldo);
 }
 
-// The lanes' scales for 256-chunk c of a 2-bit row whose group scales start at r: lane i covers block 8c + i / 2.
-// GK as in affine2_tile_avx2 (1: group 32, 2: group 64, 4: group 128, 0: any other multiple of 32).
-template <int GK>
-K3_AVX512_TARGET static inline __m512 affine2_scales_avx512(const float* r, int G, int c) {
+// The lanes' scales for 256-chunk c of a 2-bit row whose group scales (dtype T) start at element r: lane i covers
+// block 8c + i / 2. GK as in affine2_tile_avx2 (1: group 32, 2: group 64, 4: group 128, 0: any other multiple of
+// 32).
+template <int GK, Sdt T>
+K3_AVX512_TARGET static inline __m512 affine2_scales_avx512(const void* p, size_t r, int G, int c) {
   const __m512i by_block = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   if constexpr (GK == 1) {
-    return _mm512_permutexvar_ps(by_block, _mm512_castps256_ps512(_mm256_loadu_ps(r + 8 * c)));
+    return _mm512_permutexvar_ps(by_block, _mm512_castps256_ps512(load_scales<T>(p, r + 8 * c, 8)));
   } else if constexpr (GK == 2) {
     const __m512i by_64 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    return _mm512_permutexvar_ps(by_64, _mm512_castps128_ps512(_mm_loadu_ps(r + 4 * c)));
+    return _mm512_permutexvar_ps(by_64, _mm512_castps256_ps512(load_scales<T>(p, r + 4 * c, 4)));
   } else if constexpr (GK == 4) {
     const __m512i by_128 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(r + 2 * c)));
-    return _mm512_permutexvar_ps(by_128, _mm512_castps128_ps512(two));
+    return _mm512_permutexvar_ps(by_128, _mm512_castps256_ps512(load_scales<T>(p, r + 2 * c, 2)));
   } else {
-    if (G % 256 == 0) return _mm512_set1_ps(r[256 * c / G]);
+    if (G % 256 == 0) return _mm512_set1_ps(scale_at<T>(p, r + 256 * c / G));
     alignas(32) float s8[8];
-    for (int q = 0; q < 8; ++q) s8[q] = r[(256 * c + 32 * q) / G];
+    for (int q = 0; q < 8; ++q) s8[q] = scale_at<T>(p, r + (256 * c + 32 * q) / G);
     return _mm512_permutexvar_ps(by_block, _mm512_castps256_ps512(_mm256_load_ps(s8)));
   }
 }
@@ -1402,7 +1478,7 @@ K3_AVX512_TARGET static inline __m512 affine2_scales_avx512(const float* r, int 
 // alternated in one process, 1024 x 1024 in cache, 4096 x 4096, 4096 x 14336 and 14336 x 4096 from memory, one
 // activation row) two rows with two product chains each were 1.23-1.71x the AVX2 kernel, one row with two or four
 // chains 0.89-1.54x (0.89-0.95x at 4096 x 14336); at 2-4 activation rows two rows per tile 1.5-1.8x.
-template <int MB, int NB, int GK>
+template <int MB, int NB, int GK, Sdt T>
 K3_AVX512_TARGET static void affine2_tile_avx512(const AffineRows& w, const float* xp, const float* gx, int m0, int n,
                                                  float* out, int ldo) {
   constexpr int CH = MB <= 2 ? 2 : 1;  // product chains per (activation row, weight row)
@@ -1415,7 +1491,7 @@ K3_AVX512_TARGET static void affine2_tile_avx512(const AffineRows& w, const floa
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   }
-  for (int j = 0; j < NB; ++j) prefetch_span(w.biases + (size_t)(n + j) * ng, (size_t)ng * sizeof(float));
+  for (int j = 0; j < NB; ++j) prefetch_scales<T>(biases_of<T>(w), (size_t)(n + j) * ng, ng);
   for (int c = 0; c < nc; ++c) {
     __m512i v[NB];
     for (int j = 0; j < NB; ++j) {
@@ -1447,7 +1523,7 @@ K3_AVX512_TARGET static void affine2_tile_avx512(const AffineRows& w, const floa
       }
     }
     for (int j = 0; j < NB; ++j) {
-      const __m512 sv = affine2_scales_avx512<GK>(w.scales + (size_t)(n + j) * ng, w.group, c);
+      const __m512 sv = affine2_scales_avx512<GK, T>(scales_of<T>(w), (size_t)(n + j) * ng, w.group, c);
       for (int m = 0; m < MB; ++m) {
         __m512 d = p[m][j][0];
         for (int h = 1; h < CH; ++h) d = _mm512_add_ps(d, p[m][j][h]);
@@ -1455,52 +1531,78 @@ K3_AVX512_TARGET static void affine2_tile_avx512(const AffineRows& w, const floa
       }
     }
   }
-  store_affine_avx512<MB, NB>(acc, w, gx, m0, n, out, ldo);
+  store_affine_avx512<MB, NB, T>(acc, w, gx, m0, n, out, ldo);
 }
 
-template <int MB, int GK>
+template <int MB, int GK, Sdt T>
 K3_AVX512_TARGET static void affine2_rows_mb_avx512(const AffineRows& w, const float* xp, const float* gx, int m0,
                                                     int n0, int n1, float* out, int ldo) {
   int n = n0;
-  for (; n + 2 <= n1; n += 2) affine2_tile_avx512<MB, 2, GK>(w, xp, gx, m0, n, out, ldo);
-  for (; n < n1; ++n) affine2_tile_avx512<MB, 1, GK>(w, xp, gx, m0, n, out, ldo);
+  for (; n + 2 <= n1; n += 2) affine2_tile_avx512<MB, 2, GK, T>(w, xp, gx, m0, n, out, ldo);
+  for (; n < n1; ++n) affine2_tile_avx512<MB, 1, GK, T>(w, xp, gx, m0, n, out, ldo);
 }
 
-template <int MB>
-K3_AVX512_TARGET static void affine2_rows_gk_avx512(const AffineRows& w, const float* xp, const float* gx, int m0,
-                                                    int n0, int n1, float* out, int ldo) {
-  switch (w.group) {
-    case 32: return affine2_rows_mb_avx512<MB, 1>(w, xp, gx, m0, n0, n1, out, ldo);
-    case 64: return affine2_rows_mb_avx512<MB, 2>(w, xp, gx, m0, n0, n1, out, ldo);
-    case 128: return affine2_rows_mb_avx512<MB, 4>(w, xp, gx, m0, n0, n1, out, ldo);
-    default: return affine2_rows_mb_avx512<MB, 0>(w, xp, gx, m0, n0, n1, out, ldo);
+template <int BITS, int MB, Sdt T>
+K3_AVX512_TARGET static void affine_rows_mb_avx512(const AffineRows& w, const float* xp, const float* gx, int m0,
+                                                   int n0, int n1, float* out, int ldo) {
+  if constexpr (BITS == 2) {
+    switch (w.group) {
+      case 32: return affine2_rows_mb_avx512<MB, 1, T>(w, xp, gx, m0, n0, n1, out, ldo);
+      case 64: return affine2_rows_mb_avx512<MB, 2, T>(w, xp, gx, m0, n0, n1, out, ldo);
+      case 128: return affine2_rows_mb_avx512<MB, 4, T>(w, xp, gx, m0, n0, n1, out, ldo);
+      default: return affine2_rows_mb_avx512<MB, 0, T>(w, xp, gx, m0, n0, n1, out, ldo);
+    }
+  } else {
+    switch (w.group) {
+      case 32: return affine_rows_bpg_avx512<BITS, MB, 1, T>(w, xp, gx, m0, n0, n1, out, ldo);
+      case 64: return affine_rows_bpg_avx512<BITS, MB, 2, T>(w, xp, gx, m0, n0, n1, out, ldo);
+      case 128: return affine_rows_bpg_avx512<BITS, MB, 4, T>(w, xp, gx, m0, n0, n1, out, ldo);
+      default: return affine_rows_bpg_avx512<BITS, MB, 0, T>(w, xp, gx, m0, n0, n1, out, ldo);
+    }
   }
 }
 
-// xp in the order of interleave_2bit_f32_256 (K % 256 == 0).
-static void affine2_rows_avx512(const AffineRows& w, const float* xp, const float* xsums, int rows, int n0, int n1,
-                                float* out, int ldo) {
+// The AVX-512 affine kernels over rows n0 .. n1, scales and biases in dtype T. xp: for 2 bits the activations in
+// the order of interleave_2bit_f32_256 (K % 256 == 0), for 4 bits in permute_for_bits(4)'s, for 8 bits natural.
+template <int BITS, Sdt T>
+static void affine_rows_avx512(const AffineRows& w, const float* xp, const float* xsums, int rows, int n0, int n1,
+                               float* out, int ldo) {
   std::vector<float> gx;
   for (int m0 = 0; m0 < rows; m0 += kMaxRows) {
     const int mb = std::min(kMaxRows, rows - m0);
     affine_group_sums(w, xsums, m0, mb, gx);
     switch (mb) {
-      case 1: affine2_rows_gk_avx512<1>(w, xp, gx.data(), m0, n0, n1, out, ldo); break;
-      case 2: affine2_rows_gk_avx512<2>(w, xp, gx.data(), m0, n0, n1, out, ldo); break;
-      case 3: affine2_rows_gk_avx512<3>(w, xp, gx.data(), m0, n0, n1, out, ldo); break;
-      default: affine2_rows_gk_avx512<4>(w, xp, gx.data(), m0, n0, n1, out, ldo); break;
+      case 1: affine_rows_mb_avx512<BITS, 1, T>(w, xp, gx.data(), m0, n0, n1, out, ldo); break;
+      case 2: affine_rows_mb_avx512<BITS, 2, T>(w, xp, gx.data(), m0, n0, n1, out, ldo); break;
+      case 3: affine_rows_mb_avx512<BITS, 3, T>(w, xp, gx.data(), m0, n0, n1, out, ldo); break;
+      default: affine_rows_mb_avx512<BITS, 4, T>(w, xp, gx.data(), m0, n0, n1, out, ldo); break;
     }
+  }
+}
+
+// Whether affine_rows_avx512 takes these rows (f32 activations): 4 and 8 bits where AVX-512 is enabled, 2 bits where
+// the activations were prepared in its order (activation_order; so a later K3_AVX512 toggle cannot mismatch them).
+static bool affine_avx512_applies(const AffineRows& w, const Activations& a) {
+  if (w.group % 32 != 0) return false;
+  if (w.bits == 2) return a.order256;
+  return (w.bits == 4 || w.bits == 8) && cpu_has_avx512();
+}
+
+template <Sdt T>
+static void affine_rows_avx512(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
+  switch (w.bits) {
+    case 2: return affine_rows_avx512<2, T>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
+    case 4: return affine_rows_avx512<4, T>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
+    default: return affine_rows_avx512<8, T>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
   }
 }
 
 #pragma GCC diagnostic pop
 
 template <int BITS, int MB, int BPG>
-__attribute__((target("avx2,fma"))) static void affine_rows_bpg(const AffineRows& w, const float* xp, const float* gx,
-                                                                int m0, int n0, int n1, float* out, int ldo) {
-  if constexpr (BITS == 4 || BITS == 8) {
-    if (cpu_has_avx512()) return affine_rows_bpg_avx512<BITS, MB, BPG>(w, xp, gx, m0, n0, n1, out, ldo);
-  }
+__attribute__((target("avx2,fma,f16c"))) static void affine_rows_bpg(const AffineRows& w, const float* xp,
+                                                                     const float* gx, int m0, int n0, int n1,
+                                                                     float* out, int ldo) {
   int n = n0;
   // 8-bit rows for one activation row stream from memory faster one at a time: a thread reading two adjacent
   // rows at once (two streams) reached 59-74% of a plain read's bandwidth in a two-thread harness over the
@@ -1522,9 +1624,9 @@ __attribute__((target("avx2,fma"))) static void affine_rows_bpg(const AffineRows
 }
 
 template <int BITS, int MB>
-__attribute__((target("avx2,fma"))) static void affine_rows_mb(const AffineRows& w, const float* xp,
-                                                               const float* xsums, int m0, int n0, int n1, float* out,
-                                                               int ldo) {
+__attribute__((target("avx2,fma,f16c"))) static void affine_rows_mb(const AffineRows& w, const float* xp,
+                                                                    const float* xsums, int m0, int n0, int n1,
+                                                                    float* out, int ldo) {
   std::vector<float> gx;
   affine_group_sums(w, xsums, m0, MB, gx);
   if constexpr (BITS == 2) {
@@ -1546,9 +1648,9 @@ __attribute__((target("avx2,fma"))) static void affine_rows_mb(const AffineRows&
 }
 
 template <int BITS>
-__attribute__((target("avx2,fma"))) static void affine_rows_avx2(const AffineRows& w, const float* xp,
-                                                                 const float* xsums, int rows, int n0, int n1,
-                                                                 float* out, int ldo) {
+__attribute__((target("avx2,fma,f16c"))) static void affine_rows_avx2(const AffineRows& w, const float* xp,
+                                                                      const float* xsums, int rows, int n0, int n1,
+                                                                      float* out, int ldo) {
   for (int m0 = 0; m0 < rows; m0 += kMaxRows) {
     switch (std::min(kMaxRows, rows - m0)) {
       case 1: affine_rows_mb<BITS, 1>(w, xp, xsums, m0, n0, n1, out, ldo); break;
@@ -1645,61 +1747,6 @@ struct AffineQ8Sums {
   // for the experts' K = 512 / 1024 rows their integer divisions cost more than the row's dot products).
   alignas(32) int32_t lanes2[2][8], lanes4[4][8];
 };
-
-// Scale/bias element type read directly by the q8 affine kernels (f16/bf16 scales are not converted first).
-enum class Sdt { f32, f16, bf16 };
-
-// Prefetches n scales (or biases) of dtype T from index i0: a row's biases, read only at the row's end.
-template <Sdt T>
-static inline void prefetch_scales(const void* p, size_t i0, int n) {
-  constexpr size_t bytes = T == Sdt::f32 ? 4 : 2;
-  prefetch_span(static_cast<const char*>(p) + i0 * bytes, n * bytes);
-}
-
-template <Sdt T>
-__attribute__((target("avx2,fma,f16c"))) static inline float scale_at(const void* p, size_t i) {
-  if constexpr (T == Sdt::f32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (T == Sdt::bf16) {
-    const uint32_t b = (uint32_t) static_cast<const uint16_t*>(p)[i] << 16;
-    float f;
-    std::memcpy(&f, &b, 4);
-    return f;
-  } else {
-    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
-  }
-}
-
-// n (1, 2, 4 or 8) consecutive values from element i, as f32 in the low n lanes (the others unspecified); reads
-// exactly n elements.
-template <Sdt T>
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 load_scales(const void* p, size_t i, int n) {
-  if constexpr (T == Sdt::f32) {
-    const float* f = static_cast<const float*>(p) + i;
-    switch (n) {
-      case 8: return _mm256_loadu_ps(f);
-      case 4: return _mm256_castps128_ps256(_mm_loadu_ps(f));
-      case 2: return _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f))));
-      default: return _mm256_set1_ps(*f);
-    }
-  } else {
-    const uint16_t* h = static_cast<const uint16_t*>(p) + i;
-    __m128i v;
-    switch (n) {
-      case 8: v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h)); break;
-      case 4: v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)); break;
-      case 2: {
-        int32_t u;
-        std::memcpy(&u, h, 4);
-        v = _mm_cvtsi32_si128(u);
-        break;
-      }
-      default: v = _mm_cvtsi32_si128(*h); break;
-    }
-    if constexpr (T == Sdt::f16) return _mm256_cvtph_ps(v);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-  }
-}
 
 template <Sdt T>
 __attribute__((target("avx2,fma,f16c"))) static float dot_scales(const void* p, size_t i0, const float* b, int n) {
@@ -2004,7 +2051,7 @@ static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, i
 
 void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
 #ifdef K3_X86
-  // The q8 kernels read f16/bf16 scales and biases directly; the others convert them 16 rows at a time.
+  // The q8 and AVX-512 kernels read f16/bf16 scales and biases directly; the others convert them 16 rows at a time.
   if (simd && a.q8 && q8_supported('a', w.bits, w.group)) {
     switch (w.bits) {
       case 2: return affine_rows_q8_direct<2, 0>(w, a, n0, n1, out, ldo);
@@ -2018,9 +2065,16 @@ void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, floa
         }
     }
   }
+  // (Here q8 mode with SIMD has returned, so the activations are f32 where simd holds.)
+  if (simd && affine_avx512_applies(w, a)) {
+    if (!w.scales_h) return affine_rows_avx512<Sdt::f32>(w, a, n0, n1, out, ldo);
+    if (w.bf16) return affine_rows_avx512<Sdt::bf16>(w, a, n0, n1, out, ldo);
+    return affine_rows_avx512<Sdt::f16>(w, a, n0, n1, out, ldo);
+  }
 #endif
   if (!w.scales_h) return affine_rows_f32(w, a, n0, n1, out, ldo, simd);
-  // f16/bf16 scales and biases: 16 rows' worth converted to f32, then the f32 kernels on those rows.
+  // f16/bf16 scales and biases for the other kernels: 16 rows' worth converted to f32, then the f32 kernels on those
+  // rows.
   constexpr int R = 16;
   const int ng = w.K / w.group;
   std::vector<float> s((size_t)R * ng), b((size_t)R * ng);
@@ -2043,14 +2097,12 @@ static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, i
 #ifdef K3_X86
   if (simd && !q8 && affine_has_simd(w.bits) && w.group % 32 == 0) {
     switch (w.bits) {
-      case 2:
-        if (a.order256) return affine2_rows_avx512(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
-        return affine_rows_avx2<2>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
+      case 2: return affine_rows_avx2<2>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
       case 3: return affine_rows_avx2<3>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
-      case 4: return affine_rows_avx2<4>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);  // (AVX-512 where present)
+      case 4: return affine_rows_avx2<4>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
       case 5: return affine_rows_avx2<5>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
       case 6: return affine_rows_avx2<6>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
-      default: return affine_rows_avx2<8>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);  // (AVX-512 where present)
+      default: return affine_rows_avx2<8>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
     }
   }
 #elif defined(K3_NEON)

@@ -39,15 +39,19 @@ struct Rng {
   float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(g); }
 };
 
-uint16_t f32_to_f16(float f) {  // normal, in-range values only (the scales drawn here)
+// Truncating f32 -> f16 for values under 65504 in magnitude; those under f16's smallest normal (6.1e-5, which a
+// bias drawn from [-0.5, 0.5] can be) become zero.
+uint16_t f32_to_f16(float f) {
   uint32_t b;
   std::memcpy(&b, &f, 4);
   const uint32_t sign = (b >> 16) & 0x8000u;
   const int exp = (int)((b >> 23) & 0xff) - 127 + 15;
+  if (exp <= 0) return (uint16_t)sign;
   const uint32_t man = (b >> 13) & 0x3ffu;
   return (uint16_t)(sign | ((uint32_t)exp << 10) | man);
 }
-float f16_to_f32(uint16_t h) {
+float f16_to_f32(uint16_t h) {  // normal values and zero (what f32_to_f16 makes)
+  if ((h & 0x7fffu) == 0) return (h & 0x8000u) ? -0.0f : 0.0f;
   const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
   const uint32_t b = sign | ((exp - 15 + 127) << 23) | (man << 13);
   float f;
@@ -187,6 +191,12 @@ void run_all(const std::string& tag) {
   for (int bits : {2, 4, 8}) {
     affine_case(r, bits, 64, 2, 9, 256, 1);
     affine_case(r, bits, 64, 5, 9, 256, 2);
+  }
+  // f16/bf16 scales at the other group sizes (the AVX-512 kernels read them in their stored dtype, with a load per
+  // group size), and group 96: a multiple of 32 that does not divide 256 (the 2-bit kernels' per-block scale path).
+  for (int bits : {2, 4, 8}) {
+    for (int group : {32, 128, 256}) affine_case(r, bits, group, group == 128 ? 5 : 1, 9, 512, group == 32 ? 1 : 2);
+    for (int dt : {0, 1, 2}) affine_case(r, bits, 96, 3, 9, 768, dt);
   }
   for (int K : {512, 416, 96}) {
     for (int rows : {1, 2, 5}) {
