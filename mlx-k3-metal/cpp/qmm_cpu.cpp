@@ -492,6 +492,53 @@ __attribute__((target("avx2,fma,f16c"))) static inline float hsum_plus_dot(__m25
   return t;
 }
 
+// An affine row stack's scales or biases as stored (f32, f16 or bf16), the dtype known at run time: the AVX2 tiles
+// read them in place through these, with one predictable branch per read. Before, f16/bf16 values were converted to
+// f32 16 rows at a time (affine_rows), and the AVX2 kernels ran 1.09-1.15x slower with bf16 scales than with f32
+// ones; reading them in place, 2-bit 1.10-1.23x and 4-bit 1.00-1.16x faster with bf16 scales, f32 scales
+// 0.95-1.07x (medians 1.00x at 2 bits, 0.99x at 4), 4096 x 14336, one thread, old and new builds alternated on the
+// README's Intel VM with the AVX2 path forced. Three instances of every AVX2 tile, as the AVX-512 tiles have (the dtype a template
+// parameter), doubled this file's compile time (67 -> 126 s); converting eight groups' scales at a time into a stack
+// buffer instead of a branch per group was slower (4-bit, f32 scales: 1.1-1.2x).
+struct ScaleData {
+  const void* p;
+  Sdt t;
+  size_t bytes() const { return t == Sdt::f32 ? 4 : 2; }
+};
+static inline ScaleData affine_scales(const AffineRows& w) {
+  if (!w.scales_h) return {w.scales, Sdt::f32};
+  return {w.scales_h, w.bf16 ? Sdt::bf16 : Sdt::f16};
+}
+static inline ScaleData affine_biases(const AffineRows& w) {
+  if (!w.biases_h) return {w.biases, Sdt::f32};
+  return {w.biases_h, w.bf16 ? Sdt::bf16 : Sdt::f16};
+}
+__attribute__((target("avx2,fma,f16c"))) static inline float scale_at(ScaleData d, size_t i) {
+  switch (d.t) {
+    case Sdt::f32: return scale_at<Sdt::f32>(d.p, i);
+    case Sdt::bf16: return scale_at<Sdt::bf16>(d.p, i);
+    default: return scale_at<Sdt::f16>(d.p, i);
+  }
+}
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 load_scales(ScaleData d, size_t i, int n) {
+  switch (d.t) {
+    case Sdt::f32: return load_scales<Sdt::f32>(d.p, i, n);
+    case Sdt::bf16: return load_scales<Sdt::bf16>(d.p, i, n);
+    default: return load_scales<Sdt::f16>(d.p, i, n);
+  }
+}
+__attribute__((target("avx2,fma,f16c"))) static inline float hsum_plus_dot(__m256 acc, ScaleData b, size_t i0,
+                                                                           const float* g, int n) {
+  switch (b.t) {
+    case Sdt::f32: return hsum_plus_dot<Sdt::f32>(acc, b.p, i0, g, n);
+    case Sdt::bf16: return hsum_plus_dot<Sdt::bf16>(acc, b.p, i0, g, n);
+    default: return hsum_plus_dot<Sdt::f16>(acc, b.p, i0, g, n);
+  }
+}
+static inline void prefetch_scales(ScaleData d, size_t i0, int n) {
+  prefetch_span(static_cast<const char*>(d.p) + i0 * d.bytes(), n * d.bytes());
+}
+
 // The grid as floats (2048 x 8, 64 KiB, L2-resident): one aligned load per 8-weight group instead of a
 // byte load and two conversions.
 alignas(64) static float g_grid_f32[2048 * 8];
@@ -1171,10 +1218,11 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_tile_avx2(const Affi
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
   }
-  for (int j = 0; j < NB; ++j) prefetch_span(w.biases + (size_t)(n + j) * ng, (size_t)ng * sizeof(float));
+  const ScaleData sd = affine_scales(w), bd = affine_biases(w);
+  for (int j = 0; j < NB; ++j) prefetch_scales(bd, (size_t)(n + j) * ng, ng);
   for (int g = 0; g < ng; ++g) {
     __m256 s[NB];
-    for (int j = 0; j < NB; ++j) s[j] = _mm256_broadcast_ss(w.scales + (size_t)(n + j) * ng + g);
+    for (int j = 0; j < NB; ++j) s[j] = _mm256_set1_ps(scale_at(sd, (size_t)(n + j) * ng + g));
 #pragma GCC unroll 8
     for (int bi = 0; bi < bpg; ++bi) {
       const int b = g * bpg + bi;
@@ -1213,7 +1261,7 @@ __attribute__((target("avx2,fma,f16c"))) static void affine_tile_avx2(const Affi
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < NB; ++j) {
       out[(size_t)(m0 + m) * ldo + n + j] =
-          hsum_plus_dot(acc[m][j], w.biases, (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
+          hsum_plus_dot(acc[m][j], bd, (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
     }
   }
 }
@@ -1240,6 +1288,22 @@ static void affine_group_sums(const AffineRows& w, const float* xsums, int m0, i
 // group sums gx ([MB][ng], affine_group_sums) once per row. GK: how the blocks' scales are found (1: group 32,
 // 2: group 64, 4: groups that are a multiple of 128, 0: any other multiple of 32). A row's last K % 128 values
 // are read block by block in the order of permute_for_bits(2).
+// The four blocks' scales of 128-chunk c of a 2-bit row whose scales start at element r (GK as below).
+template <int GK>
+__attribute__((target("avx2,fma,f16c"))) static inline __m128 affine2_scales4(ScaleData sd, size_t r, int G, int c) {
+  if constexpr (GK == 1) {
+    return _mm256_castps256_ps128(load_scales(sd, r + 4 * c, 4));
+  } else if constexpr (GK == 2) {
+    const __m128 two = _mm256_castps256_ps128(load_scales(sd, r + 2 * c, 2));
+    return _mm_unpacklo_ps(two, two);
+  } else if constexpr (GK == 4) {
+    return _mm_set1_ps(scale_at(sd, r + 128 * c / G));
+  } else {
+    return _mm_setr_ps(scale_at(sd, r + 128 * c / G), scale_at(sd, r + (128 * c + 32) / G),
+                       scale_at(sd, r + (128 * c + 64) / G), scale_at(sd, r + (128 * c + 96) / G));
+  }
+}
+
 template <int MB, int NB, int GK>
 __attribute__((target("avx2,fma,f16c"))) static void affine2_tile_avx2(const AffineRows& w, const float* xp,
                                                                        const float* gx, int m0, int n, float* out,
@@ -1253,22 +1317,8 @@ __attribute__((target("avx2,fma,f16c"))) static void affine2_tile_avx2(const Aff
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
   }
-  for (int j = 0; j < NB; ++j) prefetch_span(w.biases + (size_t)(n + j) * ng, (size_t)ng * sizeof(float));
-  // The four blocks' scales of chunk c of row n + j.
-  auto scales4 = [&](int j, int c) -> __m128 {
-    const float* r = w.scales + (size_t)(n + j) * ng;
-    if constexpr (GK == 1) {
-      return _mm_loadu_ps(r + 4 * c);
-    } else if constexpr (GK == 2) {
-      const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(r + 2 * c)));
-      return _mm_unpacklo_ps(two, two);
-    } else if constexpr (GK == 4) {
-      return _mm_set1_ps(r[128 * c / w.group]);
-    } else {
-      const int G = w.group;
-      return _mm_setr_ps(r[128 * c / G], r[(128 * c + 32) / G], r[(128 * c + 64) / G], r[(128 * c + 96) / G]);
-    }
-  };
+  const ScaleData sd = affine_scales(w), bd = affine_biases(w);
+  for (int j = 0; j < NB; ++j) prefetch_scales(bd, (size_t)(n + j) * ng, ng);
   for (int c = 0; c < nc; ++c) {
     __m256i v[NB];
     for (int j = 0; j < NB; ++j) {
@@ -1293,7 +1343,8 @@ __attribute__((target("avx2,fma,f16c"))) static void affine2_tile_avx2(const Aff
       }
     }
     for (int j = 0; j < NB; ++j) {
-      const __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scales4(j, c)), lanes);
+      const __m128 s4 = affine2_scales4<GK>(sd, (size_t)(n + j) * ng, w.group, c);
+      const __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4), lanes);
       for (int m = 0; m < MB; ++m) acc[m][j] = _mm256_fmadd_ps(_mm256_add_ps(p[m][j][0], p[m][j][1]), sv, acc[m][j]);
     }
   }
@@ -1305,14 +1356,15 @@ __attribute__((target("avx2,fma,f16c"))) static void affine2_tile_avx2(const Aff
       for (int j = 0; j < NB; ++j) {
         __m256 d = _mm256_mul_ps(v[j][0], _mm256_loadu_ps(xm));
         for (int i = 1; i < 4; ++i) d = _mm256_fmadd_ps(v[j][i], _mm256_loadu_ps(xm + 8 * i), d);
-        acc[m][j] = _mm256_fmadd_ps(d, _mm256_set1_ps(w.scales[(size_t)(n + j) * ng + 32 * b / w.group]), acc[m][j]);
+        const __m256 sv = _mm256_set1_ps(scale_at(sd, (size_t)(n + j) * ng + 32 * b / w.group));
+        acc[m][j] = _mm256_fmadd_ps(d, sv, acc[m][j]);
       }
     }
   }
   for (int m = 0; m < MB; ++m) {
     for (int j = 0; j < NB; ++j) {
       out[(size_t)(m0 + m) * ldo + n + j] =
-          hsum_plus_dot(acc[m][j], w.biases, (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
+          hsum_plus_dot(acc[m][j], bd, (size_t)(n + j) * ng, gx + (size_t)m * ng, ng);
     }
   }
 }
@@ -1333,7 +1385,7 @@ __attribute__((target("avx2,fma,f16c"))) static void affine2_rows_mb(const Affin
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 // The AVX-512 affine tiles read scales and biases in their stored dtype T (f16/bf16 widened as they are used, which
-// is exact). Converting 16 rows' worth to f32 first, as the AVX2 path does, took 10% of a 4096 x 14336 GEMV's perf
+// is exact). Converting 16 rows' worth to f32 first, as the AVX2 path then did, took 10% of a 4096 x 14336 GEMV's perf
 // samples with bf16 scales (the conversion, which waits on memory for each chunk's scales, and each chunk's group
 // sums). Reading them in place: 1.09-1.22x at that shape, 2 and 4 bits, one thread, old and new builds alternated.
 template <Sdt T>
@@ -2049,9 +2101,31 @@ static void widen_halves(const uint16_t* src, float* dst, size_t n, bool bf16) {
 static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo,
                             bool simd);
 
+#ifdef K3_X86
+// Whether the AVX2 kernels take these rows: f32 activations (a q8 request for widths without a q8 kernel keeps them
+// f32), a width they cover, groups of whole 32-blocks.
+static bool affine_avx2_applies(const AffineRows& w, const Activations& a, bool simd) {
+  const bool q8 = a.q8 && q8_supported('a', w.bits, w.group);
+  return simd && !q8 && affine_has_simd(w.bits) && w.group % 32 == 0;
+}
+
+// The AVX2 kernels over rows n0 .. n1 (f32 activations; scales and biases in any of the three dtypes).
+static void affine_rows_avx2(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo) {
+  switch (w.bits) {
+    case 2: return affine_rows_avx2<2>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
+    case 3: return affine_rows_avx2<3>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+    case 4: return affine_rows_avx2<4>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
+    case 5: return affine_rows_avx2<5>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+    case 6: return affine_rows_avx2<6>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+    default: return affine_rows_avx2<8>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+  }
+}
+#endif
+
 void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
 #ifdef K3_X86
-  // The q8 and AVX-512 kernels read f16/bf16 scales and biases directly; the others convert them 16 rows at a time.
+  // The q8, AVX-512 and AVX2 kernels read f16/bf16 scales and biases directly; the others (NEON, scalar) convert
+  // them 16 rows at a time.
   if (simd && a.q8 && q8_supported('a', w.bits, w.group)) {
     switch (w.bits) {
       case 2: return affine_rows_q8_direct<2, 0>(w, a, n0, n1, out, ldo);
@@ -2071,10 +2145,12 @@ void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, floa
     if (w.bf16) return affine_rows_avx512<Sdt::bf16>(w, a, n0, n1, out, ldo);
     return affine_rows_avx512<Sdt::f16>(w, a, n0, n1, out, ldo);
   }
+  // The AVX2 tiles read them in place as well (affine_scales).
+  if (w.scales_h && affine_avx2_applies(w, a, simd)) return affine_rows_avx2(w, a, n0, n1, out, ldo);
 #endif
   if (!w.scales_h) return affine_rows_f32(w, a, n0, n1, out, ldo, simd);
-  // f16/bf16 scales and biases for the other kernels: 16 rows' worth converted to f32, then the f32 kernels on those
-  // rows.
+  // f16/bf16 scales and biases for the other kernels (NEON, scalar): 16 rows' worth converted to f32, then the f32
+  // kernels on those rows.
   constexpr int R = 16;
   const int ng = w.K / w.group;
   std::vector<float> s((size_t)R * ng), b((size_t)R * ng);
@@ -2095,16 +2171,7 @@ static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, i
   const bool q8 = a.q8 && q8_supported('a', w.bits, w.group);
   // (On x86-64 q8 mode with SIMD returned in affine_rows; the NEON kernels take q8 activations themselves.)
 #ifdef K3_X86
-  if (simd && !q8 && affine_has_simd(w.bits) && w.group % 32 == 0) {
-    switch (w.bits) {
-      case 2: return affine_rows_avx2<2>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
-      case 3: return affine_rows_avx2<3>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
-      case 4: return affine_rows_avx2<4>(w, a.permuted, a.sums, a.rows, n0, n1, out, ldo);
-      case 5: return affine_rows_avx2<5>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
-      case 6: return affine_rows_avx2<6>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
-      default: return affine_rows_avx2<8>(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
-    }
-  }
+  if (affine_avx2_applies(w, a, simd)) return affine_rows_avx2(w, a, n0, n1, out, ldo);
 #elif defined(K3_NEON)
   if (simd && affine_has_simd(w.bits) && w.group % 32 == 0) {
     switch (w.bits) {

@@ -134,9 +134,9 @@ void codebook_rows(const CodebookRows& w, const Activations& a, int n0, int n1, 
 
 // -------------------------------------------------------------------------------------------------- affine
 // MLX affine layout: wq uint32 [N, K*bits/32] (LSB-first bitstream per row), scales/biases [N, K/group] in
-// the checkpoint's dtype: f32 (`scales`/`biases`) or f16/bf16 (`scales_h`/`biases_h`, with `bf16`; the q8
-// and AVX-512 kernels read them as they are, the other f32-activation kernels convert 16 rows' worth at a time,
-// so no per-call cast of the whole arrays). w = scale * q + bias.
+// the checkpoint's dtype: f32 (`scales`/`biases`) or f16/bf16 (`scales_h`/`biases_h`, with `bf16`; the q8,
+// AVX-512 and AVX2 kernels read them as they are, the NEON and scalar f32-activation kernels convert 16 rows' worth
+// at a time, so no per-call cast of the whole arrays). w = scale * q + bias.
 struct AffineRows {
   const uint32_t* wq;
   const float* scales;

@@ -198,6 +198,12 @@ void run_all(const std::string& tag) {
     for (int group : {32, 128, 256}) affine_case(r, bits, group, group == 128 ? 5 : 1, 9, 512, group == 32 ? 1 : 2);
     for (int dt : {0, 1, 2}) affine_case(r, bits, 96, 3, 9, 768, dt);
   }
+  // The odd widths' AVX2 tiles read f16/bf16 scales in place too.
+  for (int bits : {3, 5, 6}) {
+    affine_case(r, bits, 64, 2, 9, 256, 1);
+    affine_case(r, bits, 128, 5, 9, 512, 2);
+    affine_case(r, bits, 96, 1, 9, 768, 1 + (bits == 5));
+  }
   for (int K : {512, 416, 96}) {
     for (int rows : {1, 2, 5}) {
       mxfp4_case(r, rows, 11, K);
