@@ -411,15 +411,25 @@ static inline void prefetch_codebook(const CodebookRows& w, int n, int sb) {
   if (starts_line(sb, 16)) prefetch_ahead(w.qh + (size_t)n * (w.K / 32) + 8 * sb);
 }
 
-// Scale/bias element type read directly by the q8 and AVX-512 affine kernels (f16/bf16 scales are not converted
-// first).
+// Scale/bias element type read directly by the q8, AVX-512 and AVX2 affine kernels (f16/bf16 scales are not
+// converted first): a template parameter of the q8 and AVX-512 kernels, a run-time field of ScaleData for the AVX2
+// ones.
 enum class Sdt { f32, f16, bf16 };
 
-// Prefetches n scales (or biases) of dtype T from index i0: a row's biases, read only at the row's end.
+// An affine row stack's scales or biases as stored, with their dtype.
+struct ScaleData {
+  const void* p;
+  Sdt t;
+  size_t bytes() const { return t == Sdt::f32 ? 4 : 2; }
+};
+
+// Prefetches n scales (or biases) from index i0: a row's biases, read only at the row's end.
+static inline void prefetch_scales(ScaleData d, size_t i0, int n) {
+  prefetch_span(static_cast<const char*>(d.p) + i0 * d.bytes(), n * d.bytes());
+}
 template <Sdt T>
 static inline void prefetch_scales(const void* p, size_t i0, int n) {
-  constexpr size_t bytes = T == Sdt::f32 ? 4 : 2;
-  prefetch_span(static_cast<const char*>(p) + i0 * bytes, n * bytes);
+  prefetch_scales(ScaleData{p, T}, i0, n);
 }
 
 template <Sdt T>
@@ -492,19 +502,14 @@ __attribute__((target("avx2,fma,f16c"))) static inline float hsum_plus_dot(__m25
   return t;
 }
 
-// An affine row stack's scales or biases as stored (f32, f16 or bf16), the dtype known at run time: the AVX2 tiles
-// read them in place through these, with one predictable branch per read. Before, f16/bf16 values were converted to
-// f32 16 rows at a time (affine_rows), and the AVX2 kernels ran 1.09-1.15x slower with bf16 scales than with f32
-// ones; reading them in place, 2-bit 1.10-1.23x and 4-bit 1.00-1.16x faster with bf16 scales, f32 scales
-// 0.95-1.07x (medians 1.00x at 2 bits, 0.99x at 4), 4096 x 14336, one thread, old and new builds alternated on the
-// README's Intel VM with the AVX2 path forced. Three instances of every AVX2 tile, as the AVX-512 tiles have (the dtype a template
-// parameter), doubled this file's compile time (67 -> 126 s); converting eight groups' scales at a time into a stack
-// buffer instead of a branch per group was slower (4-bit, f32 scales: 1.1-1.2x).
-struct ScaleData {
-  const void* p;
-  Sdt t;
-  size_t bytes() const { return t == Sdt::f32 ? 4 : 2; }
-};
+// The AVX2 tiles read scales and biases in place through these, the dtype known at run time: one predictable branch
+// per read. Before, f16/bf16 values were converted to f32 16 rows at a time (affine_rows), and the AVX2 kernels ran
+// 1.09-1.15x slower with bf16 scales than with f32 ones; reading them in place, 2-bit 1.10-1.23x and 4-bit
+// 1.00-1.16x faster with bf16 scales, f32 scales 0.95-1.07x (medians 1.00x at 2 bits, 0.99x at 4), 4096 x 14336,
+// one thread, old and new builds alternated on the README's Intel VM with the AVX2 path forced. Three instances of
+// every AVX2 tile, as the AVX-512 tiles have (the dtype a template parameter), doubled this file's compile time
+// (67 -> 126 s); converting eight groups' scales at a time into a stack buffer instead of a branch per group was
+// slower (4-bit, f32 scales: 1.1-1.2x).
 static inline ScaleData affine_scales(const AffineRows& w) {
   if (!w.scales_h) return {w.scales, Sdt::f32};
   return {w.scales_h, w.bf16 ? Sdt::bf16 : Sdt::f16};
@@ -534,9 +539,6 @@ __attribute__((target("avx2,fma,f16c"))) static inline float hsum_plus_dot(__m25
     case Sdt::bf16: return hsum_plus_dot<Sdt::bf16>(acc, b.p, i0, g, n);
     default: return hsum_plus_dot<Sdt::f16>(acc, b.p, i0, g, n);
   }
-}
-static inline void prefetch_scales(ScaleData d, size_t i0, int n) {
-  prefetch_span(static_cast<const char*>(d.p) + i0 * d.bytes(), n * d.bytes());
 }
 
 // The grid as floats (2048 x 8, 64 KiB, L2-resident): one aligned load per 8-weight group instead of a
@@ -1279,16 +1281,7 @@ static void affine_group_sums(const AffineRows& w, const float* xsums, int m0, i
   }
 }
 
-// 2-bit rows with f32 activations. Each 128-chunk of a row is 32 bytes, eight little-endian u32 words; word i
-// holds elements 16i + s at bits 2s. Shift s of the words leaves code 16i + s in the low two bits of lane i, and
-// vpermilps reads only those two bits of each index lane, so with the table {0, 1, 2, 3} it yields the 8 codes as
-// floats without masking or converting. Activations are interleaved to match (interleave_2bit_f32: position
-// 8s + i of a chunk holds element 16i + s). Lanes 2q and 2q + 1 cover 32-block q of the chunk, so the chunk's
-// dots are scaled per block (a lane-permuted vector of the four blocks' scales); the biases meet the activations'
-// group sums gx ([MB][ng], affine_group_sums) once per row. GK: how the blocks' scales are found (1: group 32,
-// 2: group 64, 4: groups that are a multiple of 128, 0: any other multiple of 32). A row's last K % 128 values
-// are read block by block in the order of permute_for_bits(2).
-// The four blocks' scales of 128-chunk c of a 2-bit row whose scales start at element r (GK as below).
+// The four blocks' scales of 128-chunk c of a 2-bit row whose scales start at element r (GK as in affine2_tile_avx2).
 template <int GK>
 __attribute__((target("avx2,fma,f16c"))) static inline __m128 affine2_scales4(ScaleData sd, size_t r, int G, int c) {
   if constexpr (GK == 1) {
@@ -1304,6 +1297,15 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m128 affine2_scales4(Sc
   }
 }
 
+// 2-bit rows with f32 activations. Each 128-chunk of a row is 32 bytes, eight little-endian u32 words; word i
+// holds elements 16i + s at bits 2s. Shift s of the words leaves code 16i + s in the low two bits of lane i, and
+// vpermilps reads only those two bits of each index lane, so with the table {0, 1, 2, 3} it yields the 8 codes as
+// floats without masking or converting. Activations are interleaved to match (interleave_2bit_f32: position
+// 8s + i of a chunk holds element 16i + s). Lanes 2q and 2q + 1 cover 32-block q of the chunk, so the chunk's
+// dots are scaled per block (a lane-permuted vector of the four blocks' scales); the biases meet the activations'
+// group sums gx ([MB][ng], affine_group_sums) once per row. GK: how the blocks' scales are found (1: group 32,
+// 2: group 64, 4: groups that are a multiple of 128, 0: any other multiple of 32). A row's last K % 128 values
+// are read block by block in the order of permute_for_bits(2).
 template <int MB, int NB, int GK>
 __attribute__((target("avx2,fma,f16c"))) static void affine2_tile_avx2(const AffineRows& w, const float* xp,
                                                                        const float* gx, int m0, int n, float* out,
@@ -2141,12 +2143,13 @@ void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, floa
   }
   // (Here q8 mode with SIMD has returned, so the activations are f32 where simd holds.)
   if (simd && affine_avx512_applies(w, a)) {
-    if (!w.scales_h) return affine_rows_avx512<Sdt::f32>(w, a, n0, n1, out, ldo);
-    if (w.bf16) return affine_rows_avx512<Sdt::bf16>(w, a, n0, n1, out, ldo);
-    return affine_rows_avx512<Sdt::f16>(w, a, n0, n1, out, ldo);
+    switch (affine_scales(w).t) {
+      case Sdt::f32: return affine_rows_avx512<Sdt::f32>(w, a, n0, n1, out, ldo);
+      case Sdt::bf16: return affine_rows_avx512<Sdt::bf16>(w, a, n0, n1, out, ldo);
+      default: return affine_rows_avx512<Sdt::f16>(w, a, n0, n1, out, ldo);
+    }
   }
-  // The AVX2 tiles read them in place as well (affine_scales).
-  if (w.scales_h && affine_avx2_applies(w, a, simd)) return affine_rows_avx2(w, a, n0, n1, out, ldo);
+  if (affine_avx2_applies(w, a, simd)) return affine_rows_avx2(w, a, n0, n1, out, ldo);
 #endif
   if (!w.scales_h) return affine_rows_f32(w, a, n0, n1, out, ldo, simd);
   // f16/bf16 scales and biases for the other kernels (NEON, scalar): 16 rows' worth converted to f32, then the f32
@@ -2167,12 +2170,11 @@ void affine_rows(const AffineRows& w, const Activations& a, int n0, int n1, floa
 }
 
 static void affine_rows_f32(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo,
-                            bool simd) {
+                            [[maybe_unused]] bool simd) {  // (used by the NEON kernels only)
   const bool q8 = a.q8 && q8_supported('a', w.bits, w.group);
-  // (On x86-64 q8 mode with SIMD returned in affine_rows; the NEON kernels take q8 activations themselves.)
-#ifdef K3_X86
-  if (affine_avx2_applies(w, a, simd)) return affine_rows_avx2(w, a, n0, n1, out, ldo);
-#elif defined(K3_NEON)
+  // (On x86-64 the SIMD kernels returned in affine_rows, whatever the scale dtype; the NEON kernels take q8
+  // activations themselves.)
+#if defined(K3_NEON)
   if (simd && affine_has_simd(w.bits) && w.group % 32 == 0) {
     switch (w.bits) {
       case 2: return affine_rows_neon<2>(w, a, n0, n1, out, ldo);

@@ -192,10 +192,12 @@ void run_all(const std::string& tag) {
     affine_case(r, bits, 64, 2, 9, 256, 1);
     affine_case(r, bits, 64, 5, 9, 256, 2);
   }
-  // f16/bf16 scales at the other group sizes (the AVX-512 kernels read them in their stored dtype, with a load per
-  // group size), and group 96: a multiple of 32 that does not divide 256 (the 2-bit kernels' per-block scale path).
+  // f16/bf16 scales at the other group sizes (the AVX-512 and AVX2 kernels read them in their stored dtype, with a
+  // load per group size), and group 96: a multiple of 32 that does not divide 256 (the 2-bit kernels' per-block scale path).
   for (int bits : {2, 4, 8}) {
-    for (int group : {32, 128, 256}) affine_case(r, bits, group, group == 128 ? 5 : 1, 9, 512, group == 32 ? 1 : 2);
+    for (int group : {32, 128, 256}) {
+      affine_case(r, bits, group, group == 128 ? 5 : 1, 9, 512, group == 32 ? 1 : 2);
+    }
     for (int dt : {0, 1, 2}) affine_case(r, bits, 96, 3, 9, 768, dt);
   }
   // The odd widths' AVX2 tiles read f16/bf16 scales in place too.
