@@ -171,7 +171,7 @@ mx::array attn_res_mix(const mx::array& raw, const mx::array& inv_rms, const mx:
     in.push_back(mx::array({eps}, {1}, mx::float32));
     int threads = 256;
     auto outs = kernel(in, {partial.shape()}, {dt}, {(int)N * threads, 1, 1}, {threads, 1, 1},
-                       {{"T", dt}, {"K", K}, {"N", (int)N}, {"D", D}, {"THREADS", threads}}, std::nullopt, false, s);
+                       {{"T", dt}, {"K", K}, {"D", D}, {"THREADS", threads}}, std::nullopt, false, s);
     return outs[0];
 #endif
   }

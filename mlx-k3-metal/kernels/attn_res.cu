@@ -1,8 +1,10 @@
 // Attention-residual mix for MLX's fast::cuda_kernel (body of the generated __global__ function; see
-// cpp/attn_res.cpp for the math). One block of THREADS per token. Template constants: T (activation dtype),
-// K snapshots, N tokens, D hidden size, THREADS. Inputs: raw [K, N, D] (T), inv_rms [K, N] f32, partial
-// [N, D] (T), w_eff [D] f32, params = [eps]. Output: out [N, D] (T). Not yet run on a GPU.
+// cpp/attn_res.cpp for the math). One block of THREADS per token, so the token count N is the grid's block
+// count rather than a template constant: one compiled kernel serves every prompt length. Template constants:
+// T (activation dtype), K snapshots, D hidden size, THREADS. Inputs: raw [K, N, D] (T), inv_rms [K, N] f32,
+// partial [N, D] (T), w_eff [D] f32, params = [eps]. Output: out [N, D] (T). Not yet run on a GPU.
 const int n = blockIdx.x;
+const size_t N = gridDim.x;
 const int tid = threadIdx.x;
 float acc[K + 2];
 for (int i = 0; i < K + 2; ++i) acc[i] = 0.0f;
