@@ -12,7 +12,7 @@ use clap::Args as ClapArgs;
 use crate::generate::{generate_tokens, GenerateOptions, PromptCache};
 use crate::kernels::{self, RouterParams};
 use crate::model::{KimiK3, LoadOptions};
-use crate::{memory, random, Array, Dtype, Error, Result};
+use crate::{memory, random, Array, Device, Dtype, Error, Result};
 
 /// Options of `bench`.
 #[derive(ClapArgs, Debug)]
@@ -162,7 +162,10 @@ fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
     };
     // This machine's bandwidth drifts between runs, so the share below takes the better of a measurement
     // before and one after decoding (the conservative share); JSON output leaves bandwidth to the caller.
-    let bw_before = if args.json { 0.0 } else { read_bandwidth().0 };
+    // The share is a CPU figure: `read_bandwidth` streams host memory, so on a GPU it is not computed.
+    let device = Device::default_device()?;
+    let on_cpu = device == Device::Cpu;
+    let bw_before = if args.json || !on_cpu { 0.0 } else { read_bandwidth().0 };
     // Warm-up (allocator, first-use costs), then the measured run on a fresh cache.
     let warm = ids(16);
     generate_tokens(&model, &mut PromptCache::new(), &warm, &opts(4), |_| true)?;
@@ -187,7 +190,8 @@ fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
              \"time_to_first_token_s\": {:.6}, \"prefill_tok_s\": {:.4}, \"decode_tok_s\": {:.4}, \
              \"token_interval_median_ms\": {median_ms:.4}, \"token_interval_p10_ms\": {p10_ms:.4}, \
              \"peak_memory_bytes\": {}, \"weight_bytes_per_token\": {weights}, \"state_bytes_per_token\": \
-             {state_bytes}, \"bytes_read_per_token\": {total}, \"kernel_threads\": {}, \"avx512_kernels\": {}}}",
+             {state_bytes}, \"bytes_read_per_token\": {total}, \"kernel_threads\": {}, \"avx512_kernels\": {}, \
+             \"device\": \"{}\"}}",
             stats.prompt_tokens,
             stats.generated_tokens,
             stats.time_to_first_token,
@@ -195,10 +199,11 @@ fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
             stats.generation_tps,
             stats.peak_memory,
             kernels::num_threads(),
-            kernels::avx512()?
+            kernels::avx512()?,
+            if on_cpu { "cpu" } else { "gpu" }
         );
     } else {
-        println!("model: {} (loaded in {load_s:.1} s)", dir.display());
+        println!("model: {} (loaded in {load_s:.1} s) on {device:?}", dir.display());
         println!("prompt {} tokens, generated {}", stats.prompt_tokens, stats.generated_tokens);
         println!("time to first token: {:.3} s", stats.time_to_first_token);
         println!("prefill: {:.2} tok/s", stats.prompt_tps);
@@ -216,6 +221,10 @@ fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
             weights as f64 / 1e6,
             state_bytes as f64 / 1e6
         );
+        if !on_cpu {
+            println!("bandwidth share: not computed on {device:?} (the bandwidth probe reads host memory)");
+            return Ok(());
+        }
         let bw_after = read_bandwidth().0;
         let gbs = bw_before.max(bw_after);
         let limit = gbs * 1e9 / total as f64;
