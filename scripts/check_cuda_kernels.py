@@ -2,8 +2,9 @@
 """Compiles every CUDA kernel of mlx-k3-metal/kernels/ the way MLX's `fast::cuda_kernel` compiles it on a GPU
 machine, with NVRTC from PyPI, on a machine that has no GPU.
 
-No development machine or CI run of this project has a GPU, so these kernels have never run. This check
-catches what a GPU user would otherwise hit first: a kernel that does not compile. It builds, for each
+No development machine or CI run of this project has a GPU (the kernels ran once on a lent H200, see
+scripts/gpu_check.sh). This check catches, on every CI run, what a GPU user would otherwise hit first: a kernel
+that does not compile. It builds, for each
 kernel and a set of launch variants (element types, template constants), the exact translation unit that
 MLX 0.32.4 generates at run time (`build_kernel` in mlx/backend/cuda/custom_kernel.cpp: MLX's default
 header, `namespace mlx::core::cu`, the `__global__` signature from the input and output names and dtypes,
