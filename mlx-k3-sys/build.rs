@@ -9,7 +9,7 @@
 //! `MLX_K3_PYTHON` the interpreter used to create `.venv`.
 //!
 //! Published to direct dependents (`links = "mlx"`): `DEP_MLX_LIBDIR`, `DEP_MLX_INCLUDE`,
-//! `DEP_MLX_SHIM_INCLUDE`, `DEP_MLX_PYTHON` (may be empty) and `DEP_MLX_BACKEND`.
+//! `DEP_MLX_SHIM_INCLUDE`, `DEP_MLX_SHIM_LIBDIR`, `DEP_MLX_PYTHON` (may be empty) and `DEP_MLX_BACKEND`.
 
 use std::env;
 use std::fs;
@@ -78,6 +78,8 @@ fn main() {
     println!("cargo:libdir={}", libdir.display());
     println!("cargo:include={}", include.display());
     println!("cargo:shim_include={}", shim_dir.display());
+    // The shim's static library, for C++ test programs that call the C ABI (mlx-k3-metal/tests/cuda_emulation.rs).
+    println!("cargo:shim_libdir={}", env::var("OUT_DIR").unwrap());
     println!("cargo:python={}", mlx.python.as_ref().map(|p| p.display().to_string()).unwrap_or_default());
     println!("cargo:backend={}", wheel_backend(&mlx.dir));
     println!("cargo:rustc-env=MLX_K3_MLX_ORIGIN={}", mlx.origin);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "k3_internal.hpp"
+#include "gpu_branch.hpp"
 #include "k3_kernels.h"
 #include "kernel_sources.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -161,7 +162,7 @@ mx::array attn_res_mix(const mx::array& raw, const mx::array& inv_rms, const mx:
   // No reshape/contiguous nodes on the CPU path (the kernel reads any strides); casts only when needed.
   std::vector<mx::array> in{mx::astype(raw, dt, s), mx::astype(inv_rms, mx::float32, s), partial,
                             mx::astype(w_eff, mx::float32, s)};
-  if (s.device == mx::Device::gpu) {
+  if (gpu_branch(s)) {
 #ifdef __APPLE__
     fail("no Metal kernel; use the plain ops on Apple GPUs");
 #else

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "k3_internal.hpp"
+#include "gpu_branch.hpp"
 #include "k3_kernels.h"
 #include "kernel_sources.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -437,7 +438,7 @@ std::vector<mx::array> kda_step(const mx::array& qkv, const mx::array& a, const 
                                 c(a_log, mx::float32), c(dt_bias, mx::float32), c(norm_w, mx::float32)};
   if (conv_state) inputs.push_back(c(*conv_state, dt));
   if (ssm) inputs.push_back(c(*ssm, mx::float32));
-  if (s.device == mx::Device::gpu) {
+  if (gpu_branch(s)) {
     for (auto& x : inputs) x = mx::contiguous(x, false, s);
     return kda_step_gpu(inputs, p, B, dt, s);
   }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "k3_internal.hpp"
+#include "gpu_branch.hpp"
 #include "k3_kernels.h"
 #include "kernel_sources.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -289,7 +290,7 @@ std::vector<mx::array> moe_router(const mx::array& logits_in, const std::optiona
   }
   RouterParams p{top_k, n_group, topk_group, scale, renormalize, bias.has_value(), mask.has_value(),
                  cpu_has_avx2_fma()};
-  if (s.device == mx::Device::gpu) {
+  if (gpu_branch(s)) {
     if (E <= kGpuMaxExperts && top_k <= kGpuMaxTopK) return route_gpu(logits_in, bias, mask, p, s);
     return route_ops(logits_in, bias, mask, p, s);
   }

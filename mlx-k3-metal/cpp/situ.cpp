@@ -8,6 +8,7 @@
 
 #include "dense_util.hpp"
 #include "k3_internal.hpp"
+#include "gpu_branch.hpp"
 #include "k3_kernels.h"
 #include "kernel_sources.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -18,6 +19,9 @@
 namespace mx = mlx::core;
 
 namespace k3::kernels {
+
+bool gpu_branch_on_cpu = false;  // gpu_branch.hpp
+
 namespace {
 
 struct SituParams {
@@ -159,7 +163,7 @@ mx::array situ(const mx::array& up_in, const mx::array& gate_in, SituParams p, m
   if (up.size() > static_cast<size_t>(INT32_MAX)) {
     throw std::invalid_argument("[situ] more than 2^31 - 1 elements");
   }
-  if (s.device == mx::Device::gpu) {
+  if (gpu_branch(s)) {
     return situ_gpu(mx::contiguous(up, false, s), mx::contiguous(gate, false, s), p, s);
   }
   return mx::array(up.shape(), dt, std::make_shared<Situ>(s, p), {up, gate});

@@ -1,0 +1,558 @@
+// The CUDA kernels (kernels/*.cu) run on the CPU and are compared with the CPU paths of the same ops.
+//
+// No machine this project is built and tested on has a GPU (the kernels ran once on a lent H200, README), so
+// without this CI would only compile them (scripts/check_cuda_kernels.py). This program replaces MLX's fast::cuda_kernel with a
+// definition of its own (the linker takes it over libmlx's): a launch builds the translation unit MLX's JIT
+// would build (same __global__ signature from the input/output names and dtypes, same template constants,
+// same body) but with cuda_emu.hpp in place of MLX's device header, compiles it with the host C++ compiler as a
+// shared object (AddressSanitizer on: this program is built with it, so a kernel that reads or writes past any
+// input, output or __shared__ array stops the run with a report), loads it and runs the grid twice, the
+// threads of each block in index order and backwards, requiring the same bits (an order dependence is a
+// missing barrier). Setting
+// k3::kernels::gpu_branch_on_cpu makes each op take its GPU branch on a CPU stream, so the whole branch (its
+// casts, dummy inputs, launch shape, template constants) runs, through the same C ABI the Rust crate calls.
+//
+// Each case calls the op twice on the same inputs, CPU branch then GPU branch, and compares. Outputs the kernel
+// never writes hold NaN (every byte 0xff), so a missed element fails the comparison. Tolerances are stated
+// per op below, from how the two paths' float32 arithmetic can differ; an indexing or synchronization mistake
+// moves results by O(1) relative, far above them. Usage: cuda_emulation <c++ compiler> <emulation include
+// dir> <mlx include dir> <scratch dir>. Exit status 0 when every case passes; one line per case.
+// K3EMU_SANITIZE=0 compiles the kernel units without AddressSanitizer (for a build of this program without it).
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <random>
+#include <regex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "gpu_branch.hpp"
+#include "k3_internal.hpp"
+#include "k3_kernels.h"
+#include "mlx/fast.h"
+#include "mlx/mlx.h"
+
+namespace mx = mlx::core;
+
+namespace {
+
+std::string g_cxx, g_emu_include, g_mlx_include, g_scratch;
+int g_launches = 0, g_compiles = 0;
+
+std::string cuda_type(mx::Dtype t) {
+  static const std::map<mx::Dtype::Val, const char*> names{
+      {mx::Dtype::Val::bool_, "bool"},       {mx::Dtype::Val::int8, "int8_t"},
+      {mx::Dtype::Val::int16, "int16_t"},    {mx::Dtype::Val::int32, "int32_t"},
+      {mx::Dtype::Val::int64, "int64_t"},    {mx::Dtype::Val::uint8, "uint8_t"},
+      {mx::Dtype::Val::uint16, "uint16_t"},  {mx::Dtype::Val::uint32, "uint32_t"},
+      {mx::Dtype::Val::uint64, "uint64_t"},  {mx::Dtype::Val::float16, "__half"},
+      {mx::Dtype::Val::bfloat16, "__nv_bfloat16"}, {mx::Dtype::Val::float32, "float"}};
+  auto it = names.find(t.val());
+  if (it == names.end()) throw std::invalid_argument("cuda_emulation: no CUDA type for this dtype");
+  return it->second;
+}
+
+// The translation unit of mlx/backend/cuda/custom_kernel.cpp's build_kernel (ensure_row_contiguous, no
+// shape/stride parameters), with the emulation header, plus an entry point that launches it.
+std::string build_unit(const std::string& name, const std::string& header, const std::string& body,
+                       const std::vector<std::string>& in_names, const std::vector<mx::array>& inputs,
+                       const std::vector<std::string>& out_names, const std::vector<mx::Dtype>& out_dtypes,
+                       const std::vector<std::pair<std::string, mx::fast::TemplateArg>>& targs) {
+  std::string src = "#include \"cuda_emu.hpp\"\n" + header + "namespace mlx::core::cu {\n\n";
+  src += "namespace cg = cooperative_groups;\n\n__global__ void " + name + "(\n";
+  for (size_t i = 0; i < inputs.size(); ++i) src += "    const " + cuda_type(inputs[i].dtype()) + "* " + in_names[i] + ",\n";
+  for (size_t i = 0; i < out_names.size(); ++i) {
+    src += "    " + cuda_type(out_dtypes[i]) + "* " + out_names[i] + (i + 1 < out_names.size() ? ",\n" : ") {\n");
+  }
+  for (const auto& [k, v] : targs) {
+    if (std::holds_alternative<int>(v)) {
+      src += "  constexpr int " + k + " = " + std::to_string(std::get<int>(v)) + ";\n";
+    } else if (std::holds_alternative<bool>(v)) {
+      src += "  constexpr bool " + k + " = " + (std::get<bool>(v) ? "true" : "false") + ";\n";
+    } else {
+      src += "  using " + k + " = " + cuda_type(std::get<mx::Dtype>(v)) + ";\n";
+    }
+  }
+  src += "\n" + body + "\n}\n\n} // namespace mlx::core::cu\n\n";
+  src += "extern \"C\" void k3emu_entry(void* const* a, const int* grid, const int* block, int reverse) {\n";
+  src += "  k3emu::reverse_order = reverse != 0;\n";
+  src += "  k3emu::launch(grid, block, [a] { mlx::core::cu::" + name + "(";
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    src += "static_cast<const " + cuda_type(inputs[i].dtype()) + "*>(a[" + std::to_string(i) + "]), ";
+  }
+  for (size_t i = 0; i < out_names.size(); ++i) {
+    src += "static_cast<" + cuda_type(out_dtypes[i]) + "*>(a[" + std::to_string(inputs.size() + i) + "])";
+    src += i + 1 < out_names.size() ? ", " : "); });\n}\n";
+  }
+  return src;
+}
+
+using Entry = void (*)(void* const*, const int*, const int*, int);
+
+Entry compile_unit(const std::string& src) {
+  static std::map<std::string, Entry> cache;
+  auto it = cache.find(src);
+  if (it != cache.end()) return it->second;
+  const std::string base = g_scratch + "/unit" + std::to_string(cache.size());
+  std::ofstream(base + ".cpp") << src;
+  const char* san = std::getenv("K3EMU_SANITIZE");
+  const std::string flags = san && std::string(san) == "0" ? "" : " -fsanitize=address -fno-omit-frame-pointer";
+  const std::string cmd = g_cxx + " -std=c++20 -O1 -g -fPIC -shared" + flags + " -I '" +
+                          g_emu_include + "' -isystem '" + g_mlx_include + "' -o '" + base + ".so' '" + base +
+                          ".cpp' -lpthread 2> '" + base + ".log'";
+  if (std::system(cmd.c_str()) != 0) {
+    std::ifstream log(base + ".log");
+    std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    throw std::runtime_error("cuda_emulation: the kernel does not compile for the emulator (" + base + ".cpp):\n" +
+                             text.substr(0, 4000));
+  }
+  void* lib = dlopen((base + ".so").c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!lib) throw std::runtime_error(std::string("cuda_emulation: dlopen: ") + dlerror());
+  auto entry = reinterpret_cast<Entry>(dlsym(lib, "k3emu_entry"));
+  if (!entry) throw std::runtime_error("cuda_emulation: no k3emu_entry in " + base + ".so");
+  ++g_compiles;
+  return cache[src] = entry;
+}
+
+std::vector<mx::array> emulate(const std::string& name, const std::vector<std::string>& in_names,
+                               const std::vector<std::string>& out_names, const std::string& source,
+                               const std::string& header, bool ensure_row_contiguous, int shared_memory,
+                               const std::vector<mx::array>& inputs_in, const std::vector<mx::Shape>& out_shapes,
+                               const std::vector<mx::Dtype>& out_dtypes, std::tuple<int, int, int> grid,
+                               std::tuple<int, int, int> tg,
+                               const std::vector<std::pair<std::string, mx::fast::TemplateArg>>& targs,
+                               std::optional<float> init_value) {
+  if (!ensure_row_contiguous) throw std::invalid_argument("cuda_emulation: only ensure_row_contiguous kernels");
+  if (shared_memory != 0) throw std::invalid_argument("cuda_emulation: no dynamic shared memory");
+  if (inputs_in.size() != in_names.size() || out_shapes.size() != out_names.size() ||
+      out_dtypes.size() != out_names.size()) {
+    throw std::invalid_argument("cuda_emulation: " + name + ": names and arrays disagree in number");
+  }
+  for (const auto& n : in_names) {
+    if (std::regex_search(source, std::regex("\\b" + n + "_(shape|strides|ndim)\\b"))) {
+      throw std::invalid_argument("cuda_emulation: " + name + " uses " + n + "_shape/_strides/_ndim (not emulated)");
+    }
+  }
+  // Inputs: row-contiguous copies in buffers of their exact size (AddressSanitizer guards each one).
+  std::vector<void*> args;
+  for (const auto& x : inputs_in) {
+    auto c = mx::contiguous(x, false);
+    mx::eval(c);
+    if (!c.flags().row_contiguous) throw std::logic_error("cuda_emulation: contiguous() is not row-contiguous");
+    void* buf = std::malloc(c.nbytes() ? c.nbytes() : 1);
+    std::memcpy(buf, c.data<char>(), c.nbytes());
+    args.push_back(buf);
+  }
+  // Outputs: filled with init_value, or else with NaN (every byte 0xff), so elements the kernel skips show.
+  std::vector<size_t> out_bytes;
+  std::vector<std::vector<char>> out_init;
+  for (size_t i = 0; i < out_shapes.size(); ++i) {
+    size_t n = 1;
+    for (int d : out_shapes[i]) n *= d;
+    const size_t bytes = n * mx::size_of(out_dtypes[i]);
+    std::vector<char> init(bytes, static_cast<char>(0xff));
+    if (init_value) {
+      auto v = mx::astype(mx::full(out_shapes[i], *init_value, mx::float32), out_dtypes[i]);
+      mx::eval(v);
+      std::memcpy(init.data(), v.data<char>(), bytes);
+    }
+    void* buf = std::malloc(bytes ? bytes : 1);
+    std::memcpy(buf, init.data(), bytes);
+    args.push_back(buf);
+    out_bytes.push_back(bytes);
+    out_init.push_back(std::move(init));
+  }
+  const auto [gx, gy, gz] = grid;
+  const auto [tx, ty, tz] = tg;
+  if (tx < 1 || ty < 1 || tz < 1 || gx < 0 || gy < 0 || gz < 0) throw std::invalid_argument("cuda_emulation: bad launch");
+  // mlx/backend/cuda/custom_kernel.cpp: block = min(threadgroup, grid), blocks = ceil(grid / threadgroup).
+  const int block[3] = {std::min(tx, gx), std::min(ty, gy), std::min(tz, gz)};
+  const int blocks[3] = {(gx + tx - 1) / tx, (gy + ty - 1) / ty, (gz + tz - 1) / tz};
+  if (block[0] * block[1] * block[2] > 1024) throw std::invalid_argument("cuda_emulation: more than 1024 threads a block");
+  if ((long)blocks[0] * blocks[1] * blocks[2] > 0 && block[0] * block[1] * block[2] > 0) {
+    Entry entry = compile_unit(build_unit(name, header, source, in_names, inputs_in, out_names, out_dtypes, targs));
+    // Threads in index order, then backwards from fresh outputs: the bits must not change.
+    entry(args.data(), blocks, block, 0);
+    std::vector<std::vector<char>> forward;
+    for (size_t i = 0; i < out_bytes.size(); ++i) {
+      char* p = static_cast<char*>(args[inputs_in.size() + i]);
+      forward.emplace_back(p, p + out_bytes[i]);
+      std::memcpy(p, out_init[i].data(), out_bytes[i]);
+    }
+    entry(args.data(), blocks, block, 1);
+    for (size_t i = 0; i < out_bytes.size(); ++i) {
+      if (std::memcmp(forward[i].data(), args[inputs_in.size() + i], out_bytes[i]) != 0) {
+        throw std::runtime_error("cuda_emulation: " + name + ": output " + out_names[i] +
+                                 " depends on the order the threads of a block run in (a thread reads what another "
+                                 "writes without a __syncthreads() in between)");
+      }
+    }
+    ++g_launches;
+  }
+  for (size_t i = 0; i < inputs_in.size(); ++i) std::free(args[i]);
+  std::vector<mx::array> outs;
+  for (size_t i = 0; i < out_shapes.size(); ++i) {
+    outs.emplace_back(args[inputs_in.size() + i], out_shapes[i], out_dtypes[i], [](void* p) { std::free(p); });
+  }
+  return outs;
+}
+
+}  // namespace
+
+// Takes the place of libmlx's definition (a symbol of this executable wins over the shared library's).
+namespace mlx::core::fast {
+CustomKernelFunction cuda_kernel(const std::string& name, const std::vector<std::string>& input_names,
+                                 const std::vector<std::string>& output_names, const std::string& source,
+                                 const std::string& header, bool ensure_row_contiguous, int shared_memory) {
+  return [=](const std::vector<array>& inputs, const std::vector<Shape>& out_shapes, const std::vector<Dtype>& out_dtypes,
+             std::tuple<int, int, int> grid, std::tuple<int, int, int> tg,
+             std::vector<std::pair<std::string, TemplateArg>> targs, std::optional<float> init_value, bool,
+             StreamOrDevice) {
+    return emulate(name, input_names, output_names, source, header, ensure_row_contiguous, shared_memory, inputs,
+                   out_shapes, out_dtypes, grid, tg, targs, init_value);
+  };
+}
+}  // namespace mlx::core::fast
+
+namespace {
+
+int g_failures = 0, g_cases = 0;
+const k3_stream kCpu{0, -1, 0};  // the default stream (CPU: this MLX has no GPU)
+
+k3_array h(const mx::array& a) {
+  return k3_array{const_cast<mx::array*>(&a)};
+}
+k3_array none() {
+  return k3_array{nullptr};
+}
+
+void ok(int rc, const char* what) {
+  if (rc != 0) throw std::runtime_error(std::string(what) + ": " + k3_last_error());
+}
+
+mx::array take(k3_array r) {
+  auto* p = static_cast<mx::array*>(r.ctx);
+  mx::array a = *p;
+  delete p;
+  return a;
+}
+
+// Runs `op` with the CPU branch and with the GPU branch (emulated kernel); both results evaluated.
+std::pair<std::vector<mx::array>, std::vector<mx::array>> both(const std::function<std::vector<mx::array>()>& op) {
+  k3::kernels::gpu_branch_on_cpu = false;
+  auto cpu = op();
+  mx::eval(cpu);
+  const int before = g_launches;
+  k3::kernels::gpu_branch_on_cpu = true;
+  auto gpu = op();
+  k3::kernels::gpu_branch_on_cpu = false;
+  mx::eval(gpu);
+  if (g_launches == before) throw std::logic_error("the GPU branch launched no kernel");
+  return {cpu, gpu};
+}
+
+std::vector<float> values(const mx::array& a) {
+  auto f = mx::astype(a, mx::float32);
+  mx::eval(f);
+  auto c = mx::contiguous(f);
+  mx::eval(c);
+  return std::vector<float>(c.data<float>(), c.data<float>() + c.size());
+}
+
+// Relative rounding unit of a dtype (one ulp of x is at most eps * |x| for normal x).
+double eps_of(mx::Dtype t) {
+  if (t == mx::float16) return std::ldexp(1.0, -10);
+  if (t == mx::bfloat16) return std::ldexp(1.0, -7);
+  return std::ldexp(1.0, -23);
+}
+
+// Element-wise |got - ref| <= tol(i, ref); NaN anywhere fails. Prints one line.
+void compare(const std::string& what, const mx::array& ref_a, const mx::array& got_a,
+             const std::function<double(size_t, double)>& tol) {
+  ++g_cases;
+  if (ref_a.shape() != got_a.shape() || ref_a.dtype() != got_a.dtype()) {
+    std::printf("FAIL %s: shape/dtype %s vs %s\n", what.c_str(), k3::shape_str(ref_a.shape()).c_str(),
+                k3::shape_str(got_a.shape()).c_str());
+    ++g_failures;
+    return;
+  }
+  auto ref = values(ref_a), got = values(got_a);
+  double worst = 0.0;  // largest |diff| / tol
+  size_t bad = 0, first_bad = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = std::fabs((double)got[i] - ref[i]), t = tol(i, ref[i]);
+    const bool fine = std::isfinite(got[i]) && std::isfinite(ref[i]) && d <= t;
+    if (!fine && bad++ == 0) first_bad = i;
+    if (t > 0) worst = std::max(worst, d / t);
+  }
+  if (bad) {
+    std::printf("FAIL %s: %zu of %zu elements off (first at %zu: cpu %.9g, emulated gpu %.9g)\n", what.c_str(), bad,
+                ref.size(), first_bad, ref[first_bad], got[first_bad]);
+    ++g_failures;
+  } else {
+    std::printf("ok   %s: %zu elements, largest difference %.3f of the tolerance\n", what.c_str(), ref.size(), worst);
+  }
+}
+
+double max_abs(const mx::array& a) {
+  double m = 0;
+  for (float v : values(a)) m = std::max(m, (double)std::fabs(v));
+  return m;
+}
+
+struct Rng {
+  std::mt19937 g;
+  explicit Rng(uint32_t seed) : g(seed) {}
+  mx::array normal(const mx::Shape& shape, float scale, mx::Dtype dt = mx::float32) {
+    size_t n = 1;
+    for (int d : shape) n *= d;
+    std::normal_distribution<float> dist(0.0f, scale);
+    std::vector<float> v(n);
+    for (auto& x : v) x = dist(g);
+    return mx::astype(mx::array(v.begin(), shape, mx::float32), dt);
+  }
+};
+
+const char* dname(mx::Dtype t) {
+  return t == mx::float32 ? "f32" : t == mx::float16 ? "f16" : "bf16";
+}
+
+// SiTU: element-wise, the same formula in float32 (the CPU path's exp/tanh polynomials are within a few ulp of
+// libm's, vmath.hpp); the two f32 results differ by a few ulp, so f32 output: 16 ulp of |ref|; f16/bf16
+// output: both round nearby f32 values, which can land one ulp apart: 1 ulp of the output type (+ a subnormal
+// floor).
+void check_situ() {
+  Rng rng(1);
+  for (auto dt : {mx::float32, mx::float16, mx::bfloat16}) {
+    for (bool lin : {false, true}) {
+      auto up = rng.normal({3, 1001}, 3.0f, dt), gate = rng.normal({3, 1001}, 3.0f, dt);
+      auto [cpu, gpu] = both([&] {
+        k3_array r;
+        ok(k3_situ(&r, h(up), h(gate), 2.5f, lin, 4.0f, kCpu), "k3_situ");
+        return std::vector<mx::array>{take(r)};
+      });
+      const double e = dt == mx::float32 ? 16 * eps_of(dt) : eps_of(dt);
+      compare(std::string("situ ") + dname(dt) + (lin ? " linear_beta" : ""), cpu[0], gpu[0],
+              [&](size_t, double r) { return e * std::fabs(r) + 1e-7; });
+    }
+  }
+}
+
+// Router: the chosen experts must be the same set per row (the CPU path returns MLX argpartition's order, the
+// kernel (score desc, index asc): rows are compared sorted by index), the protected flags the same, the
+// weights as SiTU's (sigmoid, a sum of k of them, one division: a few f32 ulp). Logits are drawn distinct per
+// row, so no tie decides the set.
+void check_router() {
+  struct Case {
+    mx::Dtype dt;
+    int E, k, ng, kg;
+    bool renorm, bias, mask;
+  };
+  const Case cases[] = {{mx::float32, 896, 16, 1, 1, true, true, false},  {mx::float16, 896, 16, 1, 1, true, true, false},
+                        {mx::bfloat16, 896, 16, 1, 1, true, true, true},  {mx::float32, 256, 8, 8, 4, false, true, true},
+                        {mx::float32, 64, 6, 1, 1, true, false, false},    {mx::float32, 1, 1, 1, 1, false, false, true},
+                        {mx::float32, 1000, 32, 1, 1, true, true, false}};
+  Rng rng(2);
+  for (const auto& c : cases) {
+    const int rows = 5;
+    // Distinct logits in every row, exact in f16 and bf16 too: +-(1 + m/128) 2^e for m < 128, e in -3..0
+    // (1024 values), shuffled; the first E of each shuffle make a row. Ties would make both sides' choice legal.
+    std::vector<float> pool;
+    for (int sgn : {-1, 1}) {
+      for (int e = -3; e <= 0; ++e) {
+        for (int m = 0; m < 128; ++m) pool.push_back(sgn * std::ldexp(1.0f + m / 128.0f, e));
+      }
+    }
+    std::vector<float> lv;
+    for (int r = 0; r < rows; ++r) {
+      std::shuffle(pool.begin(), pool.end(), rng.g);
+      lv.insert(lv.end(), pool.begin(), pool.begin() + c.E);
+    }
+    auto logits = mx::astype(mx::array(lv.begin(), {1, rows, c.E}, mx::float32), c.dt);
+    auto bias = rng.normal({c.E}, 0.05f);
+    std::vector<int> mv(c.E);
+    for (int i = 0; i < c.E; ++i) mv[i] = (i * 7) % 3 == 0;
+    auto mask = mx::array(mv.begin(), {c.E}, mx::int32);
+    auto [cpu, gpu] = both([&] {
+      k3_array r[3];
+      size_t n = 0;
+      ok(k3_moe_router(r, 3, &n, h(logits), c.bias ? h(bias) : none(), c.mask ? h(mask) : none(), c.k, c.ng, c.kg,
+                       2.5f, c.renorm, kCpu),
+         "k3_moe_router");
+      std::vector<mx::array> out;
+      for (size_t i = 0; i < n; ++i) out.push_back(take(r[i]));
+      return out;
+    });
+    char what[160];
+    std::snprintf(what, sizeof what, "router %s E=%d k=%d groups=%d/%d%s%s%s", dname(c.dt), c.E, c.k, c.ng, c.kg,
+                  c.renorm ? " renorm" : "", c.bias ? " bias" : "", c.mask ? " mask" : "");
+    ++g_cases;
+    if (cpu.size() != gpu.size()) {
+      std::printf("FAIL %s: %zu vs %zu outputs\n", what, cpu.size(), gpu.size());
+      ++g_failures;
+      continue;
+    }
+    auto ci = values(cpu[0]), gi = values(gpu[0]), cw = values(cpu[1]), gw = values(gpu[1]);
+    std::vector<float> cp(ci.size(), 0), gp(gi.size(), 0);
+    if (c.mask) cp = values(cpu[2]), gp = values(gpu[2]);
+    const double e = c.dt == mx::float32 ? 16 * eps_of(c.dt) : eps_of(c.dt);
+    int bad = 0;
+    double worst = 0;
+    for (int r = 0; r < rows; ++r) {
+      auto sorted = [&](const std::vector<float>& ind, const std::vector<float>& w, const std::vector<float>& p) {
+        std::vector<std::tuple<float, float, float>> t;
+        for (int j = 0; j < c.k; ++j) t.emplace_back(ind[r * c.k + j], w[r * c.k + j], p[r * c.k + j]);
+        std::sort(t.begin(), t.end());
+        return t;
+      };
+      auto a = sorted(ci, cw, cp), b = sorted(gi, gw, gp);
+      for (int j = 0; j < c.k; ++j) {
+        const auto [ia, wa, pa] = a[j];
+        const auto [ib, wb, pb] = b[j];
+        const double tol = e * std::fabs(wa) + 1e-7;
+        worst = std::max(worst, std::fabs((double)wa - wb) / tol);
+        if (ia != ib || pa != pb || !(std::fabs((double)wa - wb) <= tol)) ++bad;
+      }
+    }
+    if (bad) {
+      std::printf("FAIL %s: %d of %d (expert, weight, protected) entries differ\n", what, bad, rows * c.k);
+      ++g_failures;
+    } else {
+      std::printf("ok   %s: %d rows, same experts, weights within %.3f of the tolerance\n", what, rows, worst);
+    }
+  }
+}
+
+// Attention-residual mix. Both paths form K+1 logits as D-term f32 dot products (different summation orders:
+// each within D * eps * sum_d |b_d w_d| of the exact one, times the row's inv_rms), softmax them, and sum
+// K+1 weighted rows. A logit error L moves the softmax weights by at most 2L in total, so the output moves by
+// at most 2 L * max_k |v_kd| plus the final sum's rounding (K+2) eps max_k |v_kd|; the tolerance is twice that
+// bound (L computed from the case's data), plus 1 ulp of the output type for f16/bf16.
+void check_attn_res() {
+  struct Case {
+    mx::Dtype dt;
+    int K, D;
+  };
+  const Case cases[] = {{mx::float32, 4, 300}, {mx::float16, 4, 300}, {mx::bfloat16, 4, 300}, {mx::float32, 1, 64},
+                        {mx::float32, 16, 1000}};
+  Rng rng(3);
+  for (const auto& c : cases) {
+    const mx::Shape tok{2, 3};
+    auto raw = rng.normal({c.K, 2, 3, c.D}, 1.0f, c.dt), partial = rng.normal({2, 3, c.D}, 1.0f, c.dt);
+    auto w_eff = rng.normal({c.D}, 0.2f);
+    auto inv_rms = mx::rsqrt(mx::add(mx::mean(mx::square(mx::astype(raw, mx::float32)), -1), mx::array(1e-6f)));
+    auto [cpu, gpu] = both([&] {
+      k3_array r;
+      ok(k3_attn_res_mix(&r, h(raw), h(inv_rms), h(partial), h(w_eff), 1e-6f, kCpu), "k3_attn_res_mix");
+      return std::vector<mx::array>{take(r)};
+    });
+    // The bound's ingredients, per token n: L_n and max_k |v_knd| (v = the K rows and the partial).
+    auto rv = values(raw), pv = values(partial), wv = values(w_eff), iv = values(inv_rms);
+    const int N = 6;
+    const double e32 = eps_of(mx::float32);
+    std::vector<double> L(N, 0.0);
+    for (int n = 0; n < N; ++n) {
+      double pp = 0;
+      for (int d = 0; d < c.D; ++d) pp += (double)pv[n * c.D + d] * pv[n * c.D + d];
+      const double p_inv = 1.0 / std::sqrt(pp / c.D + 1e-6);
+      for (int k = 0; k <= c.K; ++k) {
+        double s = 0;
+        for (int d = 0; d < c.D; ++d) {
+          const float v = k < c.K ? rv[((size_t)k * N + n) * c.D + d] : pv[n * c.D + d];
+          s += std::fabs((double)v * wv[d]);
+        }
+        // The partial's logit also carries the rounding of its own rms (another D-term sum).
+        L[n] = std::max(L[n], c.D * e32 * s * (k < c.K ? iv[k * N + n] : 2 * p_inv));
+      }
+    }
+    const double e_out = c.dt == mx::float32 ? 0.0 : eps_of(c.dt);
+    compare(std::string("attn_res ") + dname(c.dt) + " K=" + std::to_string(c.K) + " D=" + std::to_string(c.D),
+            cpu[0], gpu[0], [&](size_t i, double r) {
+              const size_t n = i / c.D, d = i % c.D;
+              double vmax = std::fabs(pv[n * c.D + d]);
+              for (int k = 0; k < c.K; ++k) vmax = std::max(vmax, (double)std::fabs(rv[((size_t)k * N + n) * c.D + d]));
+              return 2 * (2 * L[n] + (c.K + 2) * e32) * vmax + e_out * std::fabs(r) + 1e-7;
+            });
+  }
+}
+
+// KDA decode step. The conv state update is a copy: exact. The state and the output come from D-term f32 dot
+// products and the same elementwise math in both paths (different orders and exp implementations); a
+// relative 64 D eps of the largest magnitude (the few-ulp elementwise differences, amplified by at most D-term
+// sums twice: kv = S k, y = S q, and the RMS norm that divides by an f32 sum of D squares) bounds it. The output
+// is rounded through the activation type twice (y, then the result): 2 ulp of it for f16/bf16.
+void check_kda_step() {
+  struct Case {
+    mx::Dtype dt;
+    int B, H, d, Kc;
+    bool lb, conv, ssm;
+  };
+  const Case cases[] = {{mx::float32, 2, 3, 64, 4, false, true, true}, {mx::float16, 1, 2, 128, 4, false, true, true},
+                        {mx::bfloat16, 2, 2, 32, 4, true, true, true}, {mx::float32, 1, 2, 16, 1, true, false, false},
+                        {mx::float32, 2, 2, 32, 3, false, false, true}};
+  Rng rng(4);
+  for (const auto& c : cases) {
+    const int P = c.H * c.d;
+    auto qkv = rng.normal({c.B, 1, 3 * P}, 1.0f, c.dt), a = rng.normal({c.B, 1, c.H, c.d}, 1.0f, c.dt);
+    auto b = rng.normal({c.B, 1, c.H}, 1.0f, c.dt), gate = rng.normal({c.B, 1, c.H, c.d}, 1.0f, c.dt);
+    auto conv_w = rng.normal({3 * P, c.Kc, 1}, 0.5f), a_log = rng.normal({c.H}, 0.5f);
+    auto dt_bias = rng.normal({P}, 0.5f), norm_w = mx::add(rng.normal({c.d}, 0.1f), mx::array(1.0f));
+    auto conv_state = rng.normal({c.B, c.Kc - 1, 3 * P}, 1.0f, c.dt), ssm = rng.normal({c.B, c.H, c.d, c.d}, 0.3f);
+    auto [cpu, gpu] = both([&] {
+      k3_array r[3];
+      size_t n = 0;
+      ok(k3_kda_step(r, 3, &n, h(qkv), h(a), h(b), h(gate), h(conv_w), h(a_log), h(dt_bias), h(norm_w),
+                     c.conv ? h(conv_state) : none(), c.ssm ? h(ssm) : none(), c.H, c.d, c.lb, -5.0f, 1e-5f, kCpu),
+         "k3_kda_step");
+      std::vector<mx::array> out;
+      for (size_t i = 0; i < n; ++i) out.push_back(take(r[i]));
+      return out;
+    });
+    char what[160];
+    std::snprintf(what, sizeof what, "kda_step %s B=%d H=%d d=%d Kc=%d%s%s%s", dname(c.dt), c.B, c.H, c.d, c.Kc,
+                  c.lb ? " lower_bound" : "", c.conv ? " conv_state" : "", c.ssm ? " ssm_state" : "");
+    const double rel = 64.0 * c.d * eps_of(mx::float32);
+    const double out_max = max_abs(cpu[0]), ssm_max = max_abs(cpu[2]);
+    const double e_out = c.dt == mx::float32 ? 0.0 : 2 * eps_of(c.dt);
+    compare(std::string(what) + " out", cpu[0], gpu[0],
+            [&](size_t, double r) { return rel * out_max + e_out * std::fabs(r) + 1e-7; });
+    compare(std::string(what) + " conv state", cpu[1], gpu[1], [](size_t, double) { return 0.0; });
+    compare(std::string(what) + " ssm state", cpu[2], gpu[2], [&](size_t, double) { return rel * ssm_max + 1e-7; });
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 5) {
+    std::fprintf(stderr, "usage: %s <c++ compiler> <emulation include dir> <mlx include dir> <scratch dir>\n", argv[0]);
+    return 2;
+  }
+  std::setvbuf(stdout, nullptr, _IONBF, 0);
+  g_cxx = argv[1];
+  g_emu_include = argv[2];
+  g_mlx_include = argv[3];
+  g_scratch = argv[4];
+  std::filesystem::create_directories(g_scratch);
+  try {
+    check_situ();
+    check_router();
+    check_attn_res();
+    check_kda_step();
+  } catch (const std::exception& e) {
+    std::printf("FAIL %s\n", e.what());
+    return 1;
+  }
+  std::printf("cuda_emulation: %d of %d cases passed (%d kernel launches, %d compiled units)\n", g_cases - g_failures,
+              g_cases, g_launches, g_compiles);
+  return g_failures ? 1 : 0;
+}
