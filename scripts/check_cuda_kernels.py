@@ -117,6 +117,10 @@ def kda_step_variants():
         }
 
 
+def codebook_qmm_variants():
+    yield {"in": [F32, "uint8", "uint16", F16, "uint32", "int32"], "out": [F32], "targs": [("THREADS", 128)]}
+
+
 # name -> (source file, input names, output names, variants)
 TABLE = {
     "k3_situ": ("situ.cu", ["up", "gate", "params", "count"], ["out"], situ_variants),
@@ -128,6 +132,8 @@ TABLE = {
                     ["qkv", "a", "b", "gate", "conv_w", "a_log", "dt_bias", "norm_w", "conv_state", "ssm",
                      "params"],
                     ["out", "new_conv", "new_ssm"], kda_step_variants),
+    "k3_codebook_qmm": ("codebook_qmm.cu", ["x", "codes", "qh", "scales", "grid", "dims"], ["out"],
+                        codebook_qmm_variants),
 }
 
 

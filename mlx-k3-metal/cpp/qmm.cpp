@@ -13,8 +13,10 @@
 #include <numeric>
 
 #include "dense_util.hpp"
+#include "gpu_branch.hpp"
 #include "k3_internal.hpp"
 #include "k3_kernels.h"
+#include "kernel_sources.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "parallel.hpp"
@@ -396,6 +398,31 @@ int check_weights(const char* op, Format f, const std::vector<mx::array>& w, int
   return w0.shape(-2);
 }
 
+// The codebook matmul's GPU branch: kernels/codebook_qmm.cu over x as [M, K] f32 rows (CUDA only so far).
+mx::array codebook_qmm_gpu(const mx::array& x_in, const std::vector<mx::array>& w, int N, mx::Stream s) {
+  const char* op = "codebook_qmm";
+#ifdef __APPLE__
+  fail(op, "no Metal kernel yet: only the CPU and CUDA back-ends have this kernel");
+#endif
+  const int K = x_in.shape(-1);
+  const size_t rows = x_in.size() / K;
+  mx::Shape out_shape(x_in.shape().begin(), x_in.shape().end() - 1);
+  out_shape.push_back(N);
+  if (rows == 0 || N == 0) return mx::zeros(out_shape, x_in.dtype(), s);
+  if (rows > 65535) fail(op, "more than 65535 rows of x in one call (the CUDA grid's y limit); split the batch");
+  const int M = static_cast<int>(rows);
+  constexpr int kThreads = 128;
+  // The 2048-entry grid as 4096 little-endian words (entry i: words 2i and 2i + 1, byte j = value j).
+  auto grid = mx::array(reinterpret_cast<const uint32_t*>(iq1s_grid()), {4096}, mx::uint32);
+  auto dims = mx::array({M, N, K}, {3}, mx::int32);
+  static auto kernel = mx::fast::cuda_kernel("k3_codebook_qmm", {"x", "codes", "qh", "scales", "grid", "dims"},
+                                             {"out"}, k3_src_codebook_qmm_cu, "", true, 0);
+  auto x2 = mx::reshape(mx::astype(x_in, mx::float32, s), {M, K}, s);
+  auto outs = kernel({x2, w[0], w[1], w[2], grid, dims}, {{M, N}}, {mx::float32}, {N * kThreads, M, 1},
+                     {kThreads, 1, 1}, {{"THREADS", kThreads}}, std::nullopt, false, s);
+  return mx::astype(mx::reshape(outs[0], out_shape, s), x_in.dtype(), s);
+}
+
 mx::array packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::array>& w, mx::StreamOrDevice sd) {
   const char* op = op_name(f.kind, false);
   auto s = mx::to_stream(sd);
@@ -404,6 +431,7 @@ mx::array packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::arra
   int K = x_in.shape(-1);
   int N = check_weights(op, f, w, K, false);
   if (K == 0) fail(op, "x has K = 0");
+  if (f.kind == 'c' && gpu_branch(s)) return codebook_qmm_gpu(x_in, w, N, s);
   // One graph node per call (plus a cast for non-f32 x): no reshape or contiguous nodes around it.
   std::vector<mx::array> inputs{mx::astype(x_in, mx::float32, s)};
   for (auto& a : w) inputs.push_back(contiguous_input(a, s));
@@ -526,7 +554,6 @@ extern "C" int k3_codebook_qmm(k3_array* res, const k3_array x, const k3_array c
                                const k3_array scales, const k3_stream s) {
   K3_TRY({
     auto st = k3::to_stream(s);
-    if (st.device != mx::Device::cpu) throw std::invalid_argument("[codebook_qmm] only the CPU back-end has this kernel yet");
     k3::put(res, kk::packed_qmm(kk::format_now('c', 0, 256, kk::cpu_has_simd()), arr(x), {arr(codes), arr(qh), arr(scales)}, st));
   })
 }

@@ -532,6 +532,55 @@ void check_kda_step() {
 
 }  // namespace
 
+// Codebook matmul: random codes, qh (every bit pattern is a valid block: index bits, scale, delta sign) and f16
+// super-block scales; both paths decode the same weights exactly and sum K products in different orders, so
+// |diff| <= 2 K eps Wmax sum_k |x_mk| per row m (the worst case for two f32 sums of the same terms), with Wmax
+// the largest |weight| (|d| (2L + 1) 1.125 over the blocks). K = 96 ends inside its only super-block.
+void check_codebook() {
+  struct Case {
+    mx::Shape x;
+    int N;
+  };
+  const Case cases[] = {{{1, 512}, 64}, {{3, 96}, 7}, {{1, 5, 1024}, 33}, {{2, 256}, 1}};
+  std::mt19937 g(5);
+  Rng rng(6);
+  for (const auto& c : cases) {
+    const int K = c.x.back(), N = c.N, sb = (K + 255) / 256;
+    std::vector<uint8_t> codes(static_cast<size_t>(N) * K / 8);
+    std::vector<uint16_t> qh(static_cast<size_t>(N) * K / 32);
+    for (auto& v : codes) v = static_cast<uint8_t>(g());
+    for (auto& v : qh) v = static_cast<uint16_t>(g());
+    auto scales = mx::astype(rng.normal({N, sb}, 0.02f), mx::float16);
+    auto sc = values(scales);
+    double wmax = 0;
+    for (int n = 0; n < N; ++n) {
+      for (int b = 0; b < K / 32; ++b) {
+        const int L = (qh[static_cast<size_t>(n) * (K / 32) + b] >> 12) & 7;
+        wmax = std::max(wmax, std::fabs(sc[static_cast<size_t>(n) * sb + b / 8]) * (2 * L + 1) * 1.125);
+      }
+    }
+    auto x = rng.normal(c.x, 1.0f);
+    auto codes_a = mx::array(codes.begin(), {N, K / 8}, mx::uint8);
+    auto qh_a = mx::array(qh.begin(), {N, K / 32}, mx::uint16);
+    auto [cpu, gpu] = both([&] {
+      k3_array r;
+      ok(k3_codebook_qmm(&r, h(x), h(codes_a), h(qh_a), h(scales), kCpu), "k3_codebook_qmm");
+      return std::vector<mx::array>{take(r)};
+    });
+    std::vector<double> row_abs;
+    const auto xs = values(x);
+    for (size_t i = 0, xv = 0; i < x.size() / K; ++i) {
+      double a = 0;
+      for (int k = 0; k < K; ++k) a += std::fabs(xs[xv++]);
+      row_abs.push_back(a);
+    }
+    const double e = 2.0 * K * eps_of(mx::float32) * wmax;
+    compare("codebook_qmm x=" + k3::shape_str(c.x) + " N=" + std::to_string(N), cpu[0], gpu[0],
+            [&](size_t i, double) { return e * row_abs[i / N]; });
+  }
+}
+
+
 int main(int argc, char** argv) {
   if (argc != 5) {
     std::fprintf(stderr, "usage: %s <c++ compiler> <emulation include dir> <mlx include dir> <scratch dir>\n", argv[0]);
@@ -548,6 +597,7 @@ int main(int argc, char** argv) {
     check_router();
     check_attn_res();
     check_kda_step();
+    check_codebook();
   } catch (const std::exception& e) {
     std::printf("FAIL %s\n", e.what());
     return 1;
