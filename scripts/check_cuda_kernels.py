@@ -117,8 +117,23 @@ def kda_step_variants():
         }
 
 
-def codebook_qmm_variants():
-    yield {"in": [F32, "uint8", "uint16", F16, "uint32", "int32"], "out": [F32], "targs": [("THREADS", 128)]}
+def packed_qmm_variants():
+    # Inputs: x, lhs, rhs, tier, slot, cb_codes, cb_qh, cb_scales, grid, fp4_w, fp4_scales, aff_w, aff_scales,
+    # aff_biases, dims. (tiered, codebook, mxfp4, affine, affine bits, affine group, affine scale type): the plain
+    # and gathered codebook op; tiered stacks with every tier, each affine width and scale type MLX writes;
+    # tiers missing.
+    cases = [(False, True, False, False, 4, 64, F32)]
+    cases += [(True, True, True, True, bits, 64, F32) for bits in (2, 3, 4, 5, 6, 8)]
+    cases += [(True, True, True, True, 4, g, t) for g, t in ((32, F16), (128, BF16))]
+    cases += [(True, True, True, False, 4, 64, F32), (True, False, False, True, 2, 32, BF16)]
+    for tiered, cb, fp4, aff, bits, group, st in cases:
+        yield {
+            "in": [F32, "uint32", "uint32", "uint8", "uint32", "uint8", "uint16", F16, "uint32", "uint32", "uint8",
+                   "uint32", st, st, "int32"],
+            "out": [F32],
+            "targs": [("THREADS", 128), ("TIERED", tiered), ("HAS_CB", cb), ("HAS_FP4", fp4), ("HAS_AFF", aff),
+                      ("AFF_BITS", bits), ("AFF_GROUP", group), ("ST", st)],
+        }
 
 
 # name -> (source file, input names, output names, variants)
@@ -132,8 +147,10 @@ TABLE = {
                     ["qkv", "a", "b", "gate", "conv_w", "a_log", "dt_bias", "norm_w", "conv_state", "ssm",
                      "params"],
                     ["out", "new_conv", "new_ssm"], kda_step_variants),
-    "k3_codebook_qmm": ("codebook_qmm.cu", ["x", "codes", "qh", "scales", "grid", "dims"], ["out"],
-                        codebook_qmm_variants),
+    "k3_packed_qmm": ("packed_qmm.cu",
+                      ["x", "lhs", "rhs", "tier", "slot", "cb_codes", "cb_qh", "cb_scales", "grid", "fp4_w",
+                       "fp4_scales", "aff_w", "aff_scales", "aff_biases", "dims"],
+                      ["out"], packed_qmm_variants),
 }
 
 

@@ -10,7 +10,8 @@
 # Why a swapped library works: the binaries are built against the mlx 0.32.4 headers, which are the same for the
 # CPU and the CUDA wheel, and find libmlx through RUNPATH, which LD_LIBRARY_PATH overrides; `mlx-k3 info` then
 # says "default device: Gpu". A machine that can build the project itself gets the same by building with
-# MLX_K3_BACKEND=cuda and running `cargo test -p mlx-k3 --test situ --test router --test attn_res --test kda_step`.
+# MLX_K3_BACKEND=cuda and running `cargo test -p mlx-k3 --test situ --test router --test attn_res --test kda_step
+# --test codebook`.
 #
 # The GPU machine needs python3 with NVIDIA's CUDA 13 pip packages (nvidia/cu13/lib: cudart, cublas, nvrtc;
 # cudnn, nccl) and a CUDA 13 toolkit (CUDA_HOME, default /usr/local/cuda) for the headers MLX's JIT includes:
@@ -23,7 +24,7 @@ cmd=${1:-}; dir=${2:-}
 [ "$cmd" = pack ] && mkdir -p "$dir"
 dir=$(cd "$dir" && pwd) || exit 2
 cd "$(dirname "$0")/.."
-tests=(situ router attn_res kda_step model k3_nano)
+tests=(situ router attn_res kda_step codebook tiers model k3_nano)
 
 if [ "$cmd" = pack ]; then
     set -e
@@ -71,7 +72,11 @@ step() { # name timeout command...
     echo "== $n: rc=$rc, $(( $(date +%s) - s )) s"
     grep -E "^test |test result|panicked|Gpu|router:|rel err|SUMMARY" "$log/$n.log" | head -40
 }
-for t in "${tests[@]}"; do step "$t" 300 "$root/bin/$t" --test-threads=1 --nocapture; done
+# codebook: only its GPU test (the CPU ones, in a debug build, take minutes and say nothing about the GPU).
+for t in "${tests[@]}"; do
+    filter=(); [ "$t" = codebook ] && filter=(on_gpu_devices)
+    step "$t" 300 "$root/bin/$t" --test-threads=1 --nocapture "${filter[@]}"
+done
 gen=("$root/bin/mlx-k3" generate --model models/k3-nano --dtype f32 --max-tokens 40 --raw --prompt "Once upon a time")
 step generate 60 "${gen[@]}"
 echo "generate stdout md5: $("${gen[@]}" 2>/dev/null | md5sum) (compare with the same command on a CPU)"

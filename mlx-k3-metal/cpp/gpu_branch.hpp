@@ -11,6 +11,11 @@ namespace k3::kernels {
 
 extern bool gpu_branch_on_cpu;
 
+// The most blocks a CUDA launch of ours puts along the grid's y axis: CUDA's limit, 65535. Kernels that loop
+// over rows past it (kernels/packed_qmm.cu) are tested with a small value here (tests/cuda_emulation), so the
+// loop runs without a launch of 65536 rows. Nothing else changes it.
+extern int gpu_grid_y_limit;
+
 inline bool gpu_branch(const mlx::core::Stream& s) {
   return s.device == mlx::core::Device::gpu || gpu_branch_on_cpu;
 }

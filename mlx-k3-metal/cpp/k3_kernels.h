@@ -33,19 +33,21 @@ int k3_moe_combine(k3_array* res, const k3_array y, const k3_array w, const k3_s
 
 /* Ternary codebook matmul (IQ1_S semantics, planar layout; see cpp/qmm_cpu.hpp): y = x @ W^T with
  * x [..., K] and W [N, K] given as codes uint8 [N, K/8], qh uint16 [N, K/32], scales f16 [N, K/256].
- * Computed in f32, returned in x's dtype. CPU only for now. */
+ * Computed in f32, returned in x's dtype. CPU and CUDA (kernels/packed_qmm.cu); no Metal kernel yet. */
 int k3_codebook_qmm(k3_array* res, const k3_array x, const k3_array codes, const k3_array qh, const k3_array scales,
                     const k3_stream s);
 
 /* The same over an expert stack (codes [E, N, K/8], ...) with MLX gather_qmm semantics: x (*Bx, M, K), lhs
- * indices into the flattened Bx (none = all in order), rhs expert indices; out (*broadcast, M, N). */
+ * indices into the flattened Bx (none = all in order), rhs expert indices; out (*broadcast, M, N). CPU and
+ * CUDA, as k3_gather_tiered_qmm. */
 int k3_gather_codebook_qmm(k3_array* res, const k3_array x, const k3_array codes, const k3_array qh,
                            const k3_array scales, const k3_array lhs, const k3_array rhs, const k3_stream s);
 
 /* Gathered matmul over a mixed-format expert stack (MLX gather_qmm semantics for x, lhs, rhs): tier [E] uint8
  * says each expert's format (0 codebook, 1 mxfp4, 2 affine with aff_group / aff_bits), slot [E] uint32 its
  * index in that tier's stack. Absent tiers are none handles. One op dispatches every (token, expert) pair to
- * its tier's kernel. CPU only for now. */
+ * its tier's kernel. CPU and CUDA (kernels/packed_qmm.cu: out-of-range indices give NaN rows there, since a
+ * kernel cannot raise; the CPU raises), no Metal kernel yet. */
 int k3_gather_tiered_qmm(k3_array* res, const k3_array x, const k3_array tier, const k3_array slot,
                          const k3_array cb_codes, const k3_array cb_qh, const k3_array cb_scales,
                          const k3_array fp4_weight, const k3_array fp4_scales, const k3_array aff_weight,

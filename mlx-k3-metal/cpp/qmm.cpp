@@ -9,6 +9,7 @@
 // broadcast together; out (*broadcast, M, N). The kernel groups the (token, expert) pairs by expert so each
 // expert's weights stream once per run of rows, whether or not the caller sorted them.
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <numeric>
 
@@ -398,29 +399,89 @@ int check_weights(const char* op, Format f, const std::vector<mx::array>& w, int
   return w0.shape(-2);
 }
 
-// The codebook matmul's GPU branch: kernels/codebook_qmm.cu over x as [M, K] f32 rows (CUDA only so far).
-mx::array codebook_qmm_gpu(const mx::array& x_in, const std::vector<mx::array>& w, int N, mx::Stream s) {
-  const char* op = "codebook_qmm";
+// The GPU branch of the codebook and tiered ops: kernels/packed_qmm.cu (CUDA; no Metal kernel yet).
+struct GpuStacks {
+  std::vector<mx::array> cb, fp4, aff;  // each stack's arrays [E_t, N, ...], or empty
+  int aff_bits = 4, aff_group = 64;
+};
+
+// y [P * M, N] f32 for x [Bx * M, K] rows, flat index pairs lhs, rhs [P] u32 over an E-expert stack (tier and
+// slot tables when tiered).
+mx::array packed_qmm_gpu(const char* op, const mx::array& x, int M, int Bx, const mx::array& lhs, const mx::array& rhs,
+                         int E, const mx::array* tier, const mx::array* slot, const GpuStacks& st, int N, mx::Stream s) {
 #ifdef __APPLE__
   fail(op, "no Metal kernel yet: only the CPU and CUDA back-ends have this kernel");
 #endif
-  const int K = x_in.shape(-1);
-  const size_t rows = x_in.size() / K;
-  mx::Shape out_shape(x_in.shape().begin(), x_in.shape().end() - 1);
-  out_shape.push_back(N);
-  if (rows == 0 || N == 0) return mx::zeros(out_shape, x_in.dtype(), s);
-  if (rows > 65535) fail(op, "more than 65535 rows of x in one call (the CUDA grid's y limit); split the batch");
-  const int M = static_cast<int>(rows);
+  const int K = x.shape(-1);
+  const size_t P = lhs.size();
+  if (P == 0 || M == 0 || N == 0) return mx::zeros({(int)(P * M), N}, mx::float32, s);
+  if (P > (size_t)std::numeric_limits<int>::max()) fail(op, "more than 2^31 index pairs in one call");
+  if ((size_t)N * 128 > (size_t)std::numeric_limits<int>::max()) fail(op, "N is too large for one CUDA launch");
+  if (!st.aff.empty() && (st.aff_group % 8 != 0 || st.aff_bits < 1 || st.aff_bits > 8)) {
+    fail(op, "the CUDA kernel reads affine experts with 1-8 bits and a group size that is a multiple of 8");
+  }
   constexpr int kThreads = 128;
+  auto ph = [&](mx::Dtype dt) { return mx::zeros({1}, dt, s); };  // an absent input's placeholder
+  const bool tiered = tier != nullptr;
+  const mx::Dtype st_dtype = st.aff.empty() ? mx::float32 : st.aff[1].dtype();
+  std::vector<mx::array> in{mx::reshape(x, {Bx * M, K}, s), lhs, rhs, tiered ? *tier : ph(mx::uint8),
+                            tiered ? *slot : ph(mx::uint32)};
+  for (int i = 0; i < 3; ++i) {
+    const mx::Dtype dt[3] = {mx::uint8, mx::uint16, mx::float16};
+    in.push_back(st.cb.empty() ? ph(dt[i]) : st.cb[i]);
+  }
   // The 2048-entry grid as 4096 little-endian words (entry i: words 2i and 2i + 1, byte j = value j).
-  auto grid = mx::array(reinterpret_cast<const uint32_t*>(iq1s_grid()), {4096}, mx::uint32);
-  auto dims = mx::array({M, N, K}, {3}, mx::int32);
-  static auto kernel = mx::fast::cuda_kernel("k3_codebook_qmm", {"x", "codes", "qh", "scales", "grid", "dims"},
-                                             {"out"}, k3_src_codebook_qmm_cu, "", true, 0);
-  auto x2 = mx::reshape(mx::astype(x_in, mx::float32, s), {M, K}, s);
-  auto outs = kernel({x2, w[0], w[1], w[2], grid, dims}, {{M, N}}, {mx::float32}, {N * kThreads, M, 1},
-                     {kThreads, 1, 1}, {{"THREADS", kThreads}}, std::nullopt, false, s);
-  return mx::astype(mx::reshape(outs[0], out_shape, s), x_in.dtype(), s);
+  in.push_back(mx::array(reinterpret_cast<const uint32_t*>(iq1s_grid()), {4096}, mx::uint32));
+  in.push_back(st.fp4.empty() ? ph(mx::uint32) : st.fp4[0]);
+  in.push_back(st.fp4.empty() ? ph(mx::uint8) : st.fp4[1]);
+  in.push_back(st.aff.empty() ? ph(mx::uint32) : st.aff[0]);
+  in.push_back(st.aff.empty() ? ph(st_dtype) : st.aff[1]);
+  in.push_back(st.aff.empty() ? ph(st_dtype) : st.aff[2]);
+  auto count = [](const std::vector<mx::array>& a) { return a.empty() ? 0 : a[0].shape(0); };
+  in.push_back(mx::array({M, N, K, E, Bx, (int)P, count(st.cb), count(st.fp4), count(st.aff)}, {9}, mx::int32));
+  static auto kernel = mx::fast::cuda_kernel(
+      "k3_packed_qmm",
+      {"x", "lhs", "rhs", "tier", "slot", "cb_codes", "cb_qh", "cb_scales", "grid", "fp4_w", "fp4_scales", "aff_w",
+       "aff_scales", "aff_biases", "dims"},
+      {"out"}, k3_src_packed_qmm_cu, "", true, 0);
+  const size_t rows = P * (size_t)M;
+  const int grid_y = (int)std::min<size_t>(rows, (size_t)std::max(1, gpu_grid_y_limit));
+  auto outs = kernel(in, {{(int)rows, N}}, {mx::float32}, {N * kThreads, grid_y, 1}, {kThreads, 1, 1},
+                     {{"THREADS", kThreads},
+                      {"TIERED", tiered},
+                      {"HAS_CB", !st.cb.empty()},
+                      {"HAS_FP4", !st.fp4.empty()},
+                      {"HAS_AFF", !st.aff.empty()},
+                      {"AFF_BITS", st.aff_bits},
+                      {"AFF_GROUP", st.aff_group},
+                      {"ST", st_dtype}},
+                     std::nullopt, false, s);
+  return outs[0];
+}
+
+// The GPU branch's flat [P] u32 index operand: the given indices, or arange over x's batch, broadcast to batch.
+mx::array flat_indices(const mx::array* given, const mx::Shape& bx, const mx::Shape& batch, mx::Stream s) {
+  int nbx = 1;
+  for (auto d : bx) nbx *= d;
+  auto a = given ? *given : mx::reshape(mx::arange(0.0, (double)nbx, mx::uint32, s), bx, s);
+  return mx::flatten(mx::broadcast_to(a, batch, s), s);
+}
+
+// The gathered ops' GPU branch: out batch + [M, N] in x's dtype.
+mx::array gather_packed_qmm_gpu(const char* op, const mx::array& x_in, const GatherIndices& g, int E,
+                                const mx::array* tier, const mx::array* slot, const GpuStacks& st, int N, mx::Stream s) {
+  const int K = x_in.shape(-1), M = x_in.shape(-2);
+  const mx::Shape bx(x_in.shape().begin(), x_in.shape().end() - 2);
+  int Bx = 1;
+  for (auto d : bx) Bx *= d;
+  auto lhs = flat_indices(g.has_lhs ? &g.arrays[0] : nullptr, bx, g.batch, s);
+  auto rhs = flat_indices(g.has_rhs ? &g.arrays[g.has_lhs ? 1 : 0] : nullptr, bx, g.batch, s);
+  auto x = mx::reshape(mx::astype(x_in, mx::float32, s), {Bx * M, K}, s);
+  auto y = packed_qmm_gpu(op, x, M, Bx, lhs, rhs, E, tier, slot, st, N, s);
+  mx::Shape out_shape = g.batch;
+  out_shape.push_back(M);
+  out_shape.push_back(N);
+  return mx::astype(mx::reshape(y, out_shape, s), x_in.dtype(), s);
 }
 
 mx::array packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::array>& w, mx::StreamOrDevice sd) {
@@ -431,7 +492,18 @@ mx::array packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::arra
   int K = x_in.shape(-1);
   int N = check_weights(op, f, w, K, false);
   if (K == 0) fail(op, "x has K = 0");
-  if (f.kind == 'c' && gpu_branch(s)) return codebook_qmm_gpu(x_in, w, N, s);
+  if (f.kind == 'c' && gpu_branch(s)) {  // one pair (expert 0 of a one-expert stack), all of x's rows as M
+    const size_t rows = x_in.size() / K;
+    if (rows > (size_t)std::numeric_limits<int>::max()) fail(op, "more than 2^31 rows of x in one call");
+    GpuStacks st;
+    for (auto& a : w) st.cb.push_back(mx::expand_dims(a, 0, s));
+    auto zero = mx::zeros({1}, mx::uint32, s);
+    auto x = mx::astype(mx::reshape(x_in, {(int)rows, K}, s), mx::float32, s);
+    auto y = packed_qmm_gpu(op, x, (int)rows, 1, zero, zero, 1, nullptr, nullptr, st, N, s);
+    mx::Shape out_shape(x_in.shape().begin(), x_in.shape().end() - 1);
+    out_shape.push_back(N);
+    return mx::astype(mx::reshape(y, out_shape, s), x_in.dtype(), s);
+  }
   // One graph node per call (plus a cast for non-f32 x): no reshape or contiguous nodes around it.
   std::vector<mx::array> inputs{mx::astype(x_in, mx::float32, s)};
   for (auto& a : w) inputs.push_back(contiguous_input(a, s));
@@ -475,6 +547,11 @@ mx::array gather_packed_qmm(Format f, const mx::array& x_in, const std::vector<m
   int N = check_weights(op, f, w, K, true);
   if (K == 0 || M == 0) fail(op, "x has an empty M or K axis");
   auto g = gather_index_inputs(op, x_in, w[0].shape(0), lhs_in, rhs_in, s);
+  if (f.kind == 'c' && gpu_branch(s)) {
+    GpuStacks st;
+    st.cb = w;
+    return gather_packed_qmm_gpu(op, x_in, g, w[0].shape(0), nullptr, nullptr, st, N, s);
+  }
   std::vector<mx::array> inputs{mx::astype(x_in, mx::float32, s)};
   inputs.insert(inputs.end(), g.arrays.begin(), g.arrays.end());
   for (auto& a : w) inputs.push_back(contiguous_input(a, s));
@@ -494,7 +571,6 @@ mx::array gather_tiered_qmm(const mx::array& x_in, const mx::array& tier, const 
                             mx::StreamOrDevice sd) {
   const char* op = "gather_tiered_qmm";
   auto s = mx::to_stream(sd);
-  if (s.device != mx::Device::cpu) fail(op, "only the CPU back-end has this kernel yet");
   if (x_in.ndim() < 2) fail(op, "x must be at least 2-D (..., M, K)");
   if (!mx::issubdtype(x_in.dtype(), mx::floating)) fail(op, "x must be a floating-point array");
   if (tier.ndim() != 1 || tier.dtype() != mx::uint8) fail(op, "tier must be a 1-D uint8 array (one entry per expert)");
@@ -520,6 +596,10 @@ mx::array gather_tiered_qmm(const mx::array& x_in, const mx::array& tier, const 
   int E = tier.shape(0);
   if (K == 0 || M == 0) fail(op, "x has an empty M or K axis");
   auto g = gather_index_inputs(op, x_in, E, lhs_in, rhs_in, s);
+  if (gpu_branch(s)) {
+    GpuStacks st{stacks[kTierCodebook], stacks[kTierMxfp4], stacks[kTierAffine], aff_bits, aff_group};
+    return gather_packed_qmm_gpu(op, x_in, g, E, &tier, &slot, st, N, s);
+  }
   std::vector<mx::array> inputs{mx::astype(x_in, mx::float32, s)};
   inputs.insert(inputs.end(), g.arrays.begin(), g.arrays.end());
   inputs.push_back(contiguous_input(tier, s));
@@ -563,9 +643,6 @@ extern "C" int k3_gather_codebook_qmm(k3_array* res, const k3_array x, const k3_
                                       const k3_stream s) {
   K3_TRY({
     auto st = k3::to_stream(s);
-    if (st.device != mx::Device::cpu) {
-      throw std::invalid_argument("[gather_codebook_qmm] only the CPU back-end has this kernel yet");
-    }
     k3::put(res, kk::gather_packed_qmm(kk::format_now('c', 0, 256, kk::cpu_has_simd()), arr(x), {arr(codes), arr(qh), arr(scales)}, opt(lhs), opt(rhs), st));
   })
 }

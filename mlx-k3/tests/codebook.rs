@@ -157,8 +157,8 @@ fn gather_codebook_qmm_matches_per_expert_references() {
     }
 }
 
-fn check_gather_codebook_qmm(k: usize) {
-    let (e, n) = (6usize, 40usize);
+/// A stack of `e` random codebook experts [E, N, K] and its plain-ops dequantization.
+fn codebook_stack(e: usize, n: usize, k: usize) -> (Codebook, Array) {
     let hosts: Vec<CodebookHost> = (0..e).map(|i| random_codebook(n, k, 100 + i as u64)).collect();
     let stack = |f: &dyn Fn(&CodebookHost) -> Array| {
         let parts: Vec<Array> = hosts.iter().map(f).collect();
@@ -169,7 +169,13 @@ fn check_gather_codebook_qmm(k: usize) {
         qh: stack(&|h| h.to_arrays().unwrap().qh),
         scales: stack(&|h| h.to_arrays().unwrap().scales),
     };
-    let deq = codebook::dequantize_reference(&cb).unwrap(); // [E, N, K]
+    let deq = codebook::dequantize_reference(&cb).unwrap();
+    (cb, deq)
+}
+
+fn check_gather_codebook_qmm(k: usize) {
+    let n = 40usize;
+    let (cb, deq) = codebook_stack(6, n, k); // deq [E, N, K]
     let lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
     for scalar in [false, true] {
         kernels::force_scalar(scalar);
@@ -770,4 +776,71 @@ fn quantized_matmul_many_is_one_node_with_the_single_ops_results() {
     let other = quant::quantize(&randn(&[32, 128], 70), specs[0], None).unwrap();
     let err = kernels::quantized_matmul_many(&xs[0], &[pairs[0], (&other, specs[0])]).unwrap_err().to_string();
     assert!(err.contains("quantized_matmul_multi") && err.contains("shape"), "{err}");
+}
+
+/// The CUDA kernel (mlx-k3-metal/kernels/packed_qmm.cu) on each GPU device present, against the plain-ops
+/// references of the CPU tests above (computed on the CPU): the plain, gathered (decode and sorted-prefill forms)
+/// and tiered matmuls, plus the kernel's answer to an expert index past the stack (NaN in that pair's rows: a
+/// kernel cannot raise). Where no GPU is present this runs nothing; CI checks the same kernel on the CPU under
+/// an emulator of CUDA (mlx-k3-metal/tests/cuda_emulation.rs), and scripts/gpu_check.sh runs this on a GPU.
+#[test]
+fn codebook_and_tiered_matmuls_match_on_gpu_devices() {
+    use mlx_k3::tiers::{self, Tier};
+    use mlx_k3::{with_device, Device};
+    let gpus: Vec<Device> = Device::available().into_iter().filter(|d| *d != Device::Cpu).collect();
+    if gpus.is_empty() {
+        return;
+    }
+    let (n, k) = (40usize, 512usize);
+    let (cb, deq) = codebook_stack(6, n, k);
+    let single = random_codebook(n, k, 7).to_arrays().unwrap();
+    let x_plain = randn(&[7, k as i32], 31);
+    let x_dec = randn(&[2, 3, 1, 1, k as i32], 32);
+    let rhs_dec = Array::from_slice(&[5u32, 0, 2, 2, 1, 3, 0, 0, 4, 1, 3, 5], &[2, 3, 2]).unwrap();
+    let x_pre = randn(&[10, 3, k as i32], 33);
+    let lhs_pre = Array::from_slice(&[0u32, 1, 2, 3, 4, 5, 6, 7], &[8]).unwrap();
+    let rhs_pre = Array::from_slice(&[0u32, 0, 0, 2, 2, 3, 5, 5], &[8]).unwrap();
+    let w = randn(&[6, n as i32, k as i32], 34).multiply(0.05f32).unwrap();
+    let tiers_of = [Tier::Codebook, Tier::Mxfp4, Tier::Affine, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
+    let (tiered, _) = tiers::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
+    let (want_plain, want_dec, want_pre, want_tiered) = with_device(Device::Cpu, || {
+        let deq_t = deq.swapaxes(-1, -2).unwrap();
+        let tier_t = tiers::dequantize_tiered(&tiered).unwrap().swapaxes(-1, -2).unwrap();
+        (
+            x_plain.matmul(&codebook::dequantize_reference(&single).unwrap().t().unwrap()).unwrap(),
+            ops::gather_mm(&x_dec, &deq_t, None, Some(&rhs_dec), false).unwrap(),
+            ops::gather_mm(&x_pre, &deq_t, Some(&lhs_pre), Some(&rhs_pre), true).unwrap(),
+            ops::gather_mm(&x_dec, &tier_t, None, Some(&rhs_dec), false).unwrap(),
+        )
+    })
+    .unwrap();
+    for device in gpus {
+        with_device(device, || {
+            let got = codebook::codebook_qmm(&x_plain, &single).unwrap();
+            let e_plain = rel_err(&got, &want_plain);
+            let got = codebook::gather_codebook_qmm(&x_dec, &cb, None, Some(&rhs_dec)).unwrap();
+            assert_eq!(got.shape(), want_dec.shape());
+            let e_dec = rel_err(&got, &want_dec);
+            let got = codebook::gather_codebook_qmm(&x_pre, &cb, Some(&lhs_pre), Some(&rhs_pre)).unwrap();
+            assert_eq!(got.shape(), want_pre.shape());
+            let e_pre = rel_err(&got, &want_pre);
+            let got = tiers::gather_tiered_qmm(&x_dec, &tiered, None, Some(&rhs_dec)).unwrap();
+            assert_eq!(got.shape(), want_tiered.shape());
+            let e_tiered = rel_err(&got, &want_tiered);
+            println!(
+                "{device:?}: rel err codebook {e_plain:.2e}, gathered {e_dec:.2e} / {e_pre:.2e}, tiered {e_tiered:.2e}"
+            );
+            for (what, e) in [("plain", e_plain), ("decode", e_dec), ("prefill", e_pre), ("tiered", e_tiered)] {
+                assert!(e <= 2e-5, "{device:?} {what}: {e}");
+            }
+            // Expert 9 of 6 for the second pair: NaN there (one row of N), finite elsewhere.
+            let bad = Array::from_slice(&[1u32, 9, 4], &[3]).unwrap();
+            let x = randn(&[1, 1, k as i32], 35);
+            let y = codebook::gather_codebook_qmm(&x, &cb, None, Some(&bad)).unwrap().to_vec_f32().unwrap();
+            for (i, v) in y.iter().enumerate() {
+                assert_eq!(v.is_nan(), i / n == 1, "{device:?}: output {i} = {v}");
+            }
+        })
+        .unwrap();
+    }
 }

@@ -61,8 +61,10 @@ fn put_tiered(out: &mut BTreeMap<String, Array>, path: &str, t: &TieredExperts) 
     }
 }
 
+/// f32 activations on every device (the CPU's default; on a GPU, where the default is bf16, this keeps the
+/// 1e-4 comparison meaningful: scripts/gpu_check.sh runs this test there).
 fn logits(dir: &Path, ids: &[i32]) -> Vec<f32> {
-    let m = KimiK3::load(dir, LoadOptions::default()).unwrap();
+    let m = KimiK3::load(dir, LoadOptions { dtype: Some(Dtype::F32), ..LoadOptions::default() }).unwrap();
     let x = Array::from_slice(ids, &[1, ids.len() as i32]).unwrap();
     m.forward(&x, None).unwrap().to_vec::<f32>().unwrap()
 }

@@ -580,6 +580,230 @@ void check_codebook() {
   }
 }
 
+// A random expert stack of each format (every bit pattern of codes, qh, fp4 nibbles and affine codes is a valid
+// weight), and the largest "magnitude factor" W of any weight: the bound on |w| that the summation-order
+// tolerance scales with (codebook |d| (2L + 1) 1.125; MXFP4 6 * 2^(e - 127); affine |scale| (2^bits - 1) + |bias|,
+// the two terms the paths sum separately).
+struct Stacks {
+  std::vector<mx::array> cb, fp4, aff;
+  double wmax = 0;
+};
+
+Stacks random_stacks(std::mt19937& g, Rng& rng, int n_cb, int n_fp4, int n_aff, int N, int K, int bits, int group,
+                     mx::Dtype st) {
+  Stacks s;
+  auto bytes = [&](size_t n) {
+    std::vector<uint8_t> v(n);
+    for (auto& b : v) b = static_cast<uint8_t>(g());
+    return v;
+  };
+  if (n_cb) {
+    const int sb = (K + 255) / 256;
+    auto codes = bytes((size_t)n_cb * N * K / 8);
+    std::vector<uint16_t> qh((size_t)n_cb * N * K / 32);
+    for (auto& v : qh) v = static_cast<uint16_t>(g());
+    auto scales = mx::astype(rng.normal({n_cb, N, sb}, 0.02f), mx::float16);
+    auto sc = values(scales);
+    for (size_t r = 0; r < (size_t)n_cb * N; ++r) {
+      for (int b = 0; b < K / 32; ++b) {
+        const int L = (qh[r * (K / 32) + b] >> 12) & 7;
+        s.wmax = std::max(s.wmax, std::fabs(sc[r * sb + b / 8]) * (2 * L + 1) * 1.125);
+      }
+    }
+    s.cb = {mx::array(codes.begin(), {n_cb, N, K / 8}, mx::uint8), mx::array(qh.begin(), {n_cb, N, K / 32}, mx::uint16),
+            scales};
+  }
+  if (n_fp4) {
+    std::vector<uint32_t> w((size_t)n_fp4 * N * K / 8);
+    for (auto& v : w) v = g();
+    std::vector<uint8_t> e((size_t)n_fp4 * N * K / 32);
+    for (auto& v : e) {
+      v = static_cast<uint8_t>(121 + g() % 6);
+      s.wmax = std::max(s.wmax, 6 * std::ldexp(1.0, v - 127));
+    }
+    s.fp4 = {mx::array(w.begin(), {n_fp4, N, K / 8}, mx::uint32), mx::array(e.begin(), {n_fp4, N, K / 32}, mx::uint8)};
+  }
+  if (n_aff) {
+    std::vector<uint32_t> w((size_t)n_aff * N * K * bits / 32);
+    for (auto& v : w) v = g();
+    auto scales = rng.normal({n_aff, N, K / group}, 0.02f, st), biases = rng.normal({n_aff, N, K / group}, 0.05f, st);
+    double smax = max_abs(scales), bmax = max_abs(biases);
+    s.wmax = std::max(s.wmax, smax * ((1 << bits) - 1) + bmax);
+    s.aff = {mx::array(w.begin(), {n_aff, N, K * bits / 32}, mx::uint32), scales, biases};
+  }
+  return s;
+}
+
+// Per output row (the result's rows of N), sum_k |x_k| of the x row it reads, for pairs (b, e) given in order.
+std::vector<double> pair_row_abs(const mx::array& x, int M, const std::vector<int>& b_of_pair) {
+  const int K = x.shape(-1);
+  const auto xs = values(x);
+  std::vector<double> out;
+  for (int b : b_of_pair) {
+    for (int m = 0; m < M; ++m) {
+      double a = 0;
+      for (int k = 0; k < K; ++k) a += std::fabs(xs[((size_t)b * M + m) * K + k]);
+      out.push_back(a);
+    }
+  }
+  return out;
+}
+
+// Gathered codebook matmul. Pairs: the model's form (x [T, 1, 1, K], rhs [T, k], no lhs: token t's row for each of
+// its k experts), and explicit lhs and rhs over x [2, 3, K] (M = 3). Both paths decode the same weights and sum
+// K products in different orders: the codebook_qmm tolerance per output row. One case caps the grid's y extent at 3
+// blocks so the kernel's loop over rows runs. An out-of-range expert index: the CPU raises; the kernel leaves
+// NaN in exactly that pair's rows and the right values elsewhere.
+void check_gather_codebook() {
+  std::mt19937 g(7);
+  Rng rng(8);
+  struct Case {
+    int E, N, K, T, k;  // model form when T > 0
+    int y_limit;
+  };
+  const Case cases[] = {{6, 40, 512, 5, 3, 65535}, {3, 17, 96, 4, 2, 3}, {5, 24, 256, 0, 0, 65535}};
+  for (const auto& c : cases) {
+    auto st = random_stacks(g, rng, c.E, 0, 0, c.N, c.K, 0, 0, mx::float32);
+    mx::array x = mx::array(0.0f), rhs = mx::array(0u);
+    std::optional<mx::array> lhs;
+    std::vector<int> b_of_pair;  // each pair's x row block
+    int M = 1;
+    if (c.T > 0) {
+      x = rng.normal({c.T, 1, 1, c.K}, 1.0f);
+      std::vector<uint32_t> r(c.T * c.k);
+      for (int t = 0; t < c.T; ++t) {
+        for (int j = 0; j < c.k; ++j) {
+          r[t * c.k + j] = g() % c.E;
+          b_of_pair.push_back(t);
+        }
+      }
+      rhs = mx::array(r.begin(), {c.T, c.k}, mx::uint32);
+    } else {
+      M = 3;
+      x = rng.normal({2, M, c.K}, 1.0f);
+      std::vector<uint32_t> l{1, 0, 1, 1}, r{4, 2, 0, 2};
+      b_of_pair.assign(l.begin(), l.end());
+      lhs = mx::array(l.begin(), {4}, mx::uint32);
+      rhs = mx::array(r.begin(), {4}, mx::uint32);
+    }
+    auto call = [&](const mx::array& rh) {
+      k3_array r;
+      ok(k3_gather_codebook_qmm(&r, h(x), h(st.cb[0]), h(st.cb[1]), h(st.cb[2]), lhs ? h(*lhs) : none(), h(rh), kCpu),
+         "k3_gather_codebook_qmm");
+      return std::vector<mx::array>{take(r)};
+    };
+    k3::kernels::gpu_grid_y_limit = c.y_limit;
+    auto [cpu, gpu] = both([&] { return call(rhs); });
+    k3::kernels::gpu_grid_y_limit = 65535;
+    const auto row_abs = pair_row_abs(x, M, b_of_pair);
+    const double e = 2.0 * c.K * eps_of(mx::float32) * st.wmax;
+    char what[160];
+    std::snprintf(what, sizeof what, "gather_codebook_qmm E=%d N=%d K=%d pairs=%zu M=%d%s%s", c.E, c.N, c.K,
+                  b_of_pair.size(), M, lhs ? " lhs" : "", c.y_limit < 65535 ? " grid_y=3" : "");
+    compare(what, cpu[0], gpu[0], [&](size_t i, double) { return e * row_abs[i / c.N]; });
+
+    // Pair 1's expert out of range.
+    auto rv = values(rhs);
+    std::vector<uint32_t> bad(rv.begin(), rv.end());
+    bad[1] = c.E;
+    auto bad_a = mx::array(bad.begin(), rhs.shape(), mx::uint32);
+    ++g_cases;
+    k3::kernels::gpu_branch_on_cpu = false;
+    k3_array r;
+    const int rc = k3_gather_codebook_qmm(&r, h(x), h(st.cb[0]), h(st.cb[1]), h(st.cb[2]), lhs ? h(*lhs) : none(),
+                                          h(bad_a), kCpu);
+    bool cpu_raised = rc != 0;
+    if (rc == 0) {
+      auto y = take(r);
+      try {
+        mx::eval(y);
+      } catch (const std::exception&) {
+        cpu_raised = true;
+      }
+    }
+    k3::kernels::gpu_branch_on_cpu = true;
+    auto y = call(bad_a)[0];
+    k3::kernels::gpu_branch_on_cpu = false;
+    const auto yb = values(y), yr = values(gpu[0]);
+    size_t wrong = 0;
+    for (size_t i = 0; i < yb.size(); ++i) {
+      const bool in_bad_pair = i / ((size_t)M * c.N) == 1;
+      if (in_bad_pair ? !std::isnan(yb[i]) : !(yb[i] == yr[i])) ++wrong;
+    }
+    if (!cpu_raised || wrong) {
+      std::printf("FAIL %s, expert index out of range: cpu %s, %zu of %zu kernel outputs wrong\n", what,
+                  cpu_raised ? "raised" : "did not raise", wrong, yb.size());
+      ++g_failures;
+    } else {
+      std::printf("ok   %s, expert index out of range: cpu raised, kernel NaN in that pair's %d rows only\n", what, M);
+    }
+  }
+}
+
+// Mixed-tier expert stacks: each expert's tier drawn from the present ones, slots in order within each tier. The
+// CPU path runs each pair on its tier's CPU kernel (SIMD where this CPU has it), the kernel decodes each
+// format itself: the same weights, summed in different orders, so the codebook tolerance with W the largest
+// magnitude factor of any tier's weights. Affine widths 2-8 bits (3, 5 and 6 straddle bytes), group sizes
+// 32-128, f32/f16/bf16 scales; stacks without some tiers.
+void check_tiered() {
+  std::mt19937 g(9);
+  Rng rng(10);
+  struct Case {
+    bool cb, fp4, aff;
+    int bits, group;
+    mx::Dtype st;
+    int K;
+  };
+  const Case cases[] = {{true, true, true, 4, 64, mx::float32, 256},   {true, true, true, 2, 32, mx::float16, 256},
+                        {true, true, true, 3, 64, mx::float32, 256},   {true, true, true, 5, 32, mx::bfloat16, 96},
+                        {true, true, true, 6, 128, mx::float32, 256},  {true, true, true, 8, 64, mx::bfloat16, 512},
+                        {true, true, false, 4, 64, mx::float32, 256},  {false, false, true, 4, 128, mx::float16, 256},
+                        {false, true, false, 4, 64, mx::float32, 96}};
+  const int E = 9, N = 24, T = 4, k = 4;
+  for (const auto& c : cases) {
+    std::vector<int> present;
+    if (c.cb) present.push_back(0);
+    if (c.fp4) present.push_back(1);
+    if (c.aff) present.push_back(2);
+    std::vector<uint8_t> tier(E);
+    std::vector<uint32_t> slot(E);
+    int count[3] = {0, 0, 0};
+    for (int e = 0; e < E; ++e) {
+      // Every present tier gets at least one expert (the first ones), the rest at random.
+      const int t = e < (int)present.size() ? present[e] : present[g() % present.size()];
+      tier[e] = static_cast<uint8_t>(t);
+      slot[e] = count[t]++;
+    }
+    auto st = random_stacks(g, rng, count[0], count[1], count[2], N, c.K, c.bits, c.group, c.st);
+    auto x = rng.normal({T, 1, 1, c.K}, 1.0f);
+    std::vector<uint32_t> r(T * k);
+    std::vector<int> b_of_pair;
+    for (int i = 0; i < T * k; ++i) {
+      r[i] = i < E ? i : g() % E;  // every expert used
+      b_of_pair.push_back(i / k);
+    }
+    auto rhs = mx::array(r.begin(), {T, k}, mx::uint32);
+    auto tier_a = mx::array(tier.begin(), {E}, mx::uint8);
+    auto slot_a = mx::array(slot.begin(), {E}, mx::uint32);
+    auto arg = [](const std::vector<mx::array>& v, size_t i) { return v.empty() ? none() : h(v[i]); };
+    auto [cpu, gpu] = both([&] {
+      k3_array res;
+      ok(k3_gather_tiered_qmm(&res, h(x), h(tier_a), h(slot_a), arg(st.cb, 0), arg(st.cb, 1), arg(st.cb, 2),
+                              arg(st.fp4, 0), arg(st.fp4, 1), arg(st.aff, 0), arg(st.aff, 1), arg(st.aff, 2), c.group,
+                              c.bits, none(), h(rhs), kCpu),
+         "k3_gather_tiered_qmm");
+      return std::vector<mx::array>{take(res)};
+    });
+    const auto row_abs = pair_row_abs(x, 1, b_of_pair);
+    const double e = 2.0 * c.K * eps_of(mx::float32) * st.wmax;
+    char what[200];
+    std::snprintf(what, sizeof what, "gather_tiered_qmm K=%d experts codebook/mxfp4/affine %d/%d/%d", c.K, count[0],
+                  count[1], count[2]);
+    std::string desc = what;
+    if (c.aff) desc += " affine " + std::to_string(c.bits) + "-bit group " + std::to_string(c.group) + " " + dname(c.st);
+    compare(desc, cpu[0], gpu[0], [&](size_t i, double) { return e * row_abs[i / N]; });
+  }
+}
 
 int main(int argc, char** argv) {
   if (argc != 5) {
@@ -592,12 +816,15 @@ int main(int argc, char** argv) {
   g_mlx_include = argv[3];
   g_scratch = argv[4];
   std::filesystem::create_directories(g_scratch);
+  k3_kernels_set_act_q8(0);  // the CPU paths in f32 (int8 activations are an opt-in approximation)
   try {
     check_situ();
     check_router();
     check_attn_res();
     check_kda_step();
     check_codebook();
+    check_gather_codebook();
+    check_tiered();
   } catch (const std::exception& e) {
     std::printf("FAIL %s\n", e.what());
     return 1;
