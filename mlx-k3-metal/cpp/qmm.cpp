@@ -421,7 +421,8 @@ mx::array packed_qmm_gpu(const char* op, const mx::array& x, int M, int Bx, cons
     fail(op, "the CUDA kernel reads affine experts with 1-8 bits and a group size that is a multiple of 8");
   }
   constexpr int kThreads = 128;
-  auto ph = [&](mx::Dtype dt) { return mx::zeros({1}, dt, s); };  // an absent input's placeholder
+  // An absent input's placeholder: host data, like the grid and dims below, so no graph node per call.
+  auto ph = [](mx::Dtype dt) { return mx::array({0.0f}, {1}, dt); };
   const bool tiered = tier != nullptr;
   const mx::Dtype st_dtype = st.aff.empty() ? mx::float32 : st.aff[1].dtype();
   std::vector<mx::array> in{mx::reshape(x, {Bx * M, K}, s), lhs, rhs, tiered ? *tier : ph(mx::uint8),
@@ -459,12 +460,12 @@ mx::array packed_qmm_gpu(const char* op, const mx::array& x, int M, int Bx, cons
   return outs[0];
 }
 
-// The GPU branch's flat [P] u32 index operand: the given indices, or arange over x's batch, broadcast to batch.
+// The GPU branch's flat [P] u32 index operand: the given indices broadcast to batch, or (absent) arange over x's
+// batch broadcast to it, which depends only on the shapes and is built on the host (no graph nodes).
 mx::array flat_indices(const mx::array* given, const mx::Shape& bx, const mx::Shape& batch, mx::Stream s) {
-  int nbx = 1;
-  for (auto d : bx) nbx *= d;
-  auto a = given ? *given : mx::reshape(mx::arange(0.0, (double)nbx, mx::uint32, s), bx, s);
-  return mx::flatten(mx::broadcast_to(a, batch, s), s);
+  if (given) return mx::flatten(mx::broadcast_to(*given, batch, s), s);
+  const auto v = broadcast_indices(nullptr, bx, batch);
+  return mx::array(v.data(), {(int)v.size()}, mx::uint32);
 }
 
 // The gathered ops' GPU branch: out batch + [M, N] in x's dtype.
@@ -497,7 +498,7 @@ mx::array packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::arra
     if (rows > (size_t)std::numeric_limits<int>::max()) fail(op, "more than 2^31 rows of x in one call");
     GpuStacks st;
     for (auto& a : w) st.cb.push_back(mx::expand_dims(a, 0, s));
-    auto zero = mx::zeros({1}, mx::uint32, s);
+    auto zero = mx::array({0u}, {1}, mx::uint32);
     auto x = mx::astype(mx::reshape(x_in, {(int)rows, K}, s), mx::float32, s);
     auto y = packed_qmm_gpu(op, x, (int)rows, 1, zero, zero, 1, nullptr, nullptr, st, N, s);
     mx::Shape out_shape(x_in.shape().begin(), x_in.shape().end() - 1);
