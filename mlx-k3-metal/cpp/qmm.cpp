@@ -415,7 +415,7 @@ mx::array packed_qmm_gpu(const char* op, const mx::array& x, int M, int Bx, cons
   const int K = x.shape(-1);
   const size_t P = lhs.size();
   if (P == 0 || M == 0 || N == 0) return mx::zeros({(int)(P * M), N}, mx::float32, s);
-  if (P > (size_t)std::numeric_limits<int>::max()) fail(op, "more than 2^31 index pairs in one call");
+  if (P * (size_t)M > (size_t)std::numeric_limits<int>::max()) fail(op, "more than 2^31 output rows in one call");
   if ((size_t)N * 128 > (size_t)std::numeric_limits<int>::max()) fail(op, "N is too large for one CUDA launch");
   if (!st.aff.empty() && (st.aff_group % 8 != 0 || st.aff_bits < 1 || st.aff_bits > 8)) {
     fail(op, "the CUDA kernel reads affine experts with 1-8 bits and a group size that is a multiple of 8");
@@ -425,7 +425,7 @@ mx::array packed_qmm_gpu(const char* op, const mx::array& x, int M, int Bx, cons
   auto ph = [](mx::Dtype dt) { return mx::array({0.0f}, {1}, dt); };
   const bool tiered = tier != nullptr;
   const mx::Dtype st_dtype = st.aff.empty() ? mx::float32 : st.aff[1].dtype();
-  std::vector<mx::array> in{mx::reshape(x, {Bx * M, K}, s), lhs, rhs, tiered ? *tier : ph(mx::uint8),
+  std::vector<mx::array> in{x, lhs, rhs, tiered ? *tier : ph(mx::uint8),
                             tiered ? *slot : ph(mx::uint32)};
   for (int i = 0; i < 3; ++i) {
     const mx::Dtype dt[3] = {mx::uint8, mx::uint16, mx::float16};
