@@ -2,21 +2,21 @@
 """Compiles every CUDA kernel of mlx-k3-metal/kernels/ the way MLX's `fast::cuda_kernel` compiles it on a GPU
 machine, with NVRTC from PyPI, on a machine that has no GPU.
 
-No development machine or CI run of this project has a GPU (the kernels ran once on a lent H200, see
-scripts/gpu_check.sh). This check catches, on every CI run, what a GPU user would otherwise hit first: a kernel
-that does not compile. It builds, for each
-kernel and a set of launch variants (element types, template constants), the exact translation unit that
-MLX 0.32.4 generates at run time (`build_kernel` in mlx/backend/cuda/custom_kernel.cpp: MLX's default
-header, `namespace mlx::core::cu`, the `__global__` signature from the input and output names and dtypes,
-the template constants, then the kernel body), and compiles it as MLX's JIT does (`jit_module.cpp`):
-the same options (`--device-as-default-execution-space`, `--gpu-architecture=sm_XY[a]`), MLX's device
-headers given to NVRTC in memory, and the wheel's include folders. MLX's device headers
-(`mlx/backend/cuda/device/*.cuh`) ship only inside `libmlx.so` of the `mlx-cuda-13` wheel, as the
-`jit_source_*` string constants; they are read from there by their symbols (`nm`), so they are exactly the
+No development machine or CI run of this project has a GPU (four of the kernels ran once on a lent H200, see
+scripts/gpu_check.sh; packed_qmm.cu never has). This check catches, on every CI run, what a GPU user would
+otherwise hit first: a kernel that does not compile. It builds, for each kernel and a set of launch variants
+(element types, template constants), the exact translation unit that MLX 0.32.4 generates at run time
+(`build_kernel` in mlx/backend/cuda/custom_kernel.cpp: MLX's default header, `namespace mlx::core::cu`, the
+`__global__` signature from the input and output names and dtypes, the template constants, then the kernel body),
+and compiles it as MLX's JIT does (`jit_module.cpp`): the same options (`--device-as-default-execution-space`,
+`--gpu-architecture=sm_XY[a]`), MLX's device headers given to NVRTC in memory, and the wheel's include folders.
+MLX's device headers (`mlx/backend/cuda/device/*.cuh`) ship only inside `libmlx.so` of the `mlx-cuda-13` wheel,
+as the `jit_source_*` string constants; they are read from there by their symbols (`nm`), so they are exactly the
 headers of the pinned wheel.
 
 What it does not check: that a kernel is right. That needs a GPU (the kernels' parity tests, e.g.
-`tests/router.rs`, run the GPU path where a GPU stream exists).
+`tests/router.rs`, run the GPU path where a GPU stream exists) or, short of one, the CPU emulator of CUDA that CI
+runs (mlx-k3-metal/tests/cuda_emulation.rs).
 
 The input and output names of each kernel are read from its `cuda_kernel(...)` call in mlx-k3-metal/cpp/
 and must equal the table below, so the table cannot drift from the call sites unnoticed; the dtypes and

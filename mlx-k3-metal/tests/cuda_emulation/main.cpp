@@ -1,7 +1,7 @@
 // The CUDA kernels (kernels/*.cu) run on the CPU and are compared with the CPU paths of the same ops.
 //
-// No machine this project is built and tested on has a GPU (the kernels ran once on a lent H200, README), so
-// without this CI would only compile them (scripts/check_cuda_kernels.py). This program replaces MLX's fast::cuda_kernel with a
+// No machine this project is built and tested on has a GPU (four of the kernels ran once on a lent H200, README;
+// packed_qmm.cu never has), so without this CI would only compile them (scripts/check_cuda_kernels.py). This program replaces MLX's fast::cuda_kernel with a
 // definition of its own (the linker takes it over libmlx's): a launch builds the translation unit MLX's JIT
 // would build (same __global__ signature from the input/output names and dtypes, same template constants,
 // same body) but with cuda_emu.hpp in place of MLX's device header, compiles it with the host C++ compiler as a
