@@ -119,20 +119,18 @@ def kda_step_variants():
 
 def packed_qmm_variants():
     # Inputs: x, lhs, rhs, tier, slot, cb_codes, cb_qh, cb_scales, grid, fp4_w, fp4_scales, aff_w, aff_scales,
-    # aff_biases, dims. (tiered, codebook, mxfp4, affine, affine bits, affine group, affine scale type): the plain
-    # and gathered codebook op; tiered stacks with every tier, each affine width and scale type MLX writes;
-    # tiers missing.
-    cases = [(False, True, False, False, 4, 64, F32)]
-    cases += [(True, True, True, True, bits, 64, F32) for bits in (2, 3, 4, 5, 6, 8)]
-    cases += [(True, True, True, True, 4, g, t) for g, t in ((32, F16), (128, BF16))]
-    cases += [(True, True, True, False, 4, 64, F32), (True, False, False, True, 2, 32, BF16)]
-    for tiered, cb, fp4, aff, bits, group, st in cases:
+    # aff_biases, dims. (tiered, affine bits, affine group, affine scale type): the plain and gathered codebook
+    # op; tiered stacks with each affine width and scale type MLX writes (absent tiers are placeholders with a
+    # stack size of 0 in dims, the same code).
+    cases = [(False, 4, 64, F32)]
+    cases += [(True, bits, 64, F32) for bits in (2, 3, 4, 5, 6, 8)]
+    cases += [(True, 4, 32, F16), (True, 4, 128, BF16), (True, 2, 32, BF16)]
+    for tiered, bits, group, st in cases:
         yield {
             "in": [F32, "uint32", "uint32", "uint8", "uint32", "uint8", "uint16", F16, "uint32", "uint32", "uint8",
                    "uint32", st, st, "int32"],
             "out": [F32],
-            "targs": [("THREADS", 128), ("TIERED", tiered), ("HAS_CB", cb), ("HAS_FP4", fp4), ("HAS_AFF", aff),
-                      ("AFF_BITS", bits), ("AFF_GROUP", group), ("ST", st)],
+            "targs": [("THREADS", 128), ("TIERED", tiered), ("AFF_BITS", bits), ("AFF_GROUP", group), ("ST", st)],
         }
 
 

@@ -427,10 +427,8 @@ mx::array packed_qmm_gpu(const char* op, const mx::array& x, int M, int Bx, cons
   const mx::Dtype st_dtype = st.aff.empty() ? mx::float32 : st.aff[1].dtype();
   std::vector<mx::array> in{x, lhs, rhs, tiered ? *tier : ph(mx::uint8),
                             tiered ? *slot : ph(mx::uint32)};
-  for (int i = 0; i < 3; ++i) {
-    const mx::Dtype dt[3] = {mx::uint8, mx::uint16, mx::float16};
-    in.push_back(st.cb.empty() ? ph(dt[i]) : st.cb[i]);
-  }
+  const mx::Dtype cb_dtypes[3] = {mx::uint8, mx::uint16, mx::float16};
+  for (int i = 0; i < 3; ++i) in.push_back(st.cb.empty() ? ph(cb_dtypes[i]) : st.cb[i]);
   // The 2048-entry grid as 4096 little-endian words (entry i: words 2i and 2i + 1, byte j = value j).
   in.push_back(mx::array(reinterpret_cast<const uint32_t*>(iq1s_grid()), {4096}, mx::uint32));
   in.push_back(st.fp4.empty() ? ph(mx::uint32) : st.fp4[0]);
@@ -450,9 +448,6 @@ mx::array packed_qmm_gpu(const char* op, const mx::array& x, int M, int Bx, cons
   auto outs = kernel(in, {{(int)rows, N}}, {mx::float32}, {N * kThreads, grid_y, 1}, {kThreads, 1, 1},
                      {{"THREADS", kThreads},
                       {"TIERED", tiered},
-                      {"HAS_CB", !st.cb.empty()},
-                      {"HAS_FP4", !st.fp4.empty()},
-                      {"HAS_AFF", !st.aff.empty()},
                       {"AFF_BITS", st.aff_bits},
                       {"AFF_GROUP", st.aff_group},
                       {"ST", st_dtype}},

@@ -16,7 +16,7 @@
 // (8 E2M1 codes a word, low nibble first) and fp4_scales [n_fp4, N, K/32] u8 (E8M0); the affine stack aff_w
 // [n_aff, N, K * AFF_BITS / 32] u32 (MLX's LSB-first bitstream), aff_scales and aff_biases
 // [n_aff, N, K / AFF_GROUP] ST; dims = [M, N, K, E, Bx, P, n_cb, n_fp4, n_aff] i32. Absent stacks are one-element
-// placeholders (HAS_* false). Output: out [P * M, N] f32. A pair whose indices are out of range, or whose
+// placeholders with a stack size of 0. Output: out [P * M, N] f32. A pair whose indices are out of range, or whose
 // expert's tier or slot the stack does not hold, gets NaN (a kernel cannot raise; the CPU path raises, and the
 // loader validates the tier tables, mlx-k3/src/tiers.rs). THREADS is a power of two.
 __shared__ float part[THREADS];
@@ -38,19 +38,14 @@ for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
   const int m = static_cast<int>(r % M);
   const unsigned int e = rhs[p];
   const unsigned int b = lhs[p];
-  // kind: 0 codebook, 1 mxfp4, 2 affine, -1 nothing valid.
+  // kind: 0 codebook, 1 mxfp4, 2 affine, -1 nothing valid (an absent tier's stack size is 0).
   int kind = -1;
   unsigned int s = e;
   if (e < E && b < Bx) {
-    if (TIERED) {
-      const int t = tier[e];
-      s = slot[e];
-      const bool present = (t == 0 && HAS_CB) || (t == 1 && HAS_FP4) || (t == 2 && HAS_AFF);
-      if (present && s < stack_size[t]) {
-        kind = t;
-      }
-    } else if (s < stack_size[0]) {
-      kind = 0;
+    const int t = TIERED ? tier[e] : 0;
+    s = TIERED ? slot[e] : e;
+    if (t < 3 && s < stack_size[t]) {
+      kind = t;
     }
   }
   const size_t row = static_cast<size_t>(s) * N + n;  // weight row n of the expert, within its tier's stack

@@ -1,8 +1,8 @@
 // The CUDA kernels (kernels/*.cu) run on the CPU and are compared with the CPU paths of the same ops.
 //
 // No machine this project is built and tested on has a GPU (four of the kernels ran once on a lent H200, README;
-// packed_qmm.cu never has), so without this CI would only compile them (scripts/check_cuda_kernels.py). This program replaces MLX's fast::cuda_kernel with a
-// definition of its own (the linker takes it over libmlx's): a launch builds the translation unit MLX's JIT
+// packed_qmm.cu never has), so without this CI would only compile them (scripts/check_cuda_kernels.py). This
+// program replaces MLX's fast::cuda_kernel with a definition of its own (the linker takes it over libmlx's): a launch builds the translation unit MLX's JIT
 // would build (same __global__ signature from the input/output names and dtypes, same template constants,
 // same body) but with cuda_emu.hpp in place of MLX's device header, compiles it with the host C++ compiler as a
 // shared object (AddressSanitizer on: this program is built with it, so a kernel that reads or writes past any
@@ -532,54 +532,6 @@ void check_kda_step() {
 
 }  // namespace
 
-// Codebook matmul: random codes, qh (every bit pattern is a valid block: index bits, scale, delta sign) and f16
-// super-block scales; both paths decode the same weights exactly and sum K products in different orders, so
-// |diff| <= 2 K eps Wmax sum_k |x_mk| per row m (the worst case for two f32 sums of the same terms), with Wmax
-// the largest |weight| (|d| (2L + 1) 1.125 over the blocks). K = 96 ends inside its only super-block.
-void check_codebook() {
-  struct Case {
-    mx::Shape x;
-    int N;
-  };
-  const Case cases[] = {{{1, 512}, 64}, {{3, 96}, 7}, {{1, 5, 1024}, 33}, {{2, 256}, 1}};
-  std::mt19937 g(5);
-  Rng rng(6);
-  for (const auto& c : cases) {
-    const int K = c.x.back(), N = c.N, sb = (K + 255) / 256;
-    std::vector<uint8_t> codes(static_cast<size_t>(N) * K / 8);
-    std::vector<uint16_t> qh(static_cast<size_t>(N) * K / 32);
-    for (auto& v : codes) v = static_cast<uint8_t>(g());
-    for (auto& v : qh) v = static_cast<uint16_t>(g());
-    auto scales = mx::astype(rng.normal({N, sb}, 0.02f), mx::float16);
-    auto sc = values(scales);
-    double wmax = 0;
-    for (int n = 0; n < N; ++n) {
-      for (int b = 0; b < K / 32; ++b) {
-        const int L = (qh[static_cast<size_t>(n) * (K / 32) + b] >> 12) & 7;
-        wmax = std::max(wmax, std::fabs(sc[static_cast<size_t>(n) * sb + b / 8]) * (2 * L + 1) * 1.125);
-      }
-    }
-    auto x = rng.normal(c.x, 1.0f);
-    auto codes_a = mx::array(codes.begin(), {N, K / 8}, mx::uint8);
-    auto qh_a = mx::array(qh.begin(), {N, K / 32}, mx::uint16);
-    auto [cpu, gpu] = both([&] {
-      k3_array r;
-      ok(k3_codebook_qmm(&r, h(x), h(codes_a), h(qh_a), h(scales), kCpu), "k3_codebook_qmm");
-      return std::vector<mx::array>{take(r)};
-    });
-    std::vector<double> row_abs;
-    const auto xs = values(x);
-    for (size_t i = 0, xv = 0; i < x.size() / K; ++i) {
-      double a = 0;
-      for (int k = 0; k < K; ++k) a += std::fabs(xs[xv++]);
-      row_abs.push_back(a);
-    }
-    const double e = 2.0 * K * eps_of(mx::float32) * wmax;
-    compare("codebook_qmm x=" + k3::shape_str(c.x) + " N=" + std::to_string(N), cpu[0], gpu[0],
-            [&](size_t i, double) { return e * row_abs[i / N]; });
-  }
-}
-
 // A random expert stack of each format (every bit pattern of codes, qh, fp4 nibbles and affine codes is a valid
 // weight), and the largest "magnitude factor" W of any weight: the bound on |w| that the summation-order
 // tolerance scales with (codebook |d| (2L + 1) 1.125; MXFP4 6 * 2^(e - 127); affine |scale| (2^bits - 1) + |bias|,
@@ -647,6 +599,37 @@ std::vector<double> pair_row_abs(const mx::array& x, int M, const std::vector<in
     }
   }
   return out;
+}
+
+// Codebook matmul: random codes, qh (every bit pattern is a valid block: index bits, scale, delta sign) and f16
+// super-block scales; both paths decode the same weights exactly and sum K products in different orders, so
+// |diff| <= 2 K eps Wmax sum_k |x_mk| per row m (the worst case for two f32 sums of the same terms), with Wmax
+// the largest |weight| (|d| (2L + 1) 1.125 over the blocks). K = 96 ends inside its only super-block.
+void check_codebook() {
+  struct Case {
+    mx::Shape x;
+    int N;
+  };
+  const Case cases[] = {{{1, 512}, 64}, {{3, 96}, 7}, {{1, 5, 1024}, 33}, {{2, 256}, 1}};
+  std::mt19937 g(5);
+  Rng rng(6);
+  for (const auto& c : cases) {
+    const int K = c.x.back(), N = c.N;
+    const auto st = random_stacks(g, rng, 1, 0, 0, N, K, 0, 0, mx::float32);
+    std::vector<mx::array> w;  // the one expert as [N, ...]
+    for (const auto& a : st.cb) w.push_back(mx::squeeze(a, 0));
+    const double wmax = st.wmax;
+    auto x = rng.normal(c.x, 1.0f);
+    auto [cpu, gpu] = both([&] {
+      k3_array r;
+      ok(k3_codebook_qmm(&r, h(x), h(w[0]), h(w[1]), h(w[2]), kCpu), "k3_codebook_qmm");
+      return std::vector<mx::array>{take(r)};
+    });
+    const auto row_abs = pair_row_abs(x, static_cast<int>(x.size() / K), {0});
+    const double e = 2.0 * K * eps_of(mx::float32) * wmax;
+    compare("codebook_qmm x=" + k3::shape_str(c.x) + " N=" + std::to_string(N), cpu[0], gpu[0],
+            [&](size_t i, double) { return e * row_abs[i / N]; });
+  }
 }
 
 // Gathered codebook matmul. Pairs: the model's form (x [T, 1, 1, K], rhs [T, k], no lhs: token t's row for each of
