@@ -69,7 +69,7 @@ fn main() {
         env::join_paths(includes).expect("include paths without a path separator").to_string_lossy()
     );
     build.compile("mlx_k3_kernels");
-    // tests/cuda_emulation.rs links a C++ program against this library, the shim's and libmlx.
+    // tests/gpu_emulation.rs links a C++ program against this library, the shim's and libmlx.
     let shim_libdir = env::var("DEP_MLX_SHIM_LIBDIR").expect("DEP_MLX_SHIM_LIBDIR from mlx-k3-sys");
     println!("cargo:rustc-env=K3_SHIM_LIBDIR={shim_libdir}");
     println!("cargo:rustc-env=K3_MLX_LIBDIR={libdir}");

@@ -78,7 +78,7 @@ fn main() {
     println!("cargo:libdir={}", libdir.display());
     println!("cargo:include={}", include.display());
     println!("cargo:shim_include={}", shim_dir.display());
-    // The shim's static library, for C++ test programs that call the C ABI (mlx-k3-metal/tests/cuda_emulation.rs).
+    // The shim's static library, for C++ test programs that call the C ABI (mlx-k3-metal/tests/gpu_emulation.rs).
     println!("cargo:shim_libdir={}", env::var("OUT_DIR").unwrap());
     println!("cargo:python={}", mlx.python.as_ref().map(|p| p.display().to_string()).unwrap_or_default());
     println!("cargo:backend={}", wheel_backend(&mlx.dir));

@@ -16,7 +16,7 @@ headers of the pinned wheel.
 
 What it does not check: that a kernel is right. That needs a GPU (the kernels' parity tests, e.g.
 `tests/router.rs`, run the GPU path where a GPU stream exists) or, short of one, the CPU emulator of CUDA that CI
-runs (mlx-k3-metal/tests/cuda_emulation.rs).
+runs (mlx-k3-metal/tests/gpu_emulation.rs).
 
 The input and output names of each kernel are read from its `cuda_kernel(...)` call in mlx-k3-metal/cpp/
 and must equal the table below, so the table cannot drift from the call sites unnoticed; the dtypes and

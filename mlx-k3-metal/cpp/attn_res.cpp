@@ -163,9 +163,7 @@ mx::array attn_res_mix(const mx::array& raw, const mx::array& inv_rms, const mx:
   std::vector<mx::array> in{mx::astype(raw, dt, s), mx::astype(inv_rms, mx::float32, s), partial,
                             mx::astype(w_eff, mx::float32, s)};
   if (gpu_branch(s)) {
-#ifdef __APPLE__
-    fail("no Metal kernel; use the plain ops on Apple GPUs");
-#else
+    if (gpu_api(s) == GpuApi::metal) fail("no Metal kernel; use the plain ops on Apple GPUs");
     for (auto& a : in) a = mx::contiguous(a, false, s);
     static auto kernel = mx::fast::cuda_kernel("k3_attn_res_mix", {"raw", "inv_rms", "partial", "w_eff", "params"},
                                                {"out"}, k3_src_attn_res_cu, "", true, 0);
@@ -174,7 +172,6 @@ mx::array attn_res_mix(const mx::array& raw, const mx::array& inv_rms, const mx:
     auto outs = kernel(in, {partial.shape()}, {dt}, {(int)N * threads, 1, 1}, {threads, 1, 1},
                        {{"T", dt}, {"K", K}, {"D", D}, {"THREADS", threads}}, std::nullopt, false, s);
     return outs[0];
-#endif
   }
   return mx::array(partial.shape(), dt, std::make_shared<AttnResMix>(s, eps), in);
 }

@@ -370,10 +370,9 @@ void expect_shape(const char* what, const mx::array& a, const mx::Shape& want) {
 
 std::vector<mx::array> kda_step_gpu(const std::vector<mx::array>& inputs, const KdaParams& p, int B, mx::Dtype dt,
                                     mx::Stream s) {
-#ifdef __APPLE__
-  (void)inputs, (void)p, (void)B, (void)dt, (void)s;
-  throw std::invalid_argument("[kda_step] no Metal kernel; use the plain-ops step on Apple GPUs");
-#else
+  if (gpu_api(s) == GpuApi::metal) {
+    throw std::invalid_argument("[kda_step] no Metal kernel; use the plain-ops step on Apple GPUs");
+  }
   const int H = p.heads, d = p.head_dim, C = 3 * H * d;
   static auto kernel = mx::fast::cuda_kernel(
       "k3_kda_step",
@@ -390,7 +389,6 @@ std::vector<mx::array> kda_step_gpu(const std::vector<mx::array>& inputs, const 
       {"HAS_CONV", p.has_conv_state}, {"HAS_SSM", p.has_ssm_state}};
   return kernel(in, {{B, 1, H * d}, {B, p.conv_kernel - 1, C}, {B, H, d, d}}, {dt, dt, mx::float32},
                 {B * H * d, 1, 1}, {d, 1, 1}, targs, std::nullopt, false, s);
-#endif
 }
 
 }  // namespace

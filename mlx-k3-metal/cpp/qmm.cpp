@@ -399,7 +399,7 @@ int check_weights(const char* op, Format f, const std::vector<mx::array>& w, int
   return w0.shape(-2);
 }
 
-// The GPU branch of the codebook and tiered ops: kernels/packed_qmm.cu (CUDA; no Metal kernel yet).
+// The GPU branch of the codebook and tiered ops: kernels/packed_qmm.cu (CUDA) and kernels/packed_qmm.metal.
 struct GpuStacks {
   std::vector<mx::array> cb, fp4, aff;  // each stack's arrays [E_t, N, ...], or empty
   int aff_bits = 4, aff_group = 64;
@@ -409,18 +409,20 @@ struct GpuStacks {
 // slot tables when tiered).
 mx::array packed_qmm_gpu(const char* op, const mx::array& x, int M, int Bx, const mx::array& lhs, const mx::array& rhs,
                          int E, const mx::array* tier, const mx::array* slot, const GpuStacks& st, int N, mx::Stream s) {
-#ifdef __APPLE__
-  fail(op, "no Metal kernel yet: only the CPU and CUDA back-ends have this kernel");
-#endif
+  const bool metal = gpu_api(s) == GpuApi::metal;
   const int K = x.shape(-1);
   const size_t P = lhs.size();
   if (P == 0 || M == 0 || N == 0) return mx::zeros({(int)(P * M), N}, mx::float32, s);
   if (P * (size_t)M > (size_t)std::numeric_limits<int>::max()) fail(op, "more than 2^31 output rows in one call");
-  if ((size_t)N * 128 > (size_t)std::numeric_limits<int>::max()) fail(op, "N is too large for one CUDA launch");
+  // CUDA: a block of kThreads per output column. Metal: kSimdgroups simdgroups of 32 threads a threadgroup, each
+  // taking kCols columns (kernels/packed_qmm.metal).
+  constexpr int kThreads = 128, kSimdgroups = 2, kCols = 4;
+  const size_t grid_x = metal ? (N + kSimdgroups * kCols - 1) / (kSimdgroups * kCols) * (32 * kSimdgroups)
+                              : (size_t)N * kThreads;
+  if (grid_x > (size_t)std::numeric_limits<int>::max()) fail(op, "N is too large for one GPU launch");
   if (!st.aff.empty() && (st.aff_group % 8 != 0 || st.aff_bits < 1 || st.aff_bits > 8)) {
-    fail(op, "the CUDA kernel reads affine experts with 1-8 bits and a group size that is a multiple of 8");
+    fail(op, "the GPU kernels read affine experts with 1-8 bits and a group size that is a multiple of 8");
   }
-  constexpr int kThreads = 128;
   // An absent input's placeholder: host data, like the grid and dims below, so no graph node per call.
   auto ph = [](mx::Dtype dt) { return mx::array({0.0f}, {1}, dt); };
   const bool tiered = tier != nullptr;
@@ -438,20 +440,32 @@ mx::array packed_qmm_gpu(const char* op, const mx::array& x, int M, int Bx, cons
   in.push_back(st.aff.empty() ? ph(st_dtype) : st.aff[2]);
   auto count = [](const std::vector<mx::array>& a) { return a.empty() ? 0 : a[0].shape(0); };
   in.push_back(mx::array({M, N, K, E, Bx, (int)P, count(st.cb), count(st.fp4), count(st.aff)}, {9}, mx::int32));
-  static auto kernel = mx::fast::cuda_kernel(
-      "k3_packed_qmm",
-      {"x", "lhs", "rhs", "tier", "slot", "cb_codes", "cb_qh", "cb_scales", "grid", "fp4_w", "fp4_scales", "aff_w",
-       "aff_scales", "aff_biases", "dims"},
-      {"out"}, k3_src_packed_qmm_cu, "", true, 0);
+  const auto& kernel = gpu_kernel(
+      gpu_api(s),
+      [] {
+        return mx::fast::metal_kernel("k3_packed_qmm",
+                                      {"x", "lhs", "rhs", "tier", "slot", "cb_codes", "cb_qh", "cb_scales", "grid",
+                                       "fp4_w", "fp4_scales", "aff_w", "aff_scales", "aff_biases", "dims"},
+                                      {"out"}, k3_src_packed_qmm_metal, "", true, false);
+      },
+      [] {
+        return mx::fast::cuda_kernel("k3_packed_qmm",
+                                     {"x", "lhs", "rhs", "tier", "slot", "cb_codes", "cb_qh", "cb_scales", "grid",
+                                      "fp4_w", "fp4_scales", "aff_w", "aff_scales", "aff_biases", "dims"},
+                                     {"out"}, k3_src_packed_qmm_cu, "", true, 0);
+      });
   const size_t rows = P * (size_t)M;
   const int grid_y = (int)std::min<size_t>(rows, (size_t)std::max(1, gpu_grid_y_limit));
-  auto outs = kernel(in, {{(int)rows, N}}, {mx::float32}, {N * kThreads, grid_y, 1}, {kThreads, 1, 1},
-                     {{"THREADS", kThreads},
-                      {"TIERED", tiered},
-                      {"AFF_BITS", st.aff_bits},
-                      {"AFF_GROUP", st.aff_group},
-                      {"ST", st_dtype}},
-                     std::nullopt, false, s);
+  std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs{
+      {"TIERED", tiered}, {"AFF_BITS", st.aff_bits}, {"AFF_GROUP", st.aff_group}, {"ST", st_dtype}};
+  if (metal) {
+    targs.insert(targs.begin(), {{"SIMDGROUPS", kSimdgroups}, {"COLS", kCols}});
+  } else {
+    targs.insert(targs.begin(), {"THREADS", kThreads});
+  }
+  const int group = metal ? 32 * kSimdgroups : kThreads;
+  auto outs = kernel(in, {{(int)rows, N}}, {mx::float32}, {(int)grid_x, grid_y, 1}, {group, 1, 1}, targs, std::nullopt,
+                     false, s);
   return outs[0];
 }
 

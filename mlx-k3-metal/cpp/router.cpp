@@ -235,13 +235,16 @@ std::vector<mx::array> route_gpu(const mx::array& logits, const std::optional<mx
   std::vector<mx::Shape> shapes{with_last(logits.shape(), p.top_k), with_last(logits.shape(), p.top_k),
                                 with_last(logits.shape(), p.top_k)};
   std::vector<mx::Dtype> dtypes{mx::uint32, logits.dtype(), mx::bool_};
-#ifdef __APPLE__
-  static auto kernel = mx::fast::metal_kernel("k3_moe_router", {"logits", "bias", "mask", "params"},
-                                              {"inds", "weights", "prot"}, k3_src_router_metal, "", true, false);
-#else
-  static auto kernel = mx::fast::cuda_kernel("k3_moe_router", {"logits", "bias", "mask", "params"},
-                                             {"inds", "weights", "prot"}, k3_src_router_cu, "", true, 0);
-#endif
+  const auto& kernel = gpu_kernel(
+      gpu_api(s),
+      [] {
+        return mx::fast::metal_kernel("k3_moe_router", {"logits", "bias", "mask", "params"},
+                                      {"inds", "weights", "prot"}, k3_src_router_metal, "", true, false);
+      },
+      [] {
+        return mx::fast::cuda_kernel("k3_moe_router", {"logits", "bias", "mask", "params"},
+                                     {"inds", "weights", "prot"}, k3_src_router_cu, "", true, 0);
+      });
   auto outs = kernel({x, b, m, params}, shapes, dtypes, {rows * threads, 1, 1}, {threads, 1, 1}, targs,
                      std::nullopt, false, s);
   if (!p.has_mask) outs.pop_back();

@@ -20,8 +20,9 @@ namespace mx = mlx::core;
 
 namespace k3::kernels {
 
-bool gpu_branch_on_cpu = false;  // gpu_branch.hpp
-int gpu_grid_y_limit = 65535;     // gpu_branch.hpp
+bool gpu_branch_on_cpu = false;                 // gpu_branch.hpp
+GpuApi emulated_gpu_api = kPlatformGpuApi;      // gpu_branch.hpp
+int gpu_grid_y_limit = 65535;                    // gpu_branch.hpp
 
 namespace {
 
@@ -127,13 +128,16 @@ mx::array situ_gpu(const mx::array& up, const mx::array& gate, SituParams p, mx:
   auto params = mx::array({p.beta, p.has_linear_beta ? p.linear_beta : 0.0f, p.has_linear_beta ? 1.0f : 0.0f},
                           {3}, mx::float32);
   auto count = mx::array({static_cast<int32_t>(up.size())}, {1}, mx::int32);
-#ifdef __APPLE__
-  static auto kernel = mx::fast::metal_kernel("k3_situ", {"up", "gate", "params", "count"}, {"out"},
-                                              k3_src_situ_metal, "", true, false);
-#else
-  static auto kernel = mx::fast::cuda_kernel("k3_situ", {"up", "gate", "params", "count"}, {"out"},
-                                             k3_src_situ_cu, "", true, 0);
-#endif
+  const auto& kernel = gpu_kernel(
+      gpu_api(s),
+      [] {
+        return mx::fast::metal_kernel("k3_situ", {"up", "gate", "params", "count"}, {"out"}, k3_src_situ_metal, "",
+                                      true, false);
+      },
+      [] {
+        return mx::fast::cuda_kernel("k3_situ", {"up", "gate", "params", "count"}, {"out"}, k3_src_situ_cu, "", true,
+                                     0);
+      });
   int n = static_cast<int>(up.size());
   auto outs = kernel({up, gate, params, count}, {up.shape()}, {up.dtype()}, {n, 1, 1}, {256, 1, 1},
                      {{"T", up.dtype()}}, std::nullopt, false, s);

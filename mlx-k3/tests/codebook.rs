@@ -778,11 +778,12 @@ fn quantized_matmul_many_is_one_node_with_the_single_ops_results() {
     assert!(err.contains("quantized_matmul_multi") && err.contains("shape"), "{err}");
 }
 
-/// The CUDA kernel (mlx-k3-metal/kernels/packed_qmm.cu) on each GPU device present, against the plain-ops
-/// references of the CPU tests above (computed on the CPU): the plain, gathered (decode and sorted-prefill forms)
-/// and tiered matmuls, plus the kernel's answer to an expert index past the stack (NaN in that pair's rows: a
-/// kernel cannot raise). Where no GPU is present this runs nothing; CI checks the same kernel on the CPU under
-/// an emulator of CUDA (mlx-k3-metal/tests/cuda_emulation.rs), and scripts/gpu_check.sh runs this on a GPU.
+/// The GPU kernel (mlx-k3-metal/kernels/packed_qmm.cu on CUDA, packed_qmm.metal on Apple) on each GPU device
+/// present, against the plain-ops references of the CPU tests above (computed on the CPU): the plain, gathered
+/// (decode and sorted-prefill forms) and tiered matmuls, plus the kernel's answer to an expert index past the
+/// stack (NaN in that pair's rows: a kernel cannot raise). Where no GPU is present this runs nothing; CI checks
+/// both kernels on the CPU under emulators of CUDA and Metal (mlx-k3-metal/tests/gpu_emulation.rs), and
+/// scripts/gpu_check.sh runs this on a CUDA GPU.
 #[test]
 fn codebook_and_tiered_matmuls_match_on_gpu_devices() {
     use mlx_k3::tiers::{self, Tier};
