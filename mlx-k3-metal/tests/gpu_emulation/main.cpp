@@ -56,17 +56,36 @@ int g_as_checks = 0;
 int g_launches = 0, g_compiles = 0;
 int g_api_launches[2] = {0, 0};  // per Api (cuda, metal)
 
-std::string cuda_type(mx::Dtype t) {
-  static const std::map<mx::Dtype::Val, const char*> names{
-      {mx::Dtype::Val::bool_, "bool"},       {mx::Dtype::Val::int8, "int8_t"},
-      {mx::Dtype::Val::int16, "int16_t"},    {mx::Dtype::Val::int32, "int32_t"},
-      {mx::Dtype::Val::int64, "int64_t"},    {mx::Dtype::Val::uint8, "uint8_t"},
-      {mx::Dtype::Val::uint16, "uint16_t"},  {mx::Dtype::Val::uint32, "uint32_t"},
-      {mx::Dtype::Val::uint64, "uint64_t"},  {mx::Dtype::Val::float16, "__half"},
-      {mx::Dtype::Val::bfloat16, "__nv_bfloat16"}, {mx::Dtype::Val::float32, "float"}};
+// A dtype's type name in a generated CUDA unit (MLX's CUDA JIT) and in a generated Metal unit (MLX's
+// get_type_string, mlx/backend/common/compiled.cpp).
+std::string type_name(mx::Dtype t, bool metal) {
+  struct Names {
+    const char *cuda, *metal;
+  };
+  static const std::map<mx::Dtype::Val, Names> names{
+      {mx::Dtype::Val::bool_, {"bool", "bool"}},
+      {mx::Dtype::Val::int8, {"int8_t", "int8_t"}},
+      {mx::Dtype::Val::int16, {"int16_t", "int16_t"}},
+      {mx::Dtype::Val::int32, {"int32_t", "int32_t"}},
+      {mx::Dtype::Val::int64, {"int64_t", "int64_t"}},
+      {mx::Dtype::Val::uint8, {"uint8_t", "uint8_t"}},
+      {mx::Dtype::Val::uint16, {"uint16_t", "uint16_t"}},
+      {mx::Dtype::Val::uint32, {"uint32_t", "uint32_t"}},
+      {mx::Dtype::Val::uint64, {"uint64_t", "uint64_t"}},
+      {mx::Dtype::Val::float16, {"__half", "float16_t"}},
+      {mx::Dtype::Val::bfloat16, {"__nv_bfloat16", "bfloat16_t"}},
+      {mx::Dtype::Val::float32, {"float", "float"}}};
   auto it = names.find(t.val());
-  if (it == names.end()) throw std::invalid_argument("gpu_emulation: no CUDA type for this dtype");
-  return it->second;
+  if (it == names.end()) throw std::invalid_argument("gpu_emulation: no kernel type for this dtype");
+  return metal ? it->second.metal : it->second.cuda;
+}
+
+std::string cuda_type(mx::Dtype t) {
+  return type_name(t, false);
+}
+
+std::string metal_type(mx::Dtype t) {
+  return type_name(t, true);
 }
 
 using TemplateArgs = std::vector<std::pair<std::string, mx::fast::TemplateArg>>;
@@ -111,20 +130,6 @@ std::string build_cuda_unit(const std::string& name, const std::string& header, 
     src += i + 1 < out_names.size() ? ", " : "); });\n}\n";
   }
   return src;
-}
-
-// MLX's get_type_string (mlx/backend/common/compiled.cpp): the type names of the generated Metal signature.
-std::string metal_type(mx::Dtype t) {
-  static const std::map<mx::Dtype::Val, const char*> names{
-      {mx::Dtype::Val::bool_, "bool"},        {mx::Dtype::Val::int8, "int8_t"},
-      {mx::Dtype::Val::int16, "int16_t"},     {mx::Dtype::Val::int32, "int32_t"},
-      {mx::Dtype::Val::int64, "int64_t"},     {mx::Dtype::Val::uint8, "uint8_t"},
-      {mx::Dtype::Val::uint16, "uint16_t"},   {mx::Dtype::Val::uint32, "uint32_t"},
-      {mx::Dtype::Val::uint64, "uint64_t"},   {mx::Dtype::Val::float16, "float16_t"},
-      {mx::Dtype::Val::bfloat16, "bfloat16_t"}, {mx::Dtype::Val::float32, "float"}};
-  auto it = names.find(t.val());
-  if (it == names.end()) throw std::invalid_argument("gpu_emulation: no Metal type for this dtype");
-  return it->second;
 }
 
 // The attributes MLX's metal_kernel gives a kernel as parameters when its source names them (a substring
