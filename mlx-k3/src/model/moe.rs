@@ -289,7 +289,8 @@ impl SparseMoe {
             }
             None => (self.gate.forward(x)?, x.clone()),
         };
-        // The fused router's GPU kernels (CUDA, Metal) have not been run yet: GPU streams keep the plain ops.
+        // The fused router's GPU kernels have not run inside the model yet (the CUDA one was checked alone on a GPU
+        // once, the Metal one only under emulation): GPU streams keep the plain ops.
         let (mut inds, mut weights) = if crate::current_stream()?.device() == crate::Device::Cpu {
             route_fused(&logits, &self.bias, self.router)?
         } else {
