@@ -417,7 +417,7 @@ mx::array packed_qmm_gpu(const char* op, const mx::array& x, int M, int Bx, cons
   // CUDA: a block of kThreads per output column. Metal: kSimdgroups simdgroups of 32 threads a threadgroup, each
   // taking kCols columns (kernels/packed_qmm.metal).
   constexpr int kThreads = 128, kSimdgroups = 2, kCols = 4;
-  const size_t grid_x = metal ? (N + kSimdgroups * kCols - 1) / (kSimdgroups * kCols) * (32 * kSimdgroups)
+  const size_t grid_x = metal ? ((size_t)N + kSimdgroups * kCols - 1) / (kSimdgroups * kCols) * (32 * kSimdgroups)
                               : (size_t)N * kThreads;
   if (grid_x > (size_t)std::numeric_limits<int>::max()) fail(op, "N is too large for one GPU launch");
   if (!st.aff.empty() && (st.aff_group % 8 != 0 || st.aff_bits < 1 || st.aff_bits > 8)) {

@@ -20,9 +20,9 @@ namespace mx = mlx::core;
 
 namespace k3::kernels {
 
-bool gpu_branch_on_cpu = false;                 // gpu_branch.hpp
-GpuApi emulated_gpu_api = kPlatformGpuApi;      // gpu_branch.hpp
-int gpu_grid_y_limit = 65535;                    // gpu_branch.hpp
+bool gpu_branch_on_cpu = false;             // gpu_branch.hpp
+GpuApi emulated_gpu_api = kPlatformGpuApi;  // gpu_branch.hpp
+int gpu_grid_y_limit = 65535;               // gpu_branch.hpp
 
 namespace {
 
