@@ -409,7 +409,8 @@ struct GpuStacks {
 // slot tables when tiered).
 mx::array packed_qmm_gpu(const char* op, const mx::array& x, int M, int Bx, const mx::array& lhs, const mx::array& rhs,
                          int E, const mx::array* tier, const mx::array* slot, const GpuStacks& st, int N, mx::Stream s) {
-  const bool metal = gpu_api(s) == GpuApi::metal;
+  const GpuApi api = gpu_api(s);
+  const bool metal = api == GpuApi::metal;
   const int K = x.shape(-1);
   const size_t P = lhs.size();
   if (P == 0 || M == 0 || N == 0) return mx::zeros({(int)(P * M), N}, mx::float32, s);
@@ -441,7 +442,7 @@ mx::array packed_qmm_gpu(const char* op, const mx::array& x, int M, int Bx, cons
   auto count = [](const std::vector<mx::array>& a) { return a.empty() ? 0 : a[0].shape(0); };
   in.push_back(mx::array({M, N, K, E, Bx, (int)P, count(st.cb), count(st.fp4), count(st.aff)}, {9}, mx::int32));
   const auto& kernel = gpu_kernel(
-      gpu_api(s),
+      api,
       [] {
         return mx::fast::metal_kernel("k3_packed_qmm",
                                       {"x", "lhs", "rhs", "tier", "slot", "cb_codes", "cb_qh", "cb_scales", "grid",

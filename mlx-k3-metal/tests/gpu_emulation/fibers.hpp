@@ -221,6 +221,13 @@ inline bool release_barrier() {
   return true;
 }
 
+// Frees the running block's threadgroup variables.
+inline void free_tg_vars() {
+  for (void* p : tg_vars) std::free(p);
+  tg_vars.clear();
+  tg_bytes = 0;
+}
+
 inline void run_block() {
   const unsigned n = threads_in_group;
   for (unsigned t = 0; t < n; ++t) {
@@ -284,31 +291,24 @@ void launch(const unsigned* ngroups, const unsigned* blk, const unsigned* grid_t
     f.stack = mmap(nullptr, kStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (f.stack == MAP_FAILED) std::abort();
   }
-  auto release = [] {
-    for (void* p : tg_vars) std::free(p);
-    tg_vars.clear();
-    tg_bytes = 0;
-  };
-  try {
-    const long nb = (long)groups[0] * groups[1] * groups[2];
-    for (long b = 0; b < nb; ++b) {
-      group_id[0] = (unsigned)(b % groups[0]);
-      group_id[1] = (unsigned)(b / groups[0] % groups[1]);
-      group_id[2] = (unsigned)(b / ((long)groups[0] * groups[1]));
-      for (int d = 0; d < 3; ++d) size[d] = std::min(block[d], grid[d] - group_id[d] * block[d]);
-      threads_in_group = size[0] * size[1] * size[2];
-      run_block();
-      release();
+  // On the way out, normally or by an exception (threads stopped mid-way keep what their stacks hold).
+  struct Cleanup {
+    ~Cleanup() {
+      free_tg_vars();
+      for (auto& f : fibers) munmap(f.stack, kStack);
+      current = nullptr;
     }
-  } catch (...) {
-    // Threads stopped mid-way keep what their stacks hold; the stacks go below.
-    release();
-    for (auto& f : fibers) munmap(f.stack, kStack);
-    current = nullptr;
-    throw;
+  } cleanup;
+  const long nb = (long)groups[0] * groups[1] * groups[2];
+  for (long b = 0; b < nb; ++b) {
+    group_id[0] = (unsigned)(b % groups[0]);
+    group_id[1] = (unsigned)(b / groups[0] % groups[1]);
+    group_id[2] = (unsigned)(b / ((long)groups[0] * groups[1]));
+    for (int d = 0; d < 3; ++d) size[d] = std::min(block[d], grid[d] - group_id[d] * block[d]);
+    threads_in_group = size[0] * size[1] * size[2];
+    run_block();
+    free_tg_vars();
   }
-  for (auto& f : fibers) munmap(f.stack, kStack);
-  current = nullptr;
 }
 
 }  // namespace k3emu
