@@ -78,6 +78,8 @@ lut_gemv_impl(const uint8_t* codesT, const uint16_t* qhT, const uint16_t* scT, i
             _mm512_store_si512(ib[l] + (n - nc), _mm512_ternarylogic_epi32(c, hi, m700, 0xF8));  // c | (hi & 0x700)
           }
         }
+        // The barrier keeps the variant without lookups honest: the index stores stay, and sums is reloaded.
+        asm volatile("" : : "r"(ib), "r"(sums) : "memory");
         if (kLookups)
           for (int r = 0; r < CH; ++r) sums[r] = (int)T[0][ib[0][r]] + T[1][ib[1][r]] + T[2][ib[2][r]] + T[3][ib[3][r]];
         for (int n = nc; n < nc + CH; n += 16) {
