@@ -20,10 +20,13 @@
 //! than 32 KiB of threadgroup memory are errors. Tolerances per kernel are in main.cpp (f32: a few ulp of the
 //! result or the summation-order bound).
 //!
+//! Metal's address spaces are empty macros when a kernel runs; where a clang++ is found (`find_clang`; CI requires
+//! one with K3_REQUIRE_METAL_AS_CHECK=1) clang also reads every Metal unit with device, constant and threadgroup
+//! as clang address spaces, so a pointer or cast that mixes them fails as it would under Metal's compiler.
+//!
 //! Not modelled: concurrent threads and atomics, warp-level CUDA primitives (the CUDA kernels use none),
-//! Metal's address spaces (the qualifiers are empty macros here: a real Metal compiler could still reject a
-//! kernel this accepts), resource limits beyond threadgroup memory, speed, and the GPUs' math libraries (the C
-//! library's functions stand in; CUDA's and Metal's precise ones are within a few ulp). The CUDA kernels were
+//! whatever else Metal's compiler might reject, resource limits beyond threadgroup memory, speed, and the GPUs'
+//! math libraries (the C library's functions stand in; CUDA's and Metal's precise ones are within a few ulp). The CUDA kernels were
 //! checked once on a real GPU (README, "CUDA kernels on a GPU"); the Metal ones never have been.
 
 #![cfg(all(target_os = "linux", target_arch = "x86_64"))]

@@ -158,7 +158,7 @@ T& tg_var(int id) {
            std::to_string(tg_memory_limit) + " a threadgroup has");
     }
     void* p = std::malloc(sizeof(T));
-    if (!p) std::abort();
+    if (!p) fail("out of memory for the threadgroup variables");
     std::memset(p, 0xff, sizeof(T));
     tg_vars[id] = p;
   }
@@ -287,18 +287,21 @@ void launch(const unsigned* ngroups, const unsigned* blk, const unsigned* grid_t
   fibers.assign(nt, Fiber{});
   for (auto& buf : simd_values) buf.assign(nt * kSimdSlot, 0);
   for (auto& m : simd_active) m.assign((nt + kSimdWidth - 1) / kSimdWidth, 0);
-  for (auto& f : fibers) {
-    f.stack = mmap(nullptr, kStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (f.stack == MAP_FAILED) std::abort();
-  }
   // On the way out, normally or by an exception (threads stopped mid-way keep what their stacks hold).
   struct Cleanup {
     ~Cleanup() {
       free_tg_vars();
-      for (auto& f : fibers) munmap(f.stack, kStack);
+      for (auto& f : fibers) {
+        if (f.stack) munmap(f.stack, kStack);
+      }
       current = nullptr;
     }
   } cleanup;
+  for (auto& f : fibers) {
+    void* stack = mmap(nullptr, kStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (stack == MAP_FAILED) fail("out of memory for the fibers' stacks");
+    f.stack = stack;
+  }
   const long nb = (long)groups[0] * groups[1] * groups[2];
   for (long b = 0; b < nb; ++b) {
     group_id[0] = (unsigned)(b % groups[0]);

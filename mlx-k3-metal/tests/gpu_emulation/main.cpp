@@ -54,7 +54,8 @@ std::string g_cxx, g_emu_include, g_mlx_include, g_scratch;
 std::string g_clang;  // clang++ for the Metal address-space check, or empty (no check)
 int g_as_checks = 0;
 int g_launches = 0, g_compiles = 0;
-int g_api_launches[2] = {0, 0};  // per Api (cuda, metal)
+using k3::kernels::GpuApi;
+int g_api_launches[2] = {0, 0};  // per GpuApi (cuda, metal)
 
 // A dtype's type name in a generated CUDA unit (MLX's CUDA JIT) and in a generated Metal unit (MLX's
 // get_type_string, mlx/backend/common/compiled.cpp).
@@ -287,9 +288,7 @@ Entry compile_unit(const std::string& src) {
   return cache[src] = entry;
 }
 
-enum class Api { cuda, metal };
-
-std::vector<mx::array> emulate(Api api, const std::string& name, const std::vector<std::string>& in_names,
+std::vector<mx::array> emulate(GpuApi api, const std::string& name, const std::vector<std::string>& in_names,
                                const std::vector<std::string>& out_names, const std::string& source,
                                const std::string& header, bool ensure_row_contiguous, int shared_memory,
                                const std::vector<mx::array>& inputs_in, const std::vector<mx::Shape>& out_shapes,
@@ -347,10 +346,10 @@ std::vector<mx::array> emulate(Api api, const std::string& name, const std::vect
                               (unsigned)((gz + tz - 1) / tz)};
   const unsigned asked[3] = {(unsigned)gx, (unsigned)gy, (unsigned)gz};
   unsigned threads[3];
-  for (int d = 0; d < 3; ++d) threads[d] = api == Api::cuda ? blocks[d] * block[d] : asked[d];
+  for (int d = 0; d < 3; ++d) threads[d] = api == GpuApi::cuda ? blocks[d] * block[d] : asked[d];
   if (block[0] * block[1] * block[2] > 1024) throw std::invalid_argument("gpu_emulation: more than 1024 threads a block");
   if ((long)blocks[0] * blocks[1] * blocks[2] > 0 && block[0] * block[1] * block[2] > 0) {
-    const auto build = api == Api::cuda ? build_cuda_unit : build_metal_unit;
+    const auto build = api == GpuApi::cuda ? build_cuda_unit : build_metal_unit;
     Entry entry = compile_unit(build(name, header, source, in_names, inputs_in, out_names, out_dtypes, targs));
     auto run = [&](int reverse) {
       try {
@@ -397,7 +396,7 @@ CustomKernelFunction cuda_kernel(const std::string& name, const std::vector<std:
              std::tuple<int, int, int> grid, std::tuple<int, int, int> tg,
              std::vector<std::pair<std::string, TemplateArg>> targs, std::optional<float> init_value, bool,
              StreamOrDevice) {
-    return emulate(Api::cuda, name, input_names, output_names, source, header, ensure_row_contiguous, shared_memory,
+    return emulate(GpuApi::cuda, name, input_names, output_names, source, header, ensure_row_contiguous, shared_memory,
                    inputs, out_shapes, out_dtypes, grid, tg, targs, init_value);
   };
 }
@@ -412,7 +411,7 @@ CustomKernelFunction metal_kernel(const std::string& name, const std::vector<std
              std::tuple<int, int, int> grid, std::tuple<int, int, int> tg,
              std::vector<std::pair<std::string, TemplateArg>> targs, std::optional<float> init_value, bool,
              StreamOrDevice) {
-    return emulate(Api::metal, name, input_names, output_names, source, header, ensure_row_contiguous, 0, inputs,
+    return emulate(GpuApi::metal, name, input_names, output_names, source, header, ensure_row_contiguous, 0, inputs,
                    out_shapes, out_dtypes, grid, tg, targs, init_value);
   };
 }
@@ -421,7 +420,10 @@ CustomKernelFunction metal_kernel(const std::string& name, const std::vector<std
 namespace {
 
 int g_failures = 0, g_cases = 0;
-const char* g_api_name = "cuda";  // the API whose kernels the cases run now
+// The API whose kernels the cases run now, for the report lines.
+const char* api_name() {
+  return k3::kernels::emulated_gpu_api == GpuApi::metal ? "metal" : "cuda";
+}
 const k3_stream kCpu{0, -1, 0};  // the default stream (CPU: this MLX has no GPU)
 
 k3_array h(const mx::array& a) {
@@ -447,13 +449,13 @@ std::pair<std::vector<mx::array>, std::vector<mx::array>> both(const std::functi
   k3::kernels::gpu_branch_on_cpu = false;
   auto cpu = op();
   mx::eval(cpu);
-  const int api = k3::kernels::emulated_gpu_api == k3::kernels::GpuApi::metal ? 1 : 0;
+  const int api = static_cast<int>(k3::kernels::emulated_gpu_api);
   const int before = g_api_launches[api];
   k3::kernels::gpu_branch_on_cpu = true;
   auto gpu = op();
   k3::kernels::gpu_branch_on_cpu = false;
   mx::eval(gpu);
-  if (g_api_launches[api] == before) throw std::logic_error(std::string("the GPU branch launched no ") + g_api_name + " kernel");
+  if (g_api_launches[api] == before) throw std::logic_error(std::string("the GPU branch launched no ") + api_name() + " kernel");
   return {cpu, gpu};
 }
 
@@ -477,7 +479,7 @@ void compare(const std::string& what, const mx::array& ref_a, const mx::array& g
              const std::function<double(size_t, double)>& tol) {
   ++g_cases;
   if (ref_a.shape() != got_a.shape() || ref_a.dtype() != got_a.dtype()) {
-    std::printf("FAIL %s %s: shape/dtype %s vs %s\n", g_api_name, what.c_str(), k3::shape_str(ref_a.shape()).c_str(),
+    std::printf("FAIL %s %s: shape/dtype %s vs %s\n", api_name(), what.c_str(), k3::shape_str(ref_a.shape()).c_str(),
                 k3::shape_str(got_a.shape()).c_str());
     ++g_failures;
     return;
@@ -492,11 +494,11 @@ void compare(const std::string& what, const mx::array& ref_a, const mx::array& g
     if (t > 0) worst = std::max(worst, d / t);
   }
   if (bad) {
-    std::printf("FAIL %s %s: %zu of %zu elements off (first at %zu: cpu %.9g, emulated gpu %.9g)\n", g_api_name, what.c_str(), bad,
+    std::printf("FAIL %s %s: %zu of %zu elements off (first at %zu: cpu %.9g, emulated gpu %.9g)\n", api_name(), what.c_str(), bad,
                 ref.size(), first_bad, ref[first_bad], got[first_bad]);
     ++g_failures;
   } else {
-    std::printf("ok   %s %s: %zu elements, largest difference %.3f of the tolerance\n", g_api_name, what.c_str(), ref.size(), worst);
+    std::printf("ok   %s %s: %zu elements, largest difference %.3f of the tolerance\n", api_name(), what.c_str(), ref.size(), worst);
   }
 }
 
@@ -594,7 +596,7 @@ void check_router() {
                   c.renorm ? " renorm" : "", c.bias ? " bias" : "", c.mask ? " mask" : "");
     ++g_cases;
     if (cpu.size() != gpu.size()) {
-      std::printf("FAIL %s %s: %zu vs %zu outputs\n", g_api_name, what, cpu.size(), gpu.size());
+      std::printf("FAIL %s %s: %zu vs %zu outputs\n", api_name(), what, cpu.size(), gpu.size());
       ++g_failures;
       continue;
     }
@@ -621,10 +623,10 @@ void check_router() {
       }
     }
     if (bad) {
-      std::printf("FAIL %s %s: %d of %d (expert, weight, protected) entries differ\n", g_api_name, what, bad, rows * c.k);
+      std::printf("FAIL %s %s: %d of %d (expert, weight, protected) entries differ\n", api_name(), what, bad, rows * c.k);
       ++g_failures;
     } else {
-      std::printf("ok   %s %s: %d rows, same experts, weights within %.3f of the tolerance\n", g_api_name, what, rows, worst);
+      std::printf("ok   %s %s: %d rows, same experts, weights within %.3f of the tolerance\n", api_name(), what, rows, worst);
     }
   }
 }
@@ -738,9 +740,9 @@ void check_no_metal_kernel() {
     k3::kernels::gpu_branch_on_cpu = false;
     const std::string msg = rc != 0 ? k3_last_error() : "";
     if (rc != 0 && msg.find("no Metal kernel") != std::string::npos) {
-      std::printf("ok   %s %s: refused (%s)\n", g_api_name, what, msg.c_str());
+      std::printf("ok   %s %s: refused (%s)\n", api_name(), what, msg.c_str());
     } else {
-      std::printf("FAIL %s %s: %s\n", g_api_name, what, rc == 0 ? "ran" : msg.c_str());
+      std::printf("FAIL %s %s: %s\n", api_name(), what, rc == 0 ? "ran" : msg.c_str());
       ++g_failures;
     }
   };
@@ -946,11 +948,11 @@ void check_gather_codebook() {
       if (in_bad_pair ? !std::isnan(yb[i]) : !(yb[i] == yr[i])) ++wrong;
     }
     if (!cpu_raised || wrong) {
-      std::printf("FAIL %s %s, expert index out of range: cpu %s, %zu of %zu kernel outputs wrong\n", g_api_name, what,
+      std::printf("FAIL %s %s, expert index out of range: cpu %s, %zu of %zu kernel outputs wrong\n", api_name(), what,
                   cpu_raised ? "raised" : "did not raise", wrong, yb.size());
       ++g_failures;
     } else {
-      std::printf("ok   %s %s, expert index out of range: cpu raised, kernel NaN in that pair's %d rows only\n", g_api_name, what, M);
+      std::printf("ok   %s %s, expert index out of range: cpu raised, kernel NaN in that pair's %d rows only\n", api_name(), what, M);
     }
   }
 }
@@ -1044,11 +1046,10 @@ int main(int argc, char** argv) {
       ++g_failures;
       k3::kernels::gpu_branch_on_cpu = false;
       k3::kernels::gpu_grid_y_limit = 65535;
-      std::printf("FAIL %s %s: %s\n", g_api_name, what, e.what());
+      std::printf("FAIL %s %s: %s\n", api_name(), what, e.what());
     }
   };
-  g_api_name = "cuda";
-  k3::kernels::emulated_gpu_api = k3::kernels::GpuApi::cuda;
+  k3::kernels::emulated_gpu_api = GpuApi::cuda;
   run("situ", check_situ);
   run("router", check_router);
   run("attn_res", check_attn_res);
@@ -1057,8 +1058,7 @@ int main(int argc, char** argv) {
   run("gather_codebook", check_gather_codebook);
   run("tiered", check_tiered);
   const int cuda_cases = g_cases, cuda_failures = g_failures;
-  g_api_name = "metal";
-  k3::kernels::emulated_gpu_api = k3::kernels::GpuApi::metal;
+  k3::kernels::emulated_gpu_api = GpuApi::metal;
   run("situ", check_situ);
   run("router", check_router);
   run("no Metal kernel", check_no_metal_kernel);
