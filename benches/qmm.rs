@@ -131,7 +131,7 @@ fn gemv(c: &mut Criterion) {
             let q = packed(&w, spec);
             g.throughput(Throughput::Bytes(qbytes(&q)));
             g.bench_function(id(&format!("{name}_k3")), |b| {
-                b.iter(|| kernels::quantized_matmul(&x, &q, spec).and_then(|y| y.eval()).unwrap())
+                b.iter(|| kernels::fast_quantized_matmul(&x, &q, spec).and_then(|y| y.eval()).unwrap())
             });
             g.bench_function(id(&format!("{name}_mlx")), |b| {
                 b.iter(|| quant::quantized_matmul(&x, &q, spec, true).and_then(|y| y.eval()).unwrap())
@@ -140,13 +140,13 @@ fn gemv(c: &mut Criterion) {
             // same run.
             if ["affine4", "affine2", "affine8", "mxfp4"].contains(&name) {
                 bench_avx2(&mut g, id(&format!("{name}_avx2_k3")), || {
-                    kernels::quantized_matmul(&x, &q, spec).and_then(|y| y.eval()).unwrap();
+                    kernels::fast_quantized_matmul(&x, &q, spec).and_then(|y| y.eval()).unwrap();
                 });
             }
             if ["affine4", "affine2", "affine8", "mxfp4"].contains(&name) {
                 g.bench_function(id(&format!("{name}_q8_k3")), |b| {
                     kernels::set_qmm_activations(Some(QmmActivations::Q8));
-                    b.iter(|| kernels::quantized_matmul(&x, &q, spec).and_then(|y| y.eval()).unwrap());
+                    b.iter(|| kernels::fast_quantized_matmul(&x, &q, spec).and_then(|y| y.eval()).unwrap());
                     kernels::set_qmm_activations(None);
                 });
             }
@@ -156,11 +156,11 @@ fn gemv(c: &mut Criterion) {
                 let qh = packed(&w.astype(Dtype::BF16).unwrap(), spec);
                 g.throughput(Throughput::Bytes(qbytes(&qh)));
                 g.bench_function(id(&format!("{name}_bf16_k3")), |b| {
-                    b.iter(|| kernels::quantized_matmul(&x, &qh, spec).and_then(|y| y.eval()).unwrap())
+                    b.iter(|| kernels::fast_quantized_matmul(&x, &qh, spec).and_then(|y| y.eval()).unwrap())
                 });
                 g.bench_function(id(&format!("{name}_bf16_q8_k3")), |b| {
                     kernels::set_qmm_activations(Some(QmmActivations::Q8));
-                    b.iter(|| kernels::quantized_matmul(&x, &qh, spec).and_then(|y| y.eval()).unwrap());
+                    b.iter(|| kernels::fast_quantized_matmul(&x, &qh, spec).and_then(|y| y.eval()).unwrap());
                     kernels::set_qmm_activations(None);
                 });
             }

@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, SystemTime};
 
-const PIN: (u32, u32, u32) = (0, 32, 4);
+/// The MLX version the project is built against: the one place Rust code defines it (exported to the crates
+/// as `mlx_k3_sys::MLX_PIN`).
 const PIN_STR: &str = "0.32.4";
 const SHIM_SOURCES: &[&str] = &["shim/array.cpp", "shim/ops.cpp", "shim/nn.cpp", "shim/system.cpp"];
 
@@ -83,6 +84,7 @@ fn main() {
     println!("cargo:python={}", mlx.python.as_ref().map(|p| p.display().to_string()).unwrap_or_default());
     println!("cargo:backend={}", wheel_backend(&mlx.dir));
     println!("cargo:rustc-env=MLX_K3_MLX_ORIGIN={}", mlx.origin);
+    println!("cargo:rustc-env=MLX_K3_MLX_PIN={PIN_STR}");
 }
 
 #[cfg(feature = "bindgen")]
@@ -202,14 +204,29 @@ fn install_into(venv: &Path) -> Result<(), String> {
     let python = venv_python(venv);
     if !python.exists() {
         let base = env::var("MLX_K3_PYTHON").unwrap_or_else(|_| "python3".into());
-        println!("cargo:warning=mlx-k3-sys: creating {} with {base}", venv.display());
+        announce(&format!("mlx-k3-sys: creating {} with {base}", venv.display()));
         run(Command::new(&base).args(["-m", "venv"]).arg(venv), "create the virtualenv")?;
     }
-    println!("cargo:warning=mlx-k3-sys: installing {} into {} (one time)", packages.join(" "), venv.display());
+    announce(&format!("mlx-k3-sys: installing {} into {} (one time)", packages.join(" "), venv.display()));
     run(
         Command::new(&python).args(["-m", "pip", "install", "--disable-pip-version-check", "-q"]).args(&packages),
         "install the pinned MLX wheels with pip",
     )
+}
+
+/// Says what the one-time set-up is doing, once, while it does it. A `cargo:warning` is kept with the build
+/// script's output and cargo replays it on every later build of this crate for as long as the script stays
+/// fresh, long after the install; so the line goes straight to the terminal where there is one, and only
+/// where there is none (a CI log) falls back to a warning.
+fn announce(msg: &str) {
+    use std::io::Write;
+    if let Ok(mut tty) = fs::OpenOptions::new().write(true).open("/dev/tty") {
+        // Start of the line, cleared: cargo's progress bar may be drawn there.
+        if writeln!(tty, "\r\x1b[2K{msg}").is_ok() {
+            return;
+        }
+    }
+    println!("cargo:warning={msg}");
 }
 
 fn run(cmd: &mut Command, what: &str) -> Result<(), String> {
@@ -259,6 +276,13 @@ impl Drop for InstallLock {
     }
 }
 
+/// `"major.minor.patch"` as numbers.
+fn parse_version(v: &str) -> Option<(u32, u32, u32)> {
+    let mut it = v.split('.').map(|p| p.parse::<u32>().ok());
+    let version = (it.next()??, it.next()??, it.next()??);
+    it.next().is_none().then_some(version)
+}
+
 fn check_version(mlx: &Mlx) {
     let header = mlx.dir.join("include/mlx/version.h");
     let text = fs::read_to_string(&header).unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", header.display())));
@@ -269,7 +293,7 @@ fn check_version(mlx: &Mlx) {
             .unwrap_or_else(|| fail(&format!("{} has no {name}", header.display())))
     };
     let found = (field("MLX_VERSION_MAJOR"), field("MLX_VERSION_MINOR"), field("MLX_VERSION_PATCH"));
-    if found != PIN {
+    if Some(found) != parse_version(PIN_STR) {
         let pkgs = match wanted_backend().unwrap_or("cpu") {
             "cuda" => format!("mlx=={PIN_STR} mlx-cuda-13=={PIN_STR}"),
             "metal" => format!("mlx=={PIN_STR}"),

@@ -43,7 +43,8 @@ Run (CPU is fine, a few seconds; the output is byte-identical from run to run):
 
     .venv/bin/python scripts/make_k3_fixtures.py
 
-Pinned: mlx==0.32.4, mlx-lm==0.32.2 (install with `.venv/bin/pip install mlx-lm==0.32.2`).
+Pinned in `mlx-k3-py/python/mlx_k3/_pins.py` (read through `scripts/pins.py`): mlx and mlx-lm (install the
+latter with `.venv/bin/pip install -r mlx-k3-py/requirements-dev.txt`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-PINS = {"mlx": "0.32.4", "mlx-lm": "0.32.2"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pins  # noqa: E402
+
+PINS = {"mlx": pins.MLX, "mlx-lm": pins.MLX_LM}
 
 
 def _check_pins() -> None:

@@ -14,7 +14,7 @@ mod error;
 mod kernels;
 
 /// The MLX version this module was compiled against (its headers and `libmlx`).
-const MLX_PIN: &str = "0.32.4";
+const MLX_PIN: &str = mlx_k3_sys::MLX_PIN;
 
 /// The MLX version of the `libmlx` loaded in this process.
 #[pyfunction]

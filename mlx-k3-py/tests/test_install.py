@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import checkpoints
+import mlx_k3
 
 CHECK = """
 import os, sys
@@ -33,7 +34,7 @@ def test_pip_install_into_a_fresh_virtualenv(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = str(venv / "bin" / "python")
     pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "mlx[cpu]==0.32.4"], check=True, timeout=900)
+    subprocess.run([*pip, f"mlx[cpu]=={mlx_k3.MLX_VERSION}"], check=True, timeout=900)
     # As a user would run it: no virtualenv activated, nothing of this test process's environment leaking in.
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
     r = subprocess.run(

@@ -1,4 +1,4 @@
-//! Raw bindings to the mlx-k3 C ABI shim over MLX's C++ API (the pinned MLX 0.32.4 wheel).
+//! Raw bindings to the mlx-k3 C ABI shim over MLX's C++ API (the pinned MLX wheel, [`MLX_PIN`]).
 //!
 //! This is the only crate that links `libmlx`. Its build script finds the wheel (`MLX_DIR`, an active
 //! virtualenv, or the project-local `.venv`, which it creates and fills with pip when nothing else has
@@ -17,6 +17,9 @@ pub use bindings::*;
 
 /// A stream value that asks MLX for the default stream of the default device.
 pub const K3_DEFAULT_STREAM: k3_stream = k3_stream { index: 0, device_type: -1, device_index: 0 };
+
+/// The MLX version this project is built against, exactly (the wheel the build installs or requires).
+pub const MLX_PIN: &str = env!("MLX_K3_MLX_PIN");
 
 /// Where the build found MLX (`MLX_DIR`, `VIRTUAL_ENV=...` or the `.venv` path).
 pub const MLX_ORIGIN: &str = env!("MLX_K3_MLX_ORIGIN");

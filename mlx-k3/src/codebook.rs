@@ -306,7 +306,7 @@ fn fit_scale(x: &[f32], w: &[f32], q: &[i8], neg_delta: bool) -> f32 {
 }
 
 /// Quantizes rows of `x` (`[n, k]`, k a multiple of 32) with importance `importance` (`[k]`: mean x² per
-/// input column from calibration activations; None: x² of each weight), as SPEC_NOTES §2.4 describes:
+/// input column from calibration activations; None: x² of each weight), as docs/formats.md#iq1_s-quantizer describes:
 /// per 32-block an exhaustive split search over sorted values for both delta signs, snapping each 8-group
 /// to the best grid entry within squared distance 2 (by weighted error at the block scale), a refit, then
 /// the 3-bit block scales against the super-block scale. Multi-threaded over rows; deterministic.

@@ -1,6 +1,6 @@
 //! mlx-k3: run Kimi K3-class giant Mixture-of-Experts models on MLX.
 //!
-//! This crate is the safe layer over `mlx-k3-sys` (the C ABI shim that links the pinned MLX 0.32.4 wheel)
+//! This crate is the safe layer over `mlx-k3-sys` (the C ABI shim that links the pinned MLX wheel, [`MLX_PIN`])
 //! and `mlx-k3-metal` (custom primitives): [`Array`] with lazy ops that return [`Result`], devices and
 //! streams, quantization in every MLX mode, fused ops, random numbers, safetensors I/O, distributed
 //! collectives and mlx-k3's own kernels. The model graph, loader, generation and tools are built on it.
@@ -27,12 +27,9 @@ mod dtype;
 mod error;
 
 pub mod chat;
-pub mod cli;
 pub mod codebook;
 pub mod compress;
 pub mod distributed;
-pub mod engine;
-pub mod eval;
 pub mod fast;
 pub mod generate;
 pub mod gguf;
@@ -41,11 +38,11 @@ pub mod kernels;
 pub mod memory;
 pub mod model;
 pub mod ops;
+pub mod quality;
 pub mod quant;
 pub mod random;
-pub mod server;
 pub mod sync_trace;
-pub mod tiers;
+pub mod tiered;
 pub mod tokenizer;
 
 pub use array::{async_eval, eval, graph_census, graph_nodes, Array, GraphCensusRow};
@@ -58,6 +55,9 @@ pub fn mlx_version() -> String {
     // SAFETY: returns a pointer to a static string.
     unsafe { std::ffi::CStr::from_ptr(mlx_k3_sys::k3_mlx_version()).to_string_lossy().into_owned() }
 }
+
+/// The MLX version this project is built against, exactly.
+pub const MLX_PIN: &str = mlx_k3_sys::MLX_PIN;
 
 /// Where the build found MLX (`MLX_DIR`, an active virtualenv, or the project-local `.venv`).
 pub const MLX_ORIGIN: &str = mlx_k3_sys::MLX_ORIGIN;

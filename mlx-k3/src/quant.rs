@@ -1,5 +1,5 @@
 //! MLX quantization: `quantize`, `dequantize`, `quantized_matmul` and `gather_qmm` in every MLX mode
-//! (SPEC_NOTES §1): affine (1-8 bits; groups of 32, 64 or 128), mxfp4, mxfp8 (groups of 32) and nvfp4
+//! (docs/formats.md#mlx-quantization): affine (1-8 bits; groups of 32, 64 or 128), mxfp4, mxfp8 (groups of 32) and nvfp4
 //! (groups of 16, optional global scale). Quantization runs along the last axis.
 
 use std::ffi::CStr;
@@ -199,7 +199,7 @@ pub struct Gather<'a> {
     pub global_scale: Option<&'a Array>,
 }
 
-/// Quantized matmul with matrix-level gather over an expert stack (SPEC_NOTES §1.5).
+/// Quantized matmul with matrix-level gather over an expert stack (docs/formats.md#gathered-quantized-matmul).
 #[track_caller]
 pub fn gather_qmm(x: &Array, q: &Quantized, spec: QuantSpec, transpose: bool, g: Gather<'_>) -> Result<Array> {
     spec.validate("gather_qmm")?;

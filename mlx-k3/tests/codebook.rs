@@ -269,7 +269,7 @@ fn check_fast_path(spec: QuantSpec, m: i32, n: i32, k: i32, seed: u64) -> f32 {
     let w = randn(&[n, k], seed);
     let q = quant::quantize(&w, spec, None).unwrap();
     let x = randn(&[m, k], seed + 1);
-    let got = kernels::quantized_matmul(&x, &q, spec).unwrap();
+    let got = kernels::fast_quantized_matmul(&x, &q, spec).unwrap();
     let want = quant::quantized_matmul(&x, &q, spec, true).unwrap();
     let e = rel_err(&got, &want);
     assert!(e <= 2e-5, "{spec:?} m={m}: rel err {e}");
@@ -289,7 +289,7 @@ fn kernels_are_bit_identical_for_any_thread_count() {
         specs.iter().map(|s| quant::quantize(&randn(&[515, 512], 11), *s, None).unwrap()).collect();
     let run = |x: &Array| -> Vec<Vec<u32>> {
         let mut outs: Vec<Array> =
-            specs.iter().zip(&ws).map(|(s, q)| kernels::quantized_matmul(x, q, *s).unwrap()).collect();
+            specs.iter().zip(&ws).map(|(s, q)| kernels::fast_quantized_matmul(x, q, *s).unwrap()).collect();
         outs.push(codebook::codebook_qmm(x, &cb).unwrap());
         outs.iter().map(|o| o.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()).collect()
     };
@@ -345,21 +345,21 @@ fn fast_affine_and_mxfp4_match_mlx() {
                 let q = quant::quantize(&w, spec, None).unwrap();
                 assert_eq!(q.scales.dtype(), dt);
                 let x = randn(&[3, 512], 91);
-                let got = kernels::quantized_matmul(&x, &q, spec).unwrap();
+                let got = kernels::fast_quantized_matmul(&x, &q, spec).unwrap();
                 let q32 = quant::Quantized {
                     weight: q.weight.clone(),
                     scales: q.scales.astype(Dtype::F32).unwrap(),
                     biases: Some(q.biases.as_ref().unwrap().astype(Dtype::F32).unwrap()),
                 };
                 // The same values as f32 arrays: identical products, so identical results.
-                let want = kernels::quantized_matmul(&x, &q32, spec).unwrap();
+                let want = kernels::fast_quantized_matmul(&x, &q32, spec).unwrap();
                 assert_eq!(got.to_vec_f32().unwrap(), want.to_vec_f32().unwrap(), "{dt:?} {spec:?}");
                 let e = rel_err(&got, &quant::quantized_matmul(&x, &q, spec, true).unwrap());
                 assert!(e <= 2e-5, "{dt:?} {spec:?} vs MLX: {e}");
                 kernels::set_qmm_activations(Some(kernels::QmmActivations::Q8));
                 let (g8, w8) = (
-                    kernels::quantized_matmul(&x, &q, spec).unwrap(),
-                    kernels::quantized_matmul(&x, &q32, spec).unwrap(),
+                    kernels::fast_quantized_matmul(&x, &q, spec).unwrap(),
+                    kernels::fast_quantized_matmul(&x, &q32, spec).unwrap(),
                 );
                 kernels::set_qmm_activations(None);
                 assert_eq!(g8.to_vec_f32().unwrap(), w8.to_vec_f32().unwrap(), "q8 {dt:?} {spec:?}");
@@ -423,21 +423,21 @@ fn fast_gather_qmm_matches_mlx() {
 
 #[test]
 fn gather_tiered_qmm_matches_the_dequantized_stack_on_both_paths() {
-    use mlx_k3::tiers::{self, Tier};
+    use mlx_k3::tiered::{self, Tier};
     let (e, n, k) = (6, 40, 512);
     let w = randn(&[e, n, k], 21).multiply(0.05f32).unwrap();
     let tiers_of = [Tier::Codebook, Tier::Mxfp4, Tier::Affine, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
     // 3-bit affine: the odd-width AVX2 decoder (and the scalar path).
     for affine in [QuantSpec::affine(64, 4), QuantSpec::affine(32, 3)] {
-        let (t, _) = tiers::build_tiered(&w, &tiers_of, affine, None).unwrap();
-        let deq = tiers::dequantize_tiered(&t).unwrap();
+        let (t, _) = tiered::build_tiered(&w, &tiers_of, affine, None).unwrap();
+        let deq = tiered::dequantize_tiered(&t).unwrap();
         let x = randn(&[3, 2, 1, 1, k], 22);
         let rhs = Array::from_slice(&[5u32, 0, 2, 2, 1, 3, 4, 0, 3, 1, 5, 4], &[3, 2, 2]).unwrap();
         let want = ops::gather_mm(&x, &deq.swapaxes(-1, -2).unwrap(), None, Some(&rhs), false).unwrap();
         let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
         for scalar in [false, true] {
             kernels::force_scalar(scalar);
-            let got = tiers::gather_tiered_qmm(&x, &t, None, Some(&rhs)).unwrap();
+            let got = tiered::gather_tiered_qmm(&x, &t, None, Some(&rhs)).unwrap();
             assert_eq!(got.shape(), want.shape());
             let err = rel_err(&got, &want);
             assert!(err <= 2e-5, "{affine:?} scalar={scalar}: {err}");
@@ -509,18 +509,18 @@ fn q8_activations_match_the_reference_on_rounded_inputs() {
         let err = rel_err(&got, &want);
         assert!(err <= 2e-5, "q8 gather scalar={scalar}: {err}");
         // Tiered (codebook, MXFP4 and affine experts): every tier in q8 mode, each against its reference.
-        use mlx_k3::tiers::{self, Tier};
+        use mlx_k3::tiered::{self, Tier};
         let (n, k) = (40usize, 512usize);
         let w = randn(&[6, n as i32, k as i32], 21).multiply(0.05f32).unwrap();
         let tiers_of = [Tier::Codebook, Tier::Mxfp4, Tier::Affine, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
-        let (t, _) = tiers::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
-        let deq = tiers::dequantize_tiered(&t).unwrap().to_vec_f32().unwrap();
+        let (t, _) = tiered::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
+        let deq = tiered::dequantize_tiered(&t).unwrap().to_vec_f32().unwrap();
         let (aq, aspec) = t.affine.as_ref().unwrap();
         let abias = aq.biases.as_ref().unwrap().to_vec_f32().unwrap(); // [affine experts, N, K / 64]
         let slots = t.slot.to_vec::<u32>().unwrap();
         let x = randn(&[3, 2, 1, 1, k as i32], 22);
         let rhs = Array::from_slice(&[5u32, 0, 2, 2, 1, 3, 4, 0, 3, 1, 5, 4], &[3, 2, 2]).unwrap();
-        let got = tiers::gather_tiered_qmm(&x, &t, None, Some(&rhs)).unwrap().to_vec_f32().unwrap();
+        let got = tiered::gather_tiered_qmm(&x, &t, None, Some(&rhs)).unwrap().to_vec_f32().unwrap();
         let (xv, xr) = (x.to_vec_f32().unwrap(), q8_rounded(&x).to_vec_f32().unwrap());
         let ng = k / aspec.group_size as usize;
         let mut want = Vec::new();
@@ -612,10 +612,10 @@ fn q8_activations_for_mlx_formats() {
         for m in [1, 5] {
             let x = randn(&[m, k as i32], 80 + i as u64);
             kernels::set_qmm_activations(Some(Q8));
-            let got = kernels::quantized_matmul(&x, &q, spec).unwrap().to_vec_f32().unwrap();
+            let got = kernels::fast_quantized_matmul(&x, &q, spec).unwrap().to_vec_f32().unwrap();
             assert_eq!(q.scales.dtype(), if matches!(spec.mode, QuantMode::Affine) { wdt } else { Dtype::U8 });
             kernels::set_qmm_activations(Some(F32));
-            let exact = kernels::quantized_matmul(&x, &q, spec).unwrap().to_vec_f32().unwrap();
+            let exact = kernels::fast_quantized_matmul(&x, &q, spec).unwrap().to_vec_f32().unwrap();
             if matches!(spec.mode, QuantMode::Affine) && ![2, 4, 8].contains(&spec.bits) {
                 assert_eq!(got, exact, "{spec:?}: no q8 kernel, so f32 results");
                 continue;
@@ -693,7 +693,7 @@ fn short_last_super_block() {
 }
 
 /// `quantized_matmul_many`: several projections of one x as one graph node whose outputs are bit-identical to
-/// `kernels::quantized_matmul` per weight (same row kernels; a row's value cannot depend on the task split),
+/// `kernels::fast_quantized_matmul` per weight (same row kernels; a row's value cannot depend on the task split),
 /// and within the fast-path tolerance of MLX's own op; x as a strided view and with several rows; a weight
 /// without a project kernel (mxfp8) or bf16 activations run each projection as the single op would; a weight
 /// whose K differs is an error naming the op.
@@ -730,7 +730,7 @@ fn quantized_matmul_many_is_one_node_with_the_single_ops_results() {
     }
     mlx_k3::eval(&inputs).unwrap();
     for x in &xs {
-        let got = kernels::quantized_matmul_many(x, &pairs).unwrap();
+        let got = kernels::fast_quantized_matmul_many(x, &pairs).unwrap();
         assert_eq!(got.len(), specs.len());
         let census = mlx_k3::graph_census(&got.iter().collect::<Vec<_>>()).unwrap();
         let multi: Vec<_> = census.iter().filter(|r| r.primitive == "packed_qmm_multi").collect();
@@ -740,7 +740,7 @@ fn quantized_matmul_many_is_one_node_with_the_single_ops_results() {
             let mut want_shape = x.shape();
             *want_shape.last_mut().unwrap() = n;
             assert_eq!(g.shape(), want_shape);
-            let single = kernels::quantized_matmul(x, q, *s).unwrap();
+            let single = kernels::fast_quantized_matmul(x, q, *s).unwrap();
             assert!(bits(g) == bits(&single), "{s:?} x {:?}: differs from the single op", x.shape());
             let e = rel_err(g, &quant::quantized_matmul(x, q, *s, true).unwrap());
             assert!(e <= 2e-5, "{s:?}: rel err {e} to MLX");
@@ -748,7 +748,7 @@ fn quantized_matmul_many_is_one_node_with_the_single_ops_results() {
     }
     // All affine: named so in the census.
     let affine: Vec<_> = pairs.iter().filter(|(_, s)| s.mode == QuantMode::Affine).cloned().collect();
-    let got = kernels::quantized_matmul_many(&xs[0], &affine).unwrap();
+    let got = kernels::fast_quantized_matmul_many(&xs[0], &affine).unwrap();
     let census = mlx_k3::graph_census(&got.iter().collect::<Vec<_>>()).unwrap();
     assert!(census.iter().any(|r| r.primitive == "affine_qmm_multi" && r.nodes == 1), "{census:?}");
 
@@ -760,21 +760,21 @@ fn quantized_matmul_many_is_one_node_with_the_single_ops_results() {
     let xb = xs[1].astype(Dtype::BF16).unwrap();
     xb.eval().unwrap();
     for x in [&xs[1], &xb] {
-        let got = kernels::quantized_matmul_many(x, &mixed).unwrap();
+        let got = kernels::fast_quantized_matmul_many(x, &mixed).unwrap();
         let census = mlx_k3::graph_census(&got.iter().collect::<Vec<_>>()).unwrap();
         assert!(!census.iter().any(|r| r.primitive.ends_with("_multi")), "{census:?}");
         for (g, (q, s)) in got.iter().zip(&mixed) {
-            assert!(bits(g) == bits(&kernels::quantized_matmul(x, q, *s).unwrap()), "{s:?} {:?}", x.dtype());
+            assert!(bits(g) == bits(&kernels::fast_quantized_matmul(x, q, *s).unwrap()), "{s:?} {:?}", x.dtype());
         }
     }
     // bf16 activations with weights that all have kernels: MLX's op per projection (not the f32 kernels).
-    let got = kernels::quantized_matmul_many(&xb, &pairs[..2]).unwrap();
+    let got = kernels::fast_quantized_matmul_many(&xb, &pairs[..2]).unwrap();
     for (g, (q, s)) in got.iter().zip(&pairs[..2]) {
         assert!(bits(g) == bits(&quant::quantized_matmul(&xb, q, *s, true).unwrap()), "{s:?}");
     }
     // Bad input: a weight made for another K.
     let other = quant::quantize(&randn(&[32, 128], 70), specs[0], None).unwrap();
-    let err = kernels::quantized_matmul_many(&xs[0], &[pairs[0], (&other, specs[0])]).unwrap_err().to_string();
+    let err = kernels::fast_quantized_matmul_many(&xs[0], &[pairs[0], (&other, specs[0])]).unwrap_err().to_string();
     assert!(err.contains("quantized_matmul_multi") && err.contains("shape"), "{err}");
 }
 
@@ -786,7 +786,7 @@ fn quantized_matmul_many_is_one_node_with_the_single_ops_results() {
 /// scripts/gpu_check.sh runs this on a CUDA GPU.
 #[test]
 fn codebook_and_tiered_matmuls_match_on_gpu_devices() {
-    use mlx_k3::tiers::{self, Tier};
+    use mlx_k3::tiered::{self, Tier};
     use mlx_k3::{with_device, Device};
     let gpus: Vec<Device> = Device::available().into_iter().filter(|d| *d != Device::Cpu).collect();
     if gpus.is_empty() {
@@ -803,10 +803,10 @@ fn codebook_and_tiered_matmuls_match_on_gpu_devices() {
     let rhs_pre = Array::from_slice(&[0u32, 0, 0, 2, 2, 3, 5, 5], &[8]).unwrap();
     let w = randn(&[6, n as i32, k as i32], 34).multiply(0.05f32).unwrap();
     let tiers_of = [Tier::Codebook, Tier::Mxfp4, Tier::Affine, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
-    let (tiered, _) = tiers::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
+    let (tiered, _) = tiered::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
     let (want_plain, want_dec, want_pre, want_tiered) = with_device(Device::Cpu, || {
         let deq_t = deq.swapaxes(-1, -2).unwrap();
-        let tier_t = tiers::dequantize_tiered(&tiered).unwrap().swapaxes(-1, -2).unwrap();
+        let tier_t = tiered::dequantize_tiered(&tiered).unwrap().swapaxes(-1, -2).unwrap();
         (
             x_plain.matmul(&codebook::dequantize_reference(&single).unwrap().t().unwrap()).unwrap(),
             ops::gather_mm(&x_dec, &deq_t, None, Some(&rhs_dec), false).unwrap(),
@@ -825,7 +825,7 @@ fn codebook_and_tiered_matmuls_match_on_gpu_devices() {
             let got = codebook::gather_codebook_qmm(&x_pre, &cb, Some(&lhs_pre), Some(&rhs_pre)).unwrap();
             assert_eq!(got.shape(), want_pre.shape());
             let e_pre = rel_err(&got, &want_pre);
-            let got = tiers::gather_tiered_qmm(&x_dec, &tiered, None, Some(&rhs_dec)).unwrap();
+            let got = tiered::gather_tiered_qmm(&x_dec, &tiered, None, Some(&rhs_dec)).unwrap();
             assert_eq!(got.shape(), want_tiered.shape());
             let e_tiered = rel_err(&got, &want_tiered);
             println!(

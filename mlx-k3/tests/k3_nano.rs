@@ -8,9 +8,9 @@
 
 use std::path::{Path, PathBuf};
 
-use mlx_k3::eval;
 use mlx_k3::io::Safetensors;
 use mlx_k3::model::{KimiK3, LoadOptions};
+use mlx_k3::quality;
 use mlx_k3::tokenizer::{StreamDecoder, Tokenizer};
 use mlx_k3::Dtype;
 
@@ -30,7 +30,7 @@ fn heldout_losses_match_mlx_lm() {
     // Every 16th window keeps the test short while covering the whole held-out split.
     let picked: Vec<usize> = (0..n_windows).step_by(16).collect();
     let windows: Vec<Vec<u32>> = picked.iter().map(|&i| all[i * w..(i + 1) * w].to_vec()).collect();
-    let (_, per_window) = eval::perplexity(&model, &windows).unwrap();
+    let (_, per_window) = quality::perplexity(&model, &windows).unwrap();
     let mut worst = 0f64;
     for (j, &i) in picked.iter().enumerate() {
         let rel = (per_window[j] - want[i] as f64).abs() / want[i] as f64;
@@ -39,7 +39,7 @@ fn heldout_losses_match_mlx_lm() {
     }
     // Per-token losses of the first window too.
     let tok = st.get("token_loss").unwrap().slice_axis(0, 0, 1).unwrap().to_vec::<f32>().unwrap();
-    let got = eval::token_losses(&model, &all[..w]).unwrap();
+    let got = quality::token_losses(&model, &all[..w]).unwrap();
     let tok_worst = got.iter().zip(&tok).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
     assert!(tok_worst < 1e-3, "per-token loss differs by {tok_worst}");
     println!("k3-nano held-out: {} windows, worst relative window-loss difference {worst:e}", picked.len());

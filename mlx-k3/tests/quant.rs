@@ -1,6 +1,6 @@
 //! Quantization bindings (`mlx_k3::quant`) checked against values computed independently of MLX.
 //!
-//! Everything expected here comes from a pure-Rust reading of SPEC_NOTES §1: a decoder of MLX's packed
+//! Everything expected here comes from a pure-Rust reading of docs/formats.md#mlx-quantization: a decoder of MLX's packed
 //! formats (§1.2 affine bitstreams, §1.6 E2M1 / E4M3 / E8M0), a port of the affine quantizer (§1.3),
 //! the nearest-grid-point property of the fp modes, and plain f64 matmuls over the decoded weights.
 //! MLX is only used to produce random inputs and to run the ops under test.
@@ -44,7 +44,7 @@ fn scalar_f32(x: f32) -> Result<Array> {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Element formats (SPEC_NOTES §1.6), decoded from their bit definitions
+// Element formats (docs/formats.md#floating-point-modes-mxfp4-mxfp8-nvfp4), decoded from their bit definitions
 
 /// E2M1 nibble: sign bit 3, exponent bits 1..2 (bias 1), mantissa bit 0; exponent 0 is subnormal (m/2).
 fn e2m1(code: u32) -> f32 {
@@ -280,7 +280,7 @@ fn expert_stack_quantizes_per_row_like_a_matrix() -> Result<()> {
 // ------------------------------------------------------------------------------------------------
 // 2. The quantizers from first principles
 
-/// SPEC_NOTES §1.3 (CPU: f32 math, `rint` = ties to even): codes, scale and bias of one group.
+/// docs/formats.md#affine-quantization-algorithm (CPU: f32 math, `rint` = ties to even): codes, scale and bias of one group.
 fn ref_affine_group(w: &[f32], bits: i32) -> (Vec<u32>, f32, f32) {
     let n = ((1 << bits) - 1) as f32;
     let eps = 1e-7f32;

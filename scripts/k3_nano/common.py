@@ -10,7 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "models" / "k3-nano"
 
-PINS = {"mlx": "0.32.4", "mlx-lm": "0.32.2", "tiktoken": "0.14.0", "regex": "2026.11.19", "numpy": "2.4.6"}
+sys.path.insert(0, str(ROOT / "scripts"))
+import pins  # noqa: E402
+
+PINS = {"mlx": pins.MLX, "mlx-lm": pins.MLX_LM, "tiktoken": "0.14.0", "regex": "2026.11.19", "numpy": "2.4.6"}
 
 # ---------------------------------------------------------------------------------------------------------
 # Tokenizer (Kimi's tiktoken convention)

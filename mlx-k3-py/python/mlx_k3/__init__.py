@@ -19,7 +19,7 @@ mlx-lm's own classes. ``python -m mlx_k3 <mlx_lm command> ...`` runs any mlx-lm 
 
 import mlx.core as mx  # loads libmlx first: the extension below binds to this same copy
 
-MLX_VERSION = "0.32.4"
+from ._pins import MLX as MLX_VERSION  # noqa: E402
 
 if mx.__version__ != MLX_VERSION:
     raise ImportError(

@@ -28,7 +28,7 @@ pub(super) fn quantized_matmul(
     let spec = quant_spec(f, group_size, bits, mode)?;
     let x = array_arg(x, f, "x")?;
     let q = quantized_args(f, w, scales, biases)?;
-    let y = kernels::quantized_matmul(&x, &q, spec).map_err(to_py_err)?;
+    let y = kernels::fast_quantized_matmul(&x, &q, spec).map_err(to_py_err)?;
     to_py(py, &y)
 }
 

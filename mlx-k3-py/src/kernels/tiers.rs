@@ -1,6 +1,6 @@
-//! Mixed-format ("tiered") expert stacks (`mlx_k3::tiers`): the gathered matmul, its reference and the builder.
+//! Mixed-format ("tiered") expert stacks (`mlx_k3::tiered`): the gathered matmul, its reference and the builder.
 
-use mlx_k3::tiers::{self, Tier, TieredExperts};
+use mlx_k3::tiered::{self, Tier, TieredExperts};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -62,7 +62,7 @@ pub(super) fn gather_tiered_qmm(
     .experts(f)?;
     let lhs = opt_array_arg(lhs_indices, f, "lhs_indices")?;
     let rhs = opt_array_arg(rhs_indices, f, "rhs_indices")?;
-    let y = tiers::gather_tiered_qmm(&x, &t, lhs.as_ref(), rhs.as_ref()).map_err(to_py_err)?;
+    let y = tiered::gather_tiered_qmm(&x, &t, lhs.as_ref(), rhs.as_ref()).map_err(to_py_err)?;
     to_py(py, &y)
 }
 
@@ -106,7 +106,7 @@ pub(super) fn tiered_dequantize(
     }
     .experts(f)?;
     t.validate(f).map_err(to_py_err)?;
-    let w = tiers::dequantize_tiered(&t).map_err(to_py_err)?;
+    let w = tiered::dequantize_tiered(&t).map_err(to_py_err)?;
     to_py(py, &w)
 }
 
@@ -137,7 +137,7 @@ pub(super) fn tiered_quantize<'py>(
         })
         .collect::<PyResult<_>>()?;
     let spec = quant_spec(f, Some(affine_group_size), Some(affine_bits), "affine")?;
-    let (t, _report) = tiers::build_tiered(&w, &tiers, spec, imp.as_deref()).map_err(to_py_err)?;
+    let (t, _report) = tiered::build_tiered(&w, &tiers, spec, imp.as_deref()).map_err(to_py_err)?;
     let d = PyDict::new(py);
     d.set_item("tier", to_py(py, &t.tier)?)?;
     d.set_item("slot", to_py(py, &t.slot)?)?;

@@ -1,9 +1,9 @@
 //! MLX affine quantization on the host, with an MSE clip search.
 //!
 //! For each group of `group_size` weights along a row, the min-max candidate is exactly MLX's CPU
-//! `quantize` (SPEC_NOTES §1.3: the larger-magnitude edge becomes code 0, so 0.0 stays representable;
+//! `quantize` (docs/formats.md#affine-quantization-algorithm: the larger-magnitude edge becomes code 0, so 0.0 stays representable;
 //! codes use the unrounded f32 scale and bias, which are then stored in the scale dtype). The clip search
-//! repeats that with the range shrunk about its middle by each factor (card 002: 100/95/90/85/80/75%),
+//! repeats that with the range shrunk about its middle by each factor (100/95/90/85/80/75%, the shrink factors of a published 2-bit expert recipe),
 //! clamping what falls outside, and keeps the candidate with the least squared error after storage
 //! rounding, each column weighted by its importance when given. 1.0 is always a candidate, so the search is
 //! never worse than min-max on the measure it minimizes.

@@ -1,12 +1,12 @@
 //! `calibrate`: runs calibration windows through a model and records the importance matrix and routing
-//! statistics ([`super::calib`] describes the file).
+//! statistics ([`super::calib_stats`] describes the file).
 //!
 //! Linear inputs come from the model's own forward pass through [`crate::model::probe`]. For each MoE
 //! layer, the router input seen by the probe is pushed through that layer's router and experts again here
 //! (dense f32 copies of its weights, MLX's `gather_mm`), which gives per-expert inputs, SiTU outputs and
 //! expert outputs for the (token, expert) pairs the router selected. REAP uses the forward combine weight
-//! g (renormalized sigmoid × routed_scaling_factor, SPEC §4.3) and the latent expert output f (before the
-//! latent norm and up-projection, SPEC §6).
+//! g (renormalized sigmoid × routed_scaling_factor, docs/formats.md#moe-router) and the latent expert output f (before the
+//! latent norm and up-projection, docs/formats.md#reap-expert-pruning).
 //!
 //! The output is resumable: the running sums are saved (atomically) every `checkpoint_every` windows to
 //! `OUT.partial` with the job fingerprint, and a rerun continues from there; f32 sums are restored exactly,
@@ -19,9 +19,10 @@ use std::rc::Rc;
 
 use serde_json::{json, Value};
 
-use super::calib::META_KEY;
+use super::calib_stats::META_KEY;
 use super::classes::layer_of;
 use super::data;
+use super::progress::Progress;
 use super::source::Source;
 use super::store::{self, HostTensor};
 use crate::kernels::situ;
@@ -98,7 +99,6 @@ fn moe_stats(
     let fnorm = f.squeeze(&[1])?.square()?.sum(&[-1], false)?.sqrt()?; // [P]
     let gp = gw.astype(Dtype::F32)?.reshape(&[-1])?;
     acc(slot, "reap_sum", oh.matmul(&gp.multiply(&fnorm)?.expand_dims(&[-1])?)?.reshape(&[-1])?)?;
-    let _ = cfg;
     Ok(())
 }
 
@@ -112,8 +112,8 @@ pub struct CalibrateJob<'a> {
     pub out: &'a Path,
     /// Save the running sums every this many windows (0: never).
     pub checkpoint_every: usize,
-    /// Progress bar.
-    pub progress: bool,
+    /// Where progress goes.
+    pub progress: &'a dyn Progress,
 }
 
 fn partial_path(out: &Path) -> PathBuf {
@@ -219,13 +219,8 @@ pub fn calibrate(job: &CalibrateJob) -> Result<Value> {
         }
         Ok(())
     };
-    let pb = if job.progress {
-        let pb = indicatif::ProgressBar::new(job.windows.len() as u64);
-        pb.set_position(done as u64);
-        pb
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
+    let pb = job.progress;
+    pb.start("calibrate", job.windows.len() as u64, done as u64);
     probe::with_tap(tap, || -> Result<()> {
         for i in done..job.windows.len() {
             let w = &job.windows[i];
@@ -241,14 +236,14 @@ pub fn calibrate(job: &CalibrateJob) -> Result<Value> {
             if let Some(e) = state.borrow_mut().error.take() {
                 return Err(e);
             }
-            pb.inc(1);
+            pb.advance(1);
             if job.checkpoint_every > 0 && (i + 1) % job.checkpoint_every == 0 && i + 1 < job.windows.len() {
                 save_partial(&partial, &fingerprint, i + 1, &state.borrow())?;
             }
         }
         Ok(())
     })?;
-    pb.finish_and_clear();
+    pb.finish();
 
     let st = state.borrow();
     let mut tensors: Vec<(String, HostTensor)> = Vec::new();

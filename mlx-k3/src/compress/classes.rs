@@ -1,8 +1,10 @@
-//! Tensor classes: which part of the model a weight belongs to, as recipes name them.
+//! Tensor classes: which part of the model a tensor belongs to. The one classifier behind `inspect`'s and
+//! `plan`'s size tables, the recipes of `convert` (which format each class gets) and `eval`'s expert bytes.
 
 use crate::model::TextConfig;
 
-/// A class of quantizable weights (a recipe key).
+/// The part of the model a tensor belongs to. The first ten are the quantizable classes a recipe names
+/// ([`TensorClass::QUANTIZABLE`]); the last three only appear in size tables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum TensorClass {
     /// The routed expert stacks `mlp.switch_mlp.{gate,up,down}_proj` `[E, N, K]`.
@@ -11,9 +13,9 @@ pub enum TensorClass {
     SharedExperts,
     /// The latent MoE projections `mlp.routed_expert_{down,up}_proj`.
     LatentProj,
-    /// The router `mlp.gate`.
+    /// The router `mlp.gate` (and its correction bias).
     Router,
-    /// Projections of KDA layers.
+    /// Projections of KDA layers (and their short convolutions).
     Kda,
     /// Projections of MLA layers (including `embed_q` / `unembed_out`).
     Mla,
@@ -25,11 +27,17 @@ pub enum TensorClass {
     Embeddings,
     /// `lm_head` (untied models).
     LmHead,
+    /// The attention-residual projections and norms (`*_res_*`); never quantized.
+    AttnResiduals,
+    /// RMSNorm / LayerNorm weights.
+    Norms,
+    /// Anything else.
+    Other,
 }
 
 impl TensorClass {
-    /// Every class, in recipe order.
-    pub const ALL: [TensorClass; 10] = [
+    /// The classes a recipe can name, in recipe order.
+    pub const QUANTIZABLE: [TensorClass; 10] = [
         TensorClass::RoutedExperts,
         TensorClass::SharedExperts,
         TensorClass::LatentProj,
@@ -42,7 +50,7 @@ impl TensorClass {
         TensorClass::LmHead,
     ];
 
-    /// The recipe key.
+    /// The key in recipes and manifests (`routed_experts`, ...).
     pub fn key(self) -> &'static str {
         match self {
             TensorClass::RoutedExperts => "routed_experts",
@@ -55,23 +63,84 @@ impl TensorClass {
             TensorClass::DenseMlp => "dense_mlp",
             TensorClass::Embeddings => "embeddings",
             TensorClass::LmHead => "lm_head",
+            TensorClass::AttnResiduals => "attention_residuals",
+            TensorClass::Norms => "norms",
+            TensorClass::Other => "other",
         }
     }
 
-    /// The class of a recipe key.
+    /// The name in size tables (`inspect`, `plan`, the ranks' load report).
+    pub fn display_name(self) -> &'static str {
+        match self {
+            TensorClass::RoutedExperts => "routed experts",
+            TensorClass::SharedExperts => "shared experts",
+            TensorClass::LatentProj => "latent projections",
+            TensorClass::Router => "router",
+            TensorClass::Kda => "KDA attention",
+            TensorClass::Mla => "MLA attention",
+            TensorClass::Indexer => "DSA indexer",
+            TensorClass::DenseMlp => "dense MLP",
+            TensorClass::Embeddings => "embeddings",
+            TensorClass::LmHead => "lm_head",
+            TensorClass::AttnResiduals => "attention residuals",
+            TensorClass::Norms => "norms",
+            TensorClass::Other => "other",
+        }
+    }
+
+    /// The quantizable class of a recipe key.
     pub fn from_key(key: &str) -> Option<TensorClass> {
-        TensorClass::ALL.into_iter().find(|c| c.key() == key)
+        TensorClass::QUANTIZABLE.into_iter().find(|c| c.key() == key)
     }
 
     /// Every recipe key, comma-separated (for error messages).
     pub fn known_keys() -> String {
-        TensorClass::ALL.map(|c| c.key()).join(", ")
+        TensorClass::QUANTIZABLE.map(|c| c.key()).join(", ")
+    }
+}
+
+impl std::fmt::Display for TensorClass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.display_name())
     }
 }
 
 /// The layer index of a `model.layers.N.…` name.
 pub fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
+}
+
+/// The class of any tensor or module path (a module path such as `model.layers.3.mlp.switch_mlp.up_proj`, or
+/// a plain tensor's name such as `model.layers.3.input_layernorm.weight`).
+pub fn classify(path: &str, cfg: &TextConfig) -> TensorClass {
+    if path.contains("switch_mlp") {
+        TensorClass::RoutedExperts
+    } else if path.contains("shared_experts") {
+        TensorClass::SharedExperts
+    } else if path.contains("routed_expert_") {
+        TensorClass::LatentProj
+    } else if path.ends_with("mlp.gate") || path.contains("e_score_correction_bias") {
+        TensorClass::Router
+    } else if path.contains("_res_") {
+        TensorClass::AttnResiduals
+    } else if path.contains("embed_tokens") {
+        TensorClass::Embeddings
+    } else if path.starts_with("lm_head") {
+        TensorClass::LmHead
+    } else if path.contains("layernorm") || path.ends_with("norm.weight") || path.contains("o_norm") {
+        TensorClass::Norms
+    } else if path.contains(".self_attn.indexer.") {
+        TensorClass::Indexer
+    } else if path.contains("self_attn") {
+        match layer_of(path) {
+            Some(i) if cfg.is_kda(i) => TensorClass::Kda,
+            _ => TensorClass::Mla,
+        }
+    } else if path.contains(".mlp.") {
+        TensorClass::DenseMlp
+    } else {
+        TensorClass::Other
+    }
 }
 
 /// The class of the module at `path` (no `.weight` suffix), or None when it is not a quantizable linear
@@ -89,22 +158,12 @@ pub fn classify_module(path: &str, cfg: &TextConfig) -> Option<TensorClass> {
     if leaf.contains("norm") || path.contains("conv") || path.contains("_res_") || leaf.ends_with("_res") {
         return None;
     }
-    if path.contains(".mlp.switch_mlp.") {
-        Some(TensorClass::RoutedExperts)
-    } else if path.contains(".mlp.shared_experts.") {
-        Some(TensorClass::SharedExperts)
-    } else if path.contains(".mlp.routed_expert_") {
-        Some(TensorClass::LatentProj)
-    } else if path.ends_with(".mlp.gate") {
-        Some(TensorClass::Router)
-    } else if path.contains(".self_attn.indexer.") {
-        Some(TensorClass::Indexer)
-    } else if path.contains(".self_attn.") {
-        Some(if cfg.is_kda(layer) { TensorClass::Kda } else { TensorClass::Mla })
-    } else if path.contains(".mlp.") && !cfg.is_moe(layer) {
-        Some(TensorClass::DenseMlp)
-    } else {
-        None
+    match classify(path, cfg) {
+        TensorClass::Router if !path.ends_with(".mlp.gate") => None,
+        TensorClass::DenseMlp if cfg.is_moe(layer) => None,
+        TensorClass::AttnResiduals | TensorClass::Norms | TensorClass::Other | TensorClass::Embeddings => None,
+        TensorClass::LmHead => None,
+        c => Some(c),
     }
 }
 

@@ -10,15 +10,16 @@ use std::path::Path;
 use serde_json::{json, Map, Value};
 
 use super::affine;
-use super::calib::Calibration;
+use super::calib_stats::Calibration;
 use super::classes::TensorClass;
+use super::progress::Progress;
+use super::promotion::{self, PromotionPlan};
 use super::recipe::{Format, Promote, Recipe};
 use super::source::{Module, Source, Unit};
 use super::store::{self, HostTensor, Output, Resume};
-use super::tier::{self, TierPlan};
 use crate::codebook;
 use crate::quant::{self, QuantMode, QuantSpec, Quantized};
-use crate::tiers::Tier;
+use crate::tiered::Tier;
 use crate::{Array, Dtype, Error, Result};
 
 /// What a module becomes.
@@ -83,8 +84,11 @@ pub struct ConvertJob<'a> {
     pub selection: Selection,
     /// Remove whatever is in `to` first.
     pub overwrite: bool,
-    /// Show a progress bar.
-    pub progress: bool,
+    /// Where progress goes.
+    pub progress: &'a dyn Progress,
+    /// Parameters encoded at a time: a module is split into chunks of about this many weights (whole experts
+    /// or rows); [`CHUNK_PARAMS`] by default. The output does not depend on it.
+    pub chunk_params: usize,
     /// The tool name recorded in the manifest (`convert` or `retier`).
     pub tool: &'a str,
 }
@@ -484,20 +488,6 @@ pub fn peak_rss() -> Option<u64> {
     Some(kb * 1024)
 }
 
-fn progress_bar(total: usize, show: bool, what: &str) -> indicatif::ProgressBar {
-    if !show {
-        return indicatif::ProgressBar::hidden();
-    }
-    let pb = indicatif::ProgressBar::new(total as u64);
-    pb.set_style(
-        indicatif::ProgressStyle::with_template("{prefix:>9} [{bar:32}] {pos}/{len} {msg} ({elapsed})")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-            .progress_chars("=> "),
-    );
-    pb.set_prefix(what.to_string());
-    pb
-}
-
 /// Opens the source and checks the whole job; returns the source and the per-module targets.
 fn check(job: &ConvertJob) -> Result<(Source, Plan)> {
     let src = Source::open(job.from)?;
@@ -540,7 +530,6 @@ fn check(job: &ConvertJob) -> Result<(Source, Plan)> {
 /// Runs a conversion.
 pub fn convert(job: &ConvertJob) -> Result<ConvertSummary> {
     let (mut src, plan) = check(job)?;
-    let cfg = src.config.text.clone();
     let n_units = src.units.len();
     let tiered = plan.targets.values().any(|(t, _)| matches!(t, Target::Tiered { .. }));
     let fp_job = json!({
@@ -572,26 +561,27 @@ pub fn convert(job: &ConvertJob) -> Result<ConvertSummary> {
         let manifest = serde_json::from_str(&text).unwrap_or(Value::Null);
         return Ok(ConvertSummary { resume, written: 0, units: n_units, manifest });
     }
-    let pb = progress_bar(n_units, job.progress, job.tool);
+    let pb = job.progress;
+    pb.start(job.tool, n_units as u64, 0);
     let mut written = 0;
     let units: Vec<Unit> = src.units.clone();
     for (ui, unit) in units.iter().enumerate() {
         if out.done(ui).is_some() {
             src.release(unit);
-            pb.inc(1);
+            pb.advance(1);
             continue;
         }
-        pb.set_message(unit.name.clone());
+        pb.describe(&unit.name);
         let (tensors, report) = convert_unit(job, &src, &plan, unit, tier_plan.as_ref())?;
         out.write_unit(ui, &shard_name(ui, n_units), &tensors, report)?;
         drop(tensors);
         src.release(unit);
         crate::memory::clear_cache();
         written += 1;
-        pb.inc(1);
+        pb.advance(1);
     }
-    pb.finish_and_clear();
-    let manifest = finish(job, &src, &plan, out, &fingerprint, tier_plan.as_ref(), &cfg)?;
+    pb.finish();
+    let manifest = finish(job, out, &fingerprint, tier_plan.as_ref())?;
     Ok(ConvertSummary { resume, written, units: n_units, manifest })
 }
 
@@ -604,13 +594,14 @@ fn profile_of<'a>(job: &'a ConvertJob) -> Option<&'a Calibration> {
     job.profile.or(job.calib)
 }
 
-fn score_tiers(job: &ConvertJob, src: &mut Source, plan: &Plan) -> Result<TierPlan> {
+fn score_tiers(job: &ConvertJob, src: &mut Source, plan: &Plan) -> Result<PromotionPlan> {
     let t = job.recipe.tiers.as_ref().ok_or_else(|| Error::invalid("convert", "no [tiers]"))?;
     let prof = profile_of(job).ok_or_else(|| Error::invalid("convert", "tiers need calibration"))?;
-    let pb = progress_bar(src.units.len(), job.progress, "scoring");
+    let pb = job.progress;
+    pb.start("scoring", src.units.len() as u64, 0);
     let mut layer_scores = BTreeMap::new();
     for unit in src.units.clone() {
-        pb.inc(1);
+        pb.advance(1);
         let Some(l) = unit.layer else { continue };
         let mut herr: Option<Vec<f64>> = None;
         for m in unit.modules.iter().filter(|m| matches!(plan.targets[&m.path].0, Target::Tiered { .. })) {
@@ -621,7 +612,7 @@ fn score_tiers(job: &ConvertJob, src: &mut Source, plan: &Plan) -> Result<TierPl
                 Error::invalid("convert", format!("the calibration has no importance for '{}'", m.path))
             })?;
             let h = herr.get_or_insert_with(|| vec![0.0; e]);
-            for c in chunks(&shape, true) {
+            for c in chunks(&shape, true, job.chunk_params) {
                 let b = c.lead;
                 let w = rounded(&src.dense_part(m, b.start as i32..b.end as i32, None)?, job.recipe.dtype)?;
                 let cimp: Vec<Vec<f32>> = if imp.len() == 1 { imp.clone() } else { imp[b.clone()].to_vec() };
@@ -642,13 +633,13 @@ fn score_tiers(job: &ConvertJob, src: &mut Source, plan: &Plan) -> Result<TierPl
         })?;
         let tokens = prof.tokens.max(1) as f64;
         let mass: Vec<f64> = r.gate_mass.iter().map(|g| g / tokens).collect();
-        layer_scores.insert(l, tier::scores(&herr, &mass, t.blend));
+        layer_scores.insert(l, promotion::scores(&herr, &mass, t.blend));
     }
-    pb.finish_and_clear();
+    pb.finish();
     match &job.selection {
         Selection::Counts(counts) => {
-            let old = TierPlan { promoted: counts.iter().map(|(l, c)| (*l, vec![0; *c])).collect() };
-            tier::replan(&old, &layer_scores)
+            let old = PromotionPlan { promoted: counts.iter().map(|(l, c)| (*l, vec![0; *c])).collect() };
+            promotion::replan(&old, &layer_scores)
         }
         Selection::Budget => {
             let total: usize = layer_scores.values().map(Vec::len).sum();
@@ -656,7 +647,7 @@ fn score_tiers(job: &ConvertJob, src: &mut Source, plan: &Plan) -> Result<TierPl
                 Promote::Count(c) => c,
                 Promote::Fraction(f) => (f * total as f64).round() as usize,
             };
-            tier::plan(&layer_scores, budget, t.min_per_layer, t.max_per_layer)
+            promotion::plan(&layer_scores, budget, t.min_per_layer, t.max_per_layer)
         }
     }
 }
@@ -666,16 +657,9 @@ fn score_tiers(job: &ConvertJob, src: &mut Source, plan: &Plan) -> Result<TierPl
 /// working set is several f32 copies of it (source decode, storage rounding, encoder temporaries, the decoded
 /// copy for the error report): ~15 MB, whatever the size of a layer, so the converter's peak is the layer's
 /// source tensors plus a constant (measured in the README; smaller chunks did not make conversion slower).
-/// `K3_CONVERT_CHUNK=N` sets another size (tests use tiny chunks to check that chunking changes no byte).
-const CHUNK_PARAMS: usize = 1 << 18;
-
-fn chunk_params() -> usize {
-    std::env::var("K3_CONVERT_CHUNK")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or(CHUNK_PARAMS)
-}
+/// [`ConvertJob::chunk_params`] sets another size (tests use tiny chunks to check that chunking changes no
+/// byte).
+pub const CHUNK_PARAMS: usize = 1 << 18;
 
 /// A part of a module: a range of the leading axis (experts of a stack, rows of a matrix) and, for a stack
 /// whose experts are each larger than a chunk, a range of rows within one expert.
@@ -684,11 +668,11 @@ struct Chunk {
     rows: Option<Range<usize>>,
 }
 
-fn chunks(shape: &[usize], whole_experts: bool) -> Vec<Chunk> {
+fn chunks(shape: &[usize], whole_experts: bool, budget: usize) -> Vec<Chunk> {
     let nd = shape.len();
     let k = shape[nd - 1].max(1);
     let per_lead: usize = shape[1..].iter().product::<usize>().max(1);
-    let budget = chunk_params();
+    let budget = budget.max(1);
     let mut out = Vec::new();
     if nd == 3 && !whole_experts && per_lead > budget {
         let rows = (budget / k).max(1);
@@ -770,7 +754,7 @@ fn convert_unit(
     src: &Source,
     plan: &Plan,
     unit: &Unit,
-    tier_plan: Option<&TierPlan>,
+    tier_plan: Option<&PromotionPlan>,
 ) -> Result<(Vec<(String, HostTensor)>, Value)> {
     let recipe = job.recipe;
     let mut tensors = Vec::new();
@@ -786,7 +770,7 @@ fn convert_unit(
         let mut st = Stats { params: shape.iter().product::<usize>() as u64, ..Default::default() };
         let mut merged = Merged::default();
         // One chunk at a time (see CHUNK_PARAMS): widen, round, encode, measure, append, release.
-        for c in chunks(&shape, tiered) {
+        for c in chunks(&shape, tiered, job.chunk_params) {
             let (b, r) = (&c.lead, &c.rows);
             let mut cshape = shape.clone();
             cshape[0] = b.len();
@@ -863,15 +847,7 @@ fn convert_unit(
 }
 
 /// Writes index, config, tokenizer files and the manifest.
-fn finish(
-    job: &ConvertJob,
-    src: &Source,
-    plan: &Plan,
-    out: Output,
-    fingerprint: &str,
-    tier_plan: Option<&TierPlan>,
-    cfg: &crate::model::TextConfig,
-) -> Result<Value> {
+fn finish(job: &ConvertJob, out: Output, fingerprint: &str, tier_plan: Option<&PromotionPlan>) -> Result<Value> {
     let records = out.records().clone();
     let mut weight_map = BTreeMap::new();
     let mut total_size = 0u64;
@@ -941,7 +917,6 @@ fn finish(
         a
     });
     let class_json: Map<String, Value> = classes.iter().map(|(k, s)| (k.clone(), s.to_json())).collect();
-    let _ = (src, plan, cfg);
     let manifest = json!({
         "tool": job.tool,
         "fingerprint": fingerprint,

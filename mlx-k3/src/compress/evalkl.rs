@@ -15,7 +15,9 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
+use super::classes::{classify, TensorClass};
 use super::data;
+use super::progress::Progress;
 use super::store;
 use crate::io::Safetensors;
 use crate::model::{KimiK3, LoadOptions};
@@ -131,7 +133,7 @@ pub fn size_report(model: &KimiK3, dir: &Path) -> Result<Value> {
     let (mut p, mut pe) = (0u64, 0u64);
     for r in model.tensor_records() {
         p += r.params;
-        if crate::cli::inspect::tensor_class(&r.path, cfg) == "routed experts" {
+        if classify(&r.path, cfg) == TensorClass::RoutedExperts {
             pe += r.params;
         }
     }
@@ -158,7 +160,7 @@ pub fn size_report(model: &KimiK3, dir: &Path) -> Result<Value> {
 }
 
 /// Evaluates `build` on `windows`; with a teacher, KL and flips too.
-pub fn evaluate(build_dir: &Path, windows: &[Vec<u32>], teacher: &Teacher, progress: bool) -> Result<Value> {
+pub fn evaluate(build_dir: &Path, windows: &[Vec<u32>], teacher: &Teacher, progress: &dyn Progress) -> Result<Value> {
     let ctx = windows.first().map_or(0, Vec::len);
     let wid = data::windows_id(windows);
     if let Some(c) = teacher.cache {
@@ -191,8 +193,8 @@ pub fn evaluate(build_dir: &Path, windows: &[Vec<u32>], teacher: &Teacher, progr
         lse: Vec::new(),
         target_logp: Vec::new(),
     });
-    let pb =
-        if progress { indicatif::ProgressBar::new(windows.len() as u64) } else { indicatif::ProgressBar::hidden() };
+    let pb = progress;
+    pb.start("eval", windows.len() as u64, 0);
     let mut sc = Scores::default();
     let t = ctx as i32 - 1;
     for (wi, w) in windows.iter().enumerate() {
@@ -258,9 +260,9 @@ pub fn evaluate(build_dir: &Path, windows: &[Vec<u32>], teacher: &Teacher, progr
                 }
             }
         }
-        pb.inc(1);
+        pb.advance(1);
     }
-    pb.finish_and_clear();
+    pb.finish();
     if let (Some(c), Some(path)) = (&new_cache, teacher.save) {
         c.save(path)?;
     }
@@ -316,11 +318,9 @@ pub fn evaluate(build_dir: &Path, windows: &[Vec<u32>], teacher: &Teacher, progr
 /// Top-`k` ids per row (best first, ties to the lower id), from `[T, V]` logits.
 fn arg_top(logits: &Array, k: usize) -> Result<Vec<Vec<u32>>> {
     let t = logits.dim(0)? as usize;
-    let v = logits.dim(1)? as usize;
     let part = logits.negative()?.argpartition(k as i32 - 1, -1)?.slice_axis(-1, 0, k as i32)?;
     let vals = logits.take_along_axis(&part, -1)?.to_vec::<f32>()?;
     let ids = part.astype(Dtype::U32)?.to_vec::<u32>()?;
-    let _ = v;
     Ok((0..t)
         .map(|r| {
             let mut row: Vec<(f32, u32)> = (0..k).map(|j| (vals[r * k + j], ids[r * k + j])).collect();

@@ -1,4 +1,4 @@
-//! `prune`: REAP expert pruning (Lasby et al.; SPEC §6, card 003). Per MoE layer the N experts with the
+//! `prune`: REAP expert pruning (Lasby et al., arXiv 2510.13999; docs/formats.md#reap-expert-pruning). Per MoE layer the N experts with the
 //! highest saliency `S_j = mean over the tokens routed to j of g_j(x)·‖f_j(x)‖` (from `calibrate`) are
 //! kept, in their original order; their rows of the router and of `e_score_correction_bias` are kept with
 //! them, `top_k` is unchanged. Tensors are copied as stored (quantized or not; tiered stacks are
@@ -14,12 +14,13 @@ use std::path::Path;
 
 use serde_json::{json, Map, Value};
 
-use super::calib::Calibration;
-use super::convert::{copy_side_files, peak_rss, shard_name};
+use super::calib_stats::Calibration;
+use super::convert::{copy_side_files, shard_name};
+use super::progress::Progress;
+use super::promotion::top_experts;
 use super::source::{Module, Source, SourceFormat};
 use super::store::{self, HostTensor, Output, Resume};
-use super::tier::top_experts;
-use crate::{Array, Dtype, Error, Result};
+use crate::{Array, Error, Result};
 
 /// A pruning run.
 pub struct PruneJob<'a> {
@@ -33,8 +34,8 @@ pub struct PruneJob<'a> {
     pub stats: &'a Calibration,
     /// Remove whatever is in `to` first.
     pub overwrite: bool,
-    /// Progress bar.
-    pub progress: bool,
+    /// Where progress goes.
+    pub progress: &'a dyn Progress,
 }
 
 /// Retained routing mass of a kept set.
@@ -145,7 +146,8 @@ pub fn prune(job: &PruneJob) -> Result<Value> {
         return Ok(serde_json::from_str(&text).unwrap_or(Value::Null));
     }
     let n_units = src.units.len();
-    let pb = if job.progress { indicatif::ProgressBar::new(n_units as u64) } else { indicatif::ProgressBar::hidden() };
+    let pb = job.progress;
+    pb.start("prune", n_units as u64, 0);
     let units = src.units.clone();
     for (ui, unit) in units.iter().enumerate() {
         if out.done(ui).is_none() {
@@ -173,9 +175,9 @@ pub fn prune(job: &PruneJob) -> Result<Value> {
             crate::memory::clear_cache();
         }
         src.release(unit);
-        pb.inc(1);
+        pb.advance(1);
     }
-    pb.finish_and_clear();
+    pb.finish();
 
     let records = out.records().clone();
     let mut weight_map = BTreeMap::new();
@@ -220,6 +222,5 @@ pub fn prune(job: &PruneJob) -> Result<Value> {
         "files_bytes": total,
     });
     out.finish(&manifest)?;
-    let _ = (peak_rss, Dtype::F32);
     Ok(manifest)
 }

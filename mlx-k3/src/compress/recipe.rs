@@ -282,7 +282,7 @@ impl Recipe {
             if f == Format::Tiered {
                 return Err(bad("default: format 'tiered' is only for routed_experts".into()));
             }
-            for class in TensorClass::ALL {
+            for class in TensorClass::QUANTIZABLE {
                 if classes.contains_key(&class) {
                     continue;
                 }

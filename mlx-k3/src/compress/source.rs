@@ -13,7 +13,7 @@ use crate::model::config::{ModelConfig, PathQuant};
 use crate::model::loader::{infer_spec, read_weights, RawWeights};
 use crate::model::KimiK3;
 use crate::quant::{self, QuantMode, QuantSpec, Quantized};
-use crate::tiers::{self, TieredExperts};
+use crate::tiered::{self, TieredExperts};
 use crate::{Array, Dtype, Error, Result};
 
 /// How a module is stored in the source.
@@ -318,7 +318,7 @@ impl Source {
                         _ => None,
                     },
                 };
-                tiers::dequantize_tiered(&t)
+                tiered::dequantize_tiered(&t)
             }
         }
     }

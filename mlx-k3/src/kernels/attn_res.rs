@@ -1,4 +1,4 @@
-//! The attention-residual mix (SPEC_NOTES §4.2; mlx-lm `_attn_res_combine`) as one primitive: a per-token
+//! The attention-residual mix (docs/formats.md#attention-residuals; mlx-lm `_attn_res_combine`) as one primitive: a per-token
 //! softmax over the block snapshots and the partial sum, with RMS-normalized learned logits, then the
 //! weighted sum.
 

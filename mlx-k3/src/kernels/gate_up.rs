@@ -1,5 +1,5 @@
 //! The routed experts' gate and up projections with SiTU applied where the kernel stores
-//! (SPEC_NOTES §4.4-4.5): `SiTU(x @ W_up[e]ᵀ, x @ W_gate[e]ᵀ)` for every gathered (token, expert) pair in one
+//! (docs/formats.md#latent-moe, #situ): `SiTU(x @ W_up[e]ᵀ, x @ W_gate[e]ᵀ)` for every gathered (token, expert) pair in one
 //! primitive, with no intermediate gate/up tensors. Same gather semantics as `gather_qmm`.
 
 use crate::array::s;

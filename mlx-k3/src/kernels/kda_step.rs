@@ -1,4 +1,4 @@
-//! The one-token KDA decode step (SPEC_NOTES §3) as one primitive: short convolution and SiLU over the conv
+//! The one-token KDA decode step (docs/formats.md#kimi-delta-attention-kda) as one primitive: short convolution and SiLU over the conv
 //! window, q/k normalization, the gates, the gated delta update of the fp32 state and the gated output
 //! RMSNorm; everything of `KimiK3DeltaAttention._decode_core` between the input projections and `o_proj`.
 

@@ -90,8 +90,9 @@ pub fn avx512() -> crate::Result<bool> {
 }
 
 /// `x @ Wᵀ` for an MLX-quantized weight through the project's CPU kernels where they apply (affine 2-8-bit,
-/// mxfp4, on AVX2+FMA or NEON), else MLX's own `quantized_matmul`; same layouts either way.
-pub fn quantized_matmul(
+/// mxfp4, on AVX2+FMA or NEON), else MLX's own op ([`crate::quant::quantized_matmul`]); same layouts either
+/// way. Named apart from MLX's op, which always runs MLX's kernels.
+pub fn fast_quantized_matmul(
     x: &crate::Array,
     q: &crate::quant::Quantized,
     spec: crate::quant::QuantSpec,
@@ -114,11 +115,11 @@ pub fn quantized_matmul(
     })
 }
 
-/// Several [`quantized_matmul`]s of the same `x`, one result per weight. When every weight takes the
+/// Several [`fast_quantized_matmul`]s of the same `x`, one result per weight. When every weight takes the
 /// project's CPU kernels they run as one graph node with one output each (each identical to
-/// [`quantized_matmul`]'s: the same row kernels), sharing the activations' preparation and one parallel job;
-/// otherwise each runs as [`quantized_matmul`] would.
-pub fn quantized_matmul_many(
+/// [`fast_quantized_matmul`]'s: the same row kernels), sharing the activations' preparation and one parallel job;
+/// otherwise each runs as [`fast_quantized_matmul`] would.
+pub fn fast_quantized_matmul_many(
     x: &crate::Array,
     ws: &[(&crate::quant::Quantized, crate::quant::QuantSpec)],
 ) -> crate::Result<Vec<crate::Array>> {

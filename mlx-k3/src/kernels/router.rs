@@ -1,4 +1,4 @@
-//! The fused MoE router (SPEC_NOTES §4.3): mlx-lm's `_group_expert_select` as one primitive.
+//! The fused MoE router (docs/formats.md#moe-router): mlx-lm's `_group_expert_select` as one primitive.
 //!
 //! On the CPU the indices and weights are bit-identical to MLX's CPU ops, including the order in which the
 //! k indices come back (MLX's argpartition is `std::nth_element` with a (value, index) comparator; the

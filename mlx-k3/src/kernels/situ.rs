@@ -1,4 +1,4 @@
-//! SiTU, Kimi K3's expert activation (SPEC_NOTES §4.5):
+//! SiTU, Kimi K3's expert activation (docs/formats.md#situ):
 //! `SiTU(u, g) = [β·tanh(g/β)·σ(g)] · [β_lin·tanh(u/β_lin)]`, the second factor being `u` when β_lin is unset.
 //! u is the up projection, g the gate projection; β→∞ recovers SiLU(g)·u.
 

@@ -1,4 +1,4 @@
-//! Attention residuals (SPEC_NOTES §4.2; mlx-lm `ResidualBlocks`, `_attn_res_combine`): instead of one
+//! Attention residuals (docs/formats.md#attention-residuals; mlx-lm `ResidualBlocks`, `_attn_res_combine`): instead of one
 //! running residual, a layer mixes the snapshots taken at block starts and the current partial sum with a
 //! per-token softmax over learned, RMS-normalized logits.
 

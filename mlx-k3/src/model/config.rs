@@ -282,7 +282,7 @@ pub enum PathQuant {
     Unquantized,
     /// The project's ternary codebook format (`{"mode": "k3_codebook"}`).
     Codebook,
-    /// A mixed-format expert stack (`{"mode": "k3_tiered", "affine": {...}}`), see [`crate::tiers`].
+    /// A mixed-format expert stack (`{"mode": "k3_tiered", "affine": {...}}`), see [`crate::tiered`].
     Tiered {
         /// The spec of the stack's affine experts, if it has any.
         affine: Option<QuantSpec>,

@@ -1,4 +1,4 @@
-//! Kimi Delta Attention (SPEC_NOTES §3; mlx-lm `KimiK3DeltaAttention` with `gated_delta_ops`): a causal
+//! Kimi Delta Attention (docs/formats.md#kimi-delta-attention-kda; mlx-lm `KimiK3DeltaAttention` with `gated_delta_ops`): a causal
 //! depthwise short convolution over the merged q/k/v projection, L2-normalized q/k, a per-channel decay
 //! gate, and the gated delta rule on an fp32 state, followed by a gated RMSNorm and the output projection.
 //!

@@ -5,7 +5,7 @@
 use super::shard::Part;
 use super::weights::{MaybeQuantized, WeightStore};
 use crate::quant;
-use crate::{codebook, kernels, tiers};
+use crate::{codebook, kernels, tiered};
 use crate::{ops, Array, Dtype, Result};
 
 /// `y = x @ Wᵀ` with W `[out, in]`, dense or quantized along `in`.
@@ -33,7 +33,7 @@ impl Linear {
         match &self.w {
             MaybeQuantized::Dense(w) => x.matmul(&w.t()?),
             // The project's CPU kernels where they apply, MLX's op otherwise (same result within fp32 rounding).
-            MaybeQuantized::Quantized(q, spec) => kernels::quantized_matmul(x, q, *spec),
+            MaybeQuantized::Quantized(q, spec) => kernels::fast_quantized_matmul(x, q, *spec),
             MaybeQuantized::Codebook(cb) => codebook::codebook_qmm(x, cb),
             MaybeQuantized::Tiered(_) => Err(crate::Error::invalid("linear", "tiered weights are for expert stacks")),
         }
@@ -45,7 +45,7 @@ impl Linear {
     }
 
     /// [`Linear::forward`] of several projections of the same `x`: one graph node for all of them when every
-    /// weight is MLX-quantized (see [`kernels::quantized_matmul_many`]; results identical), else one each.
+    /// weight is MLX-quantized (see [`kernels::fast_quantized_matmul_many`]; results identical), else one each.
     pub fn forward_many(ls: &[&Linear], x: &Array) -> Result<Vec<Array>> {
         let quantized: Option<Vec<_>> = ls
             .iter()
@@ -59,7 +59,7 @@ impl Linear {
                 for l in ls {
                     l.tap(x)?;
                 }
-                kernels::quantized_matmul_many(x, &qs)
+                kernels::fast_quantized_matmul_many(x, &qs)
             }
             _ => ls.iter().map(|l| l.forward(x)).collect(),
         }
@@ -137,7 +137,7 @@ impl MultiLinear {
                         scales: stacked(&q.scales)?,
                         biases: q.biases.as_ref().map(stacked).transpose()?,
                     };
-                    let y = kernels::quantized_matmul(&x.squeeze(&[nd as i32 - 3])?, &q2, *spec)?; // [..., L, H*out]
+                    let y = kernels::fast_quantized_matmul(&x.squeeze(&[nd as i32 - 3])?, &q2, *spec)?; // [..., L, H*out]
                     let mut shape = y.shape();
                     shape.pop();
                     shape.extend([heads, out]);
@@ -224,7 +224,7 @@ impl SwitchLinear {
             }
             MaybeQuantized::Quantized(q, spec) => kernels::gather_qmm(x, q, *spec, None, Some(indices), sorted),
             MaybeQuantized::Codebook(cb) => codebook::gather_codebook_qmm(x, cb, None, Some(indices)),
-            MaybeQuantized::Tiered(t) => tiers::gather_tiered_qmm(x, t, None, Some(indices)),
+            MaybeQuantized::Tiered(t) => tiered::gather_tiered_qmm(x, t, None, Some(indices)),
         }
     }
 }
@@ -271,7 +271,7 @@ impl Embedding {
         super::probe::tap(&self.path, x)?;
         match &self.w {
             MaybeQuantized::Dense(w) => x.matmul(&w.t()?),
-            MaybeQuantized::Quantized(q, spec) => kernels::quantized_matmul(x, q, *spec),
+            MaybeQuantized::Quantized(q, spec) => kernels::fast_quantized_matmul(x, q, *spec),
             _ => Err(crate::Error::invalid("embedding", "unsupported weight format")),
         }
     }

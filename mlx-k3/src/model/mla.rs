@@ -1,4 +1,4 @@
-//! Multi-head Latent Attention, NoPE variant (SPEC_NOTES §4.1; mlx-lm `KimiK3MLAAttention`).
+//! Multi-head Latent Attention, NoPE variant (docs/formats.md#mla-nope-variant; mlx-lm `KimiK3MLAAttention`).
 //!
 //! Keys and values live in a normalized latent `c` of rank r shared by all heads; the "rope" slot carries
 //! no rotation, only an extra dot product `τ·q^R·k^R` added to the scores as an additive mask. Prefill

@@ -1,4 +1,4 @@
-//! Feed-forward blocks: the dense SiTU MLP and the latent sparse MoE (SPEC_NOTES §4.3-4.5; mlx-lm
+//! Feed-forward blocks: the dense SiTU MLP and the latent sparse MoE (docs/formats.md#moe-router to #situ; mlx-lm
 //! `KimiK3MLP`, `KimiK3SparseMoE`, `_group_expert_select`, `SwitchGLU`).
 
 use super::config::TextConfig;

@@ -12,7 +12,7 @@ use super::loader::{infer_spec, RawWeights, TensorLoc};
 use super::shard::Part;
 use crate::codebook::{self, Codebook};
 use crate::quant::{QuantMode, QuantSpec, Quantized};
-use crate::tiers::TieredExperts;
+use crate::tiered::TieredExperts;
 use crate::{Array, Dtype, Error, Result};
 
 /// Tensors kept in f32 whatever the activation dtype (mlx-lm's `cast_predicate`).
@@ -510,7 +510,7 @@ impl WeightStore {
         Ok(a)
     }
 
-    /// Takes a mixed-format expert stack (see [`crate::tiers`]) of unquantized shape `[E, N, K]`.
+    /// Takes a mixed-format expert stack (see [`crate::tiered`]) of unquantized shape `[E, N, K]`.
     fn take_tiered(&mut self, path: &str, shape: &[i32], part: &Part) -> Result<MaybeQuantized> {
         if shape.len() != 3 {
             return Err(Error::Format {

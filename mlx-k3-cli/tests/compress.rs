@@ -30,7 +30,7 @@ fn root() -> PathBuf {
 }
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/compress")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/compress")
 }
 
 fn nano() -> PathBuf {
@@ -257,8 +257,8 @@ fn random_checkpoint(dir: &Path, layers: usize, seed: u64) {
 fn check_chunking_changes_nothing(args: &[&str], reference: &Path) {
     let chunked = reference.with_extension("chunked");
     let mut a: Vec<&str> = args.to_vec();
-    a.extend(["--to", chunked.to_str().unwrap()]);
-    let out = Command::new(bin()).args(&a).env("K3_CONVERT_CHUNK", "1000").output().unwrap();
+    a.extend(["--to", chunked.to_str().unwrap(), "--chunk-params", "1000"]);
+    let out = Command::new(bin()).args(&a).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let (mut want, mut got) = (files(reference), files(&chunked));
     want.remove("k3_manifest.json");
@@ -723,7 +723,7 @@ fn calibration_routing_statistics_and_reap_saliency_match_a_direct_computation()
     let stats = calibrate_nano(tmp.path(), 1, 410);
     let st = Safetensors::load(&stats).unwrap();
     // The MoE inputs of the same 63 tokens, captured from the model's forward pass; everything after that is
-    // recomputed here in f64 from the checkpoint's weights (SPEC §4.3-4.5, §6): sigmoid scores, top-4 of
+    // recomputed here in f64 from the checkpoint's weights (docs/formats.md#moe-router to #situ, #reap-expert-pruning): sigmoid scores, top-4 of
     // score + bias, weights renormalized over the chosen four, latent down-projection, SiTU experts.
     let tokens =
         Safetensors::load(nano().join("heldout.safetensors")).unwrap().get("tokens").unwrap().to_vec::<i32>().unwrap();
@@ -841,7 +841,8 @@ fn release_named_checkpoint_converts_to_mlx_names_with_the_same_logits() {
     // tensor kept float32, the output is in mlx-lm's names (stacked experts, split kv_b) and computes what the
     // source computes, and what mlx-lm computed for it (expected.safetensors).
     let tmp = tempfile::tempdir().unwrap();
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/k3/d_latent_norm_attnres_untied_release");
+    let src =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/k3/d_latent_norm_attnres_untied_release");
     let recipe = write_recipe(tmp.path(), "f32.toml", "dtype = \"float32\"\n");
     let out = tmp.path().join("out");
     run_ok(&[
@@ -872,7 +873,7 @@ fn release_named_checkpoint_converts_to_mlx_names_with_the_same_logits() {
 }
 
 fn k3_fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/k3").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/k3").join(name)
 }
 
 /// Fixture a laid out like the real release: routed experts in compressed-tensors MXFP4 (per-expert

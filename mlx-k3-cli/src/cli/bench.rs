@@ -9,10 +9,10 @@ use std::time::Instant;
 
 use clap::Args as ClapArgs;
 
-use crate::generate::{generate_tokens, GenerateOptions, PromptCache};
-use crate::kernels::{self, RouterParams};
-use crate::model::{KimiK3, LoadOptions};
-use crate::{memory, random, Array, Device, Dtype, Error, Result};
+use mlx_k3::generate::{generate_tokens, GenerateOptions, PromptCache};
+use mlx_k3::kernels::{self, RouterParams};
+use mlx_k3::model::{KimiK3, LoadOptions};
+use mlx_k3::{memory, random, Array, Device, Dtype, Error, Result};
 
 /// Options of `bench`.
 #[derive(ClapArgs, Debug)]
@@ -120,11 +120,11 @@ fn print_step_graph(model: &KimiK3, prompt: &[u32], json: bool) -> Result<()> {
     let mut cache = model.make_cache();
     let ids = |t: &[u32]| Array::from_slice(t, &[1, t.len() as i32]);
     model.forward(&ids(prompt)?, Some(&mut cache))?;
-    crate::eval(&cache.arrays())?;
+    mlx_k3::eval(&cache.arrays())?;
     let logits = model.forward(&ids(&prompt[..1])?, Some(&mut cache))?;
     let mut outs = cache.arrays();
     outs.push(&logits);
-    let rows = crate::graph_census(&outs)?;
+    let rows = mlx_k3::graph_census(&outs)?;
     let total: usize = rows.iter().map(|r| r.nodes).sum();
     if json {
         use serde_json::{json, Map, Value};
@@ -300,7 +300,7 @@ fn bench_router(json: bool) -> Result<()> {
         let xs: Vec<Array> = (0..64)
             .map(|i| random::normal(&[1, tokens, e], Dtype::F32, 0.0, 2.0, Some(&key(10 + i)?)))
             .collect::<Result<_>>()?;
-        crate::eval(&xs.iter().collect::<Vec<_>>())?;
+        mlx_k3::eval(&xs.iter().collect::<Vec<_>>())?;
         let fused = |x: &Array| -> Result<Vec<Array>> {
             let r = kernels::moe_router(x, Some(&bias), None, p)?;
             Ok(vec![r.indices, r.weights])
@@ -357,7 +357,7 @@ fn time_calls(xs: &[Array], reps: usize, f: &dyn Fn(&Array) -> Result<Vec<Array>
     for rep in 0..reps + 3 {
         let t = Instant::now();
         let outs: Vec<Array> = xs.iter().map(|x| f(x)).collect::<Result<Vec<_>>>()?.into_iter().flatten().collect();
-        crate::eval(&outs.iter().collect::<Vec<_>>())?;
+        mlx_k3::eval(&outs.iter().collect::<Vec<_>>())?;
         if rep >= 3 {
             times.push(t.elapsed().as_secs_f64() * 1e6 / xs.len() as f64);
         }

@@ -6,11 +6,12 @@ use std::sync::Arc;
 
 use clap::Args as ClapArgs;
 
-use super::inspect::{fmt_bytes, tensor_class};
-use crate::distributed::{Backend, Group};
-use crate::model::shard::{Comm, Shard};
-use crate::model::{KimiK3, LoadOptions, ModelConfig};
-use crate::{Error, Result};
+use super::inspect::fmt_bytes;
+use mlx_k3::compress::classes::{classify, TensorClass};
+use mlx_k3::distributed::{Backend, Group};
+use mlx_k3::model::shard::{Comm, Shard};
+use mlx_k3::model::{KimiK3, LoadOptions, ModelConfig};
+use mlx_k3::{Error, Result};
 
 /// `--distributed` and `--tp`.
 #[derive(ClapArgs, Debug, Clone, Default)]
@@ -59,10 +60,10 @@ pub fn shard_options(mut opts: LoadOptions, comm: Option<&Arc<Comm>>) -> LoadOpt
 }
 
 /// Bytes of a model's weights by tensor class.
-pub fn bytes_by_class(model: &KimiK3) -> BTreeMap<&'static str, u64> {
+pub fn bytes_by_class(model: &KimiK3) -> BTreeMap<TensorClass, u64> {
     let mut out = BTreeMap::new();
     for r in model.tensor_records() {
-        *out.entry(tensor_class(&r.path, model.config())).or_default() += r.bytes;
+        *out.entry(classify(&r.path, model.config())).or_default() += r.bytes;
     }
     out
 }
@@ -77,8 +78,8 @@ pub fn report_rank(model: &KimiK3) {
         s.rank,
         s.size,
         fmt_bytes(total),
-        fmt_bytes(*by.get("routed experts").unwrap_or(&0)),
-        by.get("routed experts").unwrap_or(&0),
+        fmt_bytes(*by.get(&TensorClass::RoutedExperts).unwrap_or(&0)),
+        by.get(&TensorClass::RoutedExperts).unwrap_or(&0),
         if s.tp { ", tensor parallel" } else { "" }
     );
 }

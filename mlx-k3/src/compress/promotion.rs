@@ -17,12 +17,12 @@ use crate::{Error, Result};
 
 /// The promoted experts of each MoE layer (sorted ids).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct TierPlan {
+pub struct PromotionPlan {
     /// Layer index -> promoted expert ids.
     pub promoted: BTreeMap<usize, Vec<usize>>,
 }
 
-impl TierPlan {
+impl PromotionPlan {
     /// Whether expert `e` of layer `l` is promoted.
     pub fn is_promoted(&self, l: usize, e: usize) -> bool {
         self.promoted.get(&l).is_some_and(|v| v.binary_search(&e).is_ok())
@@ -144,17 +144,19 @@ pub fn plan(
     budget: usize,
     min_per_layer: usize,
     max_per_layer: Option<usize>,
-) -> Result<TierPlan> {
+) -> Result<PromotionPlan> {
     let layers: Vec<usize> = layer_scores.keys().copied().collect();
     let weights: Vec<f64> = layers.iter().map(|l| layer_scores[l].iter().sum()).collect();
     let hi: Vec<usize> =
         layers.iter().map(|l| max_per_layer.unwrap_or(usize::MAX).min(layer_scores[l].len())).collect();
     let counts = waterfill(&weights, budget, min_per_layer, &hi)?;
-    Ok(TierPlan { promoted: layers.iter().zip(counts).map(|(l, c)| (*l, top_experts(&layer_scores[l], c))).collect() })
+    Ok(PromotionPlan {
+        promoted: layers.iter().zip(counts).map(|(l, c)| (*l, top_experts(&layer_scores[l], c))).collect(),
+    })
 }
 
 /// Re-tiering: the same count per layer as `old`, re-ranked by new scores.
-pub fn replan(old: &TierPlan, layer_scores: &BTreeMap<usize, Vec<f64>>) -> Result<TierPlan> {
+pub fn replan(old: &PromotionPlan, layer_scores: &BTreeMap<usize, Vec<f64>>) -> Result<PromotionPlan> {
     let mut promoted = BTreeMap::new();
     for (l, ids) in &old.promoted {
         let s = layer_scores
@@ -162,5 +164,5 @@ pub fn replan(old: &TierPlan, layer_scores: &BTreeMap<usize, Vec<f64>>) -> Resul
             .ok_or_else(|| Error::invalid("retier", format!("the profile has no routing statistics for layer {l}")))?;
         promoted.insert(*l, top_experts(s, ids.len()));
     }
-    Ok(TierPlan { promoted })
+    Ok(PromotionPlan { promoted })
 }

@@ -1,5 +1,5 @@
 //! Mixed-format expert stacks ("tiers"): each expert of a MoE projection keeps its own format, e.g. a
-//! protected band in MXFP4 and the rest in the ternary codebook (card 000's 14,000 of 82,432 instances), or
+//! protected band in MXFP4 and the rest in the ternary codebook (a reference 2.1-bit K3 build keeps 14,000 of its 82,432 expert instances there), or
 //! affine for some. One gathered op dispatches every (token, expert) pair to its tier's kernel.
 //!
 //! Checkpoint layout for the expert stack at module path `P` (e.g. `model.layers.3.mlp.switch_mlp.up_proj`):

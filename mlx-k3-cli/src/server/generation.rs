@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use crate::engine::{EngineHandle, Event, FailureKind, Request, SubmitError};
-use crate::generate::GenerationStats;
+use mlx_k3::generate::GenerationStats;
 
 /// A submitted request: its events and its cancel flag.
 pub struct Generation {

@@ -1,4 +1,4 @@
-//! The web chat page: plain HTML, CSS and JS from `mlx-k3/web/`, embedded in the binary.
+//! The web chat page: plain HTML, CSS and JS from `mlx-k3-cli/web/`, embedded in the binary.
 
 use axum::http::header;
 use axum::response::IntoResponse;

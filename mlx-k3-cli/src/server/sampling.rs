@@ -8,8 +8,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::Deserialize;
 
 use super::error::ApiError;
-use crate::chat::ThinkingEffort;
-use crate::generate::{GenerateOptions, SamplerConfig};
+use mlx_k3::chat::ThinkingEffort;
+use mlx_k3::generate::{GenerateOptions, SamplerConfig};
 
 /// `stop`: one string or a list.
 #[derive(Clone, Debug, Deserialize)]

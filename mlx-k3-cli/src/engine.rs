@@ -13,11 +13,11 @@ use std::thread::JoinHandle;
 
 use serde_json::Value;
 
-use crate::chat::{ChatFormat, ChatMessage, ParsedOutput, ThinkingEffort};
-use crate::generate::{GenerateOptions, Pipeline, PromptCache, TextGeneration};
-use crate::model::shard::Comm;
-use crate::model::LoadOptions;
-use crate::{Error, Result};
+use mlx_k3::chat::{ChatFormat, ChatMessage, ParsedOutput, ThinkingEffort};
+use mlx_k3::generate::{GenerateOptions, Pipeline, PromptCache, TextGeneration};
+use mlx_k3::model::shard::Comm;
+use mlx_k3::model::LoadOptions;
+use mlx_k3::{Error, Result};
 
 /// What to generate from.
 #[derive(Clone, Debug)]
@@ -97,12 +97,8 @@ pub enum Event {
 pub struct ModelInfo {
     /// A name for the API (the folder name).
     pub id: String,
-    /// Vocabulary size.
-    pub vocab_size: usize,
     /// Longest sequence the model accepts.
     pub max_context: usize,
-    /// Whether chat prompts use a template or Kimi K3's chat tokens by default.
-    pub chat_by_default: bool,
     /// Whether a chat reply with thinking on starts inside the reasoning block (Kimi K3's XTML encoding
     /// opens it in the generation prompt), so a streaming client can tell reasoning from answer as it arrives.
     pub starts_in_thinking: bool,
@@ -248,9 +244,7 @@ impl EngineHandle {
                         .file_name()
                         .map(|n| n.to_string_lossy().into_owned())
                         .unwrap_or_else(|| "model".into()),
-                    vocab_size: pipeline.model.config().vocab_size,
                     max_context: pipeline.model.config().max_position_embeddings,
-                    chat_by_default: pipeline.chat_by_default(),
                     starts_in_thinking: matches!(pipeline.chat.format(), ChatFormat::KimiXtml),
                 };
                 if ready_tx.send(Ok(info)).is_err() {

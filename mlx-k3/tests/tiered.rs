@@ -10,7 +10,7 @@ use mlx_k3::codebook;
 use mlx_k3::io::save_safetensors;
 use mlx_k3::model::{KimiK3, LoadOptions, ModelConfig};
 use mlx_k3::quant::QuantSpec;
-use mlx_k3::tiers::{self, Tier, TieredExperts};
+use mlx_k3::tiered::{self, Tier, TieredExperts};
 use mlx_k3::{ops, Array, Dtype};
 use serde_json::{json, Value};
 
@@ -123,9 +123,9 @@ fn tiered_and_codebook_checkpoints_match_their_dequantized_reference() {
                 packed.insert(format!("{path}.scales"), cb.scales);
                 qcfg.insert(full, json!({"mode": "k3_codebook"}));
             } else {
-                let (t, report) = tiers::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
+                let (t, report) = tiered::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
                 assert!(report.plain_rel_err > 0.0 && report.plain_rel_err < 0.5, "{report:?}");
-                reference.insert(format!("{path}.weight"), tiers::dequantize_tiered(&t).unwrap());
+                reference.insert(format!("{path}.weight"), tiered::dequantize_tiered(&t).unwrap());
                 put_tiered(&mut packed, &path, &t);
                 qcfg.insert(full, json!({"mode": "k3_tiered", "affine": {"group_size": 64, "bits": 4}}));
             }
@@ -172,7 +172,7 @@ fn broken_tier_tables_are_named_errors() {
         let mut packed = float.clone();
         let path = expert_paths(&float)[0].clone();
         let w = packed.remove(&format!("{path}.weight")).unwrap();
-        let (mut t, _) = tiers::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
+        let (mut t, _) = tiered::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
         let mut tb = vec![1u8; 8];
         let mut sl: Vec<u32> = (0..8).collect();
         tb[3] = tier_byte;

@@ -7,7 +7,7 @@ use std::process::Command;
 use mlx_k3::io::Safetensors;
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/k3").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/k3").join(name)
 }
 
 fn mlx_k3(args: &[&str]) -> (bool, String, String) {

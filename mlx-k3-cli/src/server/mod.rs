@@ -1,4 +1,4 @@
-//! The HTTP server (`mlx-k3 serve`): an OpenAI-compatible API, card 000's `/api/chat` streaming endpoint
+//! The HTTP server (`mlx-k3 serve`): an OpenAI-compatible API, the `/api/chat` streaming endpoint
 //! with sessions, health and Prometheus metrics, and a web chat page, on axum/tokio.
 //!
 //! One engine thread ([`crate::engine`]) owns the model; handlers submit requests to its bounded queue and
@@ -10,7 +10,7 @@
 //! | `POST /v1/chat/completions` | chat, streamed as SSE `data:` chunks ending with `[DONE]` or as one JSON object |
 //! | `POST /v1/completions` | raw text (or token ids) continued, same two forms |
 //! | `GET /v1/models` | the loaded model |
-//! | `POST /api/chat` | card 000's web chat: SSE events `start`, `thinking`, `answer`, `tool_calls`, `done`, `error` |
+//! | `POST /api/chat` | the web chat's endpoint: SSE events `start`, `thinking`, `answer`, `tool_calls`, `done`, `error` |
 //! | `POST /api/chat/stop` | stops the running generation of `{"session": ...}` |
 //! | `GET /health` | liveness (never needs the API key) |
 //! | `GET /metrics` | Prometheus text: requests, tokens, tok/s, queue length, prompt-cache hits |
@@ -43,8 +43,8 @@ use axum::Router;
 use tower_http::catch_panic::CatchPanicLayer;
 
 use crate::engine::{EngineConfig, EngineHandle};
-use crate::{Error, Result};
 use error::ApiError;
+use mlx_k3::{Error, Result};
 
 /// Server settings.
 #[derive(Clone, Debug)]

@@ -5,10 +5,10 @@ use std::path::{Path, PathBuf};
 
 use clap::Args as ClapArgs;
 
-use crate::chat::{ChatMessage, ThinkingEffort};
-use crate::generate::{GenerateOptions, GenerationStats, Pipeline, PromptCache, SamplerConfig};
-use crate::model::LoadOptions;
-use crate::{Dtype, Error, Result};
+use mlx_k3::chat::{ChatMessage, ThinkingEffort};
+use mlx_k3::generate::{GenerateOptions, GenerationStats, Pipeline, PromptCache, SamplerConfig};
+use mlx_k3::model::LoadOptions;
+use mlx_k3::{Dtype, Error, Result};
 
 /// Model and sampling flags shared by `generate` and `chat`.
 #[derive(ClapArgs, Debug, Clone)]

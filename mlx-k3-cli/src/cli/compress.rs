@@ -1,23 +1,67 @@
 //! `convert`, `calibrate`, `retier`, `prune` and `eval`: building compressed checkpoints and measuring them
-//! (library code in [`crate::compress`]).
+//! (library code in [`mlx_k3::compress`]).
 
+use std::cell::RefCell;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::{Args as ClapArgs, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 
-use crate::compress::calibrate::{calibrate, CalibrateJob};
-use crate::compress::convert::{convert, peak_rss, ConvertJob, Selection};
-use crate::compress::evalkl::{evaluate, Teacher, TeacherCache};
-use crate::compress::prune::{prune, PruneJob};
-use crate::compress::recipe::RecipeFile;
-use crate::compress::{data, store, Calibration, Recipe};
-use crate::{Error, Result};
+use mlx_k3::compress::calibrate::{calibrate, CalibrateJob};
+use mlx_k3::compress::convert::{convert, peak_rss, ConvertJob, Selection, CHUNK_PARAMS};
+use mlx_k3::compress::evalkl::{evaluate, Teacher, TeacherCache};
+use mlx_k3::compress::prune::{prune, PruneJob};
+use mlx_k3::compress::recipe::RecipeFile;
+use mlx_k3::compress::{data, store, Calibration, Progress, Recipe};
+use mlx_k3::{Error, Result};
 
-fn show_progress(quiet: bool) -> bool {
-    !quiet && std::io::stderr().is_terminal()
+/// The tools' progress as an indicatif bar on stderr, when stderr is a terminal and `--quiet` was not given.
+struct Bar {
+    show: bool,
+    bar: RefCell<Option<ProgressBar>>,
+}
+
+impl Bar {
+    fn new(quiet: bool) -> Bar {
+        Bar { show: !quiet && std::io::stderr().is_terminal(), bar: RefCell::new(None) }
+    }
+}
+
+impl Progress for Bar {
+    fn start(&self, phase: &str, total: u64, done: u64) {
+        if !self.show {
+            return;
+        }
+        let pb = ProgressBar::new(total);
+        pb.set_style(
+            ProgressStyle::with_template("{prefix:>9} [{bar:32}] {pos}/{len} {msg} ({elapsed})")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        pb.set_prefix(phase.to_string());
+        pb.set_position(done);
+        if let Some(old) = self.bar.replace(Some(pb)) {
+            old.finish_and_clear();
+        }
+    }
+    fn advance(&self, steps: u64) {
+        if let Some(pb) = &*self.bar.borrow() {
+            pb.inc(steps);
+        }
+    }
+    fn describe(&self, what: &str) {
+        if let Some(pb) = &*self.bar.borrow() {
+            pb.set_message(what.to_string());
+        }
+    }
+    fn finish(&self) {
+        if let Some(pb) = self.bar.take() {
+            pb.finish_and_clear();
+        }
+    }
 }
 
 fn print(value: &Value, as_json: bool, human: impl FnOnce()) {
@@ -65,6 +109,10 @@ pub(super) struct ConvertArgs {
     /// Remove whatever is in --to first.
     #[arg(long)]
     overwrite: bool,
+    /// Weights encoded at a time (a module is encoded in chunks of whole experts or rows of about this many
+    /// weights; the output is the same for any value, the peak memory is not).
+    #[arg(long, default_value_t = CHUNK_PARAMS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    chunk_params: usize,
     #[command(flatten)]
     report: ReportArgs,
 }
@@ -95,6 +143,7 @@ pub(super) fn run_convert(args: ConvertArgs) -> Result<()> {
     let t0 = Instant::now();
     let recipe = Recipe::load(&args.recipe)?;
     let calib = args.calib.as_deref().map(Calibration::load).transpose()?;
+    let bar = Bar::new(args.report.quiet);
     let job = ConvertJob {
         from: &args.from,
         to: &args.to,
@@ -103,7 +152,8 @@ pub(super) fn run_convert(args: ConvertArgs) -> Result<()> {
         profile: None,
         selection: Selection::Budget,
         overwrite: args.overwrite,
-        progress: show_progress(args.report.quiet),
+        progress: &bar,
+        chunk_params: args.chunk_params,
         tool: "convert",
     };
     let s = convert(&job)?;
@@ -168,12 +218,13 @@ pub(super) struct CalibrateArgs {
 pub(super) fn run_calibrate(args: CalibrateArgs) -> Result<()> {
     let t0 = Instant::now();
     let windows = args.data.windows(&args.model)?;
+    let bar = Bar::new(args.report.quiet);
     let s = calibrate(&CalibrateJob {
         model: &args.model,
         windows: &windows,
         out: &args.out,
         checkpoint_every: args.checkpoint_every,
-        progress: show_progress(args.report.quiet),
+        progress: &bar,
     })?;
     let s = with_run_info(s, t0);
     print(&s, args.report.json, || {
@@ -224,11 +275,12 @@ pub(super) fn run_retier(args: RetierArgs) -> Result<()> {
     let file: RecipeFile = serde_json::from_value(manifest.get("recipe").cloned().unwrap_or(Value::Null))
         .map_err(|e| fmt(format!("recipe: {e}")))?;
     let recipe = Recipe::check(file).map_err(|e| fmt(e.to_string()))?;
-    let plan: crate::compress::tier::TierPlan =
+    let plan: mlx_k3::compress::promotion::PromotionPlan =
         serde_json::from_value(manifest.get("tier_plan").cloned().unwrap_or(Value::Null))
             .map_err(|_| fmt("has no tier plan: not a tiered conversion".into()))?;
     let profile = Calibration::load(&args.profile)?;
     let calib = args.calib.as_deref().map(Calibration::load).transpose()?;
+    let bar = Bar::new(args.report.quiet);
     let job = ConvertJob {
         from: &args.from,
         to: &args.to,
@@ -237,11 +289,12 @@ pub(super) fn run_retier(args: RetierArgs) -> Result<()> {
         profile: Some(&profile),
         selection: Selection::Counts(plan.counts()),
         overwrite: args.overwrite,
-        progress: show_progress(args.report.quiet),
+        progress: &bar,
+        chunk_params: CHUNK_PARAMS,
         tool: "retier",
     };
     let s = convert(&job)?;
-    let new_plan: crate::compress::tier::TierPlan =
+    let new_plan: mlx_k3::compress::promotion::PromotionPlan =
         serde_json::from_value(s.manifest.get("tier_plan").cloned().unwrap_or(Value::Null)).unwrap_or_default();
     let changed: usize =
         plan.promoted.iter().map(|(l, ids)| ids.iter().filter(|e| !new_plan.is_promoted(*l, **e)).count()).sum();
@@ -287,13 +340,14 @@ pub(super) struct PruneArgs {
 pub(super) fn run_prune(args: PruneArgs) -> Result<()> {
     let t0 = Instant::now();
     let stats = Calibration::load(&args.stats)?;
+    let bar = Bar::new(args.report.quiet);
     let m = prune(&PruneJob {
         model: &args.model,
         to: &args.to,
         keep: args.keep,
         stats: &stats,
         overwrite: args.overwrite,
-        progress: show_progress(args.report.quiet),
+        progress: &bar,
     })?;
     let out = with_run_info(m.clone(), t0);
     print(&out, args.report.json, || {
@@ -378,7 +432,7 @@ pub(super) fn run_eval(cmd: EvalCommand) -> Result<()> {
         save: args.save_teacher_logits.as_deref(),
         top_k: args.top_k,
     };
-    let r = evaluate(&args.model, &windows, &teacher, show_progress(args.report.quiet))?;
+    let r = evaluate(&args.model, &windows, &teacher, &Bar::new(args.report.quiet))?;
     if let Some(p) = &args.out {
         let dir = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();

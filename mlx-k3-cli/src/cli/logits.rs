@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use clap::Args as ClapArgs;
 
 use super::dist::{report_rank, shard_options, DistArgs};
-use crate::generate::{generate_tokens, GenerateOptions, PromptCache, SamplerConfig};
-use crate::io::save_safetensors;
-use crate::model::{KimiK3, LoadOptions};
-use crate::{Array, Dtype, Error, Result};
+use mlx_k3::generate::{generate_tokens, GenerateOptions, PromptCache, SamplerConfig};
+use mlx_k3::io::save_safetensors;
+use mlx_k3::model::{KimiK3, LoadOptions};
+use mlx_k3::{Array, Dtype, Error, Result};
 
 /// Options of `logits`.
 #[derive(ClapArgs, Debug)]

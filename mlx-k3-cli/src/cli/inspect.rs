@@ -5,46 +5,16 @@ use std::path::PathBuf;
 
 use clap::Args as ClapArgs;
 
-use crate::model::weights::TensorRecord;
-use crate::model::{KimiK3, LoadOptions, ModelConfig, TextConfig};
-use crate::Result;
+use mlx_k3::compress::classes::{classify, TensorClass};
+use mlx_k3::model::weights::TensorRecord;
+use mlx_k3::model::{KimiK3, LoadOptions, ModelConfig};
+use mlx_k3::Result;
 
 /// Options of `inspect`.
 #[derive(ClapArgs, Debug)]
 pub(super) struct Args {
     /// The checkpoint folder (config.json + model*.safetensors).
     dir: PathBuf,
-}
-
-/// The class of a weight for the size table.
-pub fn tensor_class(path: &str, cfg: &TextConfig) -> &'static str {
-    let layer = path.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse().ok());
-    if path.contains("switch_mlp") {
-        "routed experts"
-    } else if path.contains("shared_experts") {
-        "shared experts"
-    } else if path.contains("routed_expert_") {
-        "latent projections"
-    } else if path.ends_with("mlp.gate") || path.contains("e_score_correction_bias") {
-        "router"
-    } else if path.contains("_res_") {
-        "attention residuals"
-    } else if path.contains("embed_tokens") {
-        "embeddings"
-    } else if path.starts_with("lm_head") {
-        "lm_head"
-    } else if path.contains("layernorm") || path.ends_with("norm.weight") || path.contains("o_norm") {
-        "norms"
-    } else if path.contains("self_attn") {
-        match layer {
-            Some(i) if cfg.is_kda(i) => "KDA attention",
-            _ => "MLA attention",
-        }
-    } else if path.contains(".mlp.") {
-        "dense MLP"
-    } else {
-        "other"
-    }
 }
 
 pub(super) fn fmt_bytes(b: u64) -> String {
@@ -64,7 +34,7 @@ pub(super) fn fmt_bytes(b: u64) -> String {
 
 fn fmt_spec(r: &TensorRecord) -> String {
     match r.spec {
-        Some(s) if s.mode == crate::quant::QuantMode::Affine => format!("affine{}/g{}", s.bits, s.group_size),
+        Some(s) if s.mode == mlx_k3::quant::QuantMode::Affine => format!("affine{}/g{}", s.bits, s.group_size),
         Some(s) => s.mode.name().to_string(),
         None => r.dtype.name().to_string(),
     }
@@ -133,9 +103,9 @@ pub(super) fn run(args: Args) -> Result<()> {
         t.attn_res_block_size.map(|b| format!("every {b} layers")).unwrap_or_else(|| "off".into())
     );
 
-    let mut classes: BTreeMap<&str, (usize, u64, u64, BTreeMap<String, u64>)> = BTreeMap::new();
+    let mut classes: BTreeMap<TensorClass, (usize, u64, u64, BTreeMap<String, u64>)> = BTreeMap::new();
     for r in model.tensor_records() {
-        let e = classes.entry(tensor_class(&r.path, t)).or_default();
+        let e = classes.entry(classify(&r.path, t)).or_default();
         e.0 += 1;
         e.1 += r.params;
         e.2 += r.bytes;

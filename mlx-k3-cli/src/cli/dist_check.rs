@@ -2,8 +2,8 @@
 
 use clap::Args as ClapArgs;
 
-use crate::distributed::{Backend, Group};
-use crate::{Array, Error, Result};
+use mlx_k3::distributed::{Backend, Group};
+use mlx_k3::{Array, Error, Result};
 
 /// Options of `dist-check`.
 #[derive(ClapArgs, Debug)]

@@ -1,11 +1,11 @@
 //! `mlx-k3 info`.
 
-use crate::distributed::Backend;
-use crate::{kernels, Device, Result};
+use mlx_k3::distributed::Backend;
+use mlx_k3::{kernels, Device, Result};
 
 pub(super) fn run() -> Result<()> {
     println!("mlx-k3 {}", env!("CARGO_PKG_VERSION"));
-    println!("MLX {} (found at {})", crate::mlx_version(), crate::MLX_ORIGIN);
+    println!("MLX {} (found at {})", mlx_k3::mlx_version(), mlx_k3::MLX_ORIGIN);
     println!("default device: {:?}", Device::default_device()?);
     for d in [Device::Cpu, Device::Gpu] {
         println!("  {:?}: {}", d, if d.is_available() { format!("{} available", d.count()) } else { "none".into() });

@@ -22,7 +22,7 @@ fn nano() -> PathBuf {
 }
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/k3")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/k3")
 }
 
 fn bin() -> &'static str {

@@ -3,7 +3,7 @@
 //! Reasoning and answer are only separable by the chat format's markers (Kimi K3's XTML:
 //! `...<|close|>think<|sep|><|open|>response<|sep|>...<|close|>response<|sep|>`, tool calls after
 //! `<|open|>tools<|sep|>`), which arrive as several tokens. The splitter follows the same rules as
-//! [`crate::chat::ChatEncoder::parse`] as a state machine and holds back only a tail that could still grow
+//! [`mlx_k3::chat::ChatEncoder::parse`] as a state machine and holds back only a tail that could still grow
 //! into a marker, so text reaches the client token by token and a marker never leaks half-written. The final
 //! reply (the engine's parse of the whole text) stays authoritative for the tool calls; in odd outputs (text
 //! outside the response block) the streamed answer can hold text that the final parse drops.
@@ -155,8 +155,8 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::chat::{ChatEncoder, ThinkingEffort};
-    use crate::tokenizer::{TiktokenTokenizer, Tokenizer, KIMI_PATTERN};
+    use mlx_k3::chat::{ChatEncoder, ThinkingEffort};
+    use mlx_k3::tokenizer::{TiktokenTokenizer, Tokenizer, KIMI_PATTERN};
 
     /// A byte-level tokenizer whose specials are Kimi K3's XTML tokens, so the chat encoder parses XTML.
     fn xtml_encoder() -> ChatEncoder {

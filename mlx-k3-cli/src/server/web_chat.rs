@@ -31,9 +31,9 @@ use super::sampling::{thinking_effort, Sampling};
 use super::split::{Delta, ReplySplitter};
 use super::stream::{sse, StreamFormat};
 use super::State;
-use crate::chat::{ChatMessage, ThinkingEffort};
 use crate::engine::{Event, Prompt, Request};
-use crate::generate::FinishReason;
+use mlx_k3::chat::{ChatMessage, ThinkingEffort};
+use mlx_k3::generate::FinishReason;
 
 /// Default new tokens per turn when the request gives none.
 const DEFAULT_MAX_TOKENS: usize = 1024;

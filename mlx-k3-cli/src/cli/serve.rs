@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use clap::Args as ClapArgs;
 
 use crate::engine::EngineConfig;
-use crate::model::LoadOptions;
 use crate::server::{self, ServerConfig};
-use crate::{Dtype, Error, Result};
+use mlx_k3::model::LoadOptions;
+use mlx_k3::{Dtype, Error, Result};
 
 /// Options of `serve`.
 #[derive(ClapArgs, Debug)]

@@ -11,15 +11,15 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::only_default;
-use crate::chat::{ChatMessage, FunctionCall, ParsedOutput, ThinkingEffort, ToolCall};
 use crate::engine::{Event, Prompt, Request};
-use crate::generate::{FinishReason, TextGeneration};
 use crate::server::error::{ApiError, JsonBody};
 use crate::server::generation::{failure, usage, Generation};
 use crate::server::sampling::{check_session, now_secs, response_id, thinking_effort, Sampling, Stop};
 use crate::server::split::{Delta, ReplySplitter};
 use crate::server::stream::{sse, StreamFormat};
 use crate::server::State;
+use mlx_k3::chat::{ChatMessage, FunctionCall, ParsedOutput, ThinkingEffort, ToolCall};
+use mlx_k3::generate::{FinishReason, TextGeneration};
 
 /// The request body.
 #[derive(Deserialize)]

@@ -1,0 +1,10 @@
+"""The versions mlx-k3 is built and checked against: the one place Python code defines them.
+
+Plain constants with no imports, so the repository's scripts can read them from this file without importing
+``mlx_k3`` (``scripts/pins.py``)."""
+
+MLX = "0.32.4"
+"""The MLX wheel the extension is compiled against and runs on, exactly."""
+
+MLX_LM = "0.32.2"
+"""The mlx-lm release whose model files are the parity references."""
