@@ -1,4 +1,4 @@
-// Attention-residual mix (SPEC_NOTES 4.2; mlx-lm `_attn_res_combine`) as one MLX primitive. For each token,
+// Attention-residual mix (docs/formats.md#attention-residuals; mlx-lm `_attn_res_combine`) as one MLX primitive. For each token,
 // with block snapshots b_1..b_K (raw [K, N, D], their inverse RMS [K, N]) and the partial sum p [N, D]:
 //
 //   logit_k = (b_k . w) * inv_rms_k,   logit_p = (p . w) * rsqrt(mean(p^2) + eps),

@@ -33,21 +33,21 @@ int k3_moe_combine(k3_array* res, const k3_array y, const k3_array w, const k3_s
 
 /* Ternary codebook matmul (IQ1_S semantics, planar layout; see cpp/qmm_cpu.hpp): y = x @ W^T with
  * x [..., K] and W [N, K] given as codes uint8 [N, K/8], qh uint16 [N, K/32], scales f16 [N, K/256].
- * Computed in f32, returned in x's dtype. CPU and CUDA (kernels/packed_qmm.cu); no Metal kernel yet. */
+ * Computed in f32, returned in x's dtype. CPU, CUDA (kernels/packed_qmm.cu) and Metal (kernels/packed_qmm.metal). */
 int k3_codebook_qmm(k3_array* res, const k3_array x, const k3_array codes, const k3_array qh, const k3_array scales,
                     const k3_stream s);
 
 /* The same over an expert stack (codes [E, N, K/8], ...) with MLX gather_qmm semantics: x (*Bx, M, K), lhs
- * indices into the flattened Bx (none = all in order), rhs expert indices; out (*broadcast, M, N). CPU and
- * CUDA, as k3_gather_tiered_qmm. */
+ * indices into the flattened Bx (none = all in order), rhs expert indices; out (*broadcast, M, N). CPU, CUDA
+ * and Metal, as k3_gather_tiered_qmm. */
 int k3_gather_codebook_qmm(k3_array* res, const k3_array x, const k3_array codes, const k3_array qh,
                            const k3_array scales, const k3_array lhs, const k3_array rhs, const k3_stream s);
 
 /* Gathered matmul over a mixed-format expert stack (MLX gather_qmm semantics for x, lhs, rhs): tier [E] uint8
  * says each expert's format (0 codebook, 1 mxfp4, 2 affine with aff_group / aff_bits), slot [E] uint32 its
  * index in that tier's stack. Absent tiers are none handles. One op dispatches every (token, expert) pair to
- * its tier's kernel. CPU and CUDA (kernels/packed_qmm.cu: out-of-range indices give NaN rows there, since a
- * kernel cannot raise; the CPU raises), no Metal kernel yet. */
+ * its tier's kernel. CPU, CUDA and Metal (kernels/packed_qmm.cu, kernels/packed_qmm.metal: out-of-range indices
+ * give NaN rows there, since a kernel cannot raise; the CPU raises). */
 int k3_gather_tiered_qmm(k3_array* res, const k3_array x, const k3_array tier, const k3_array slot,
                          const k3_array cb_codes, const k3_array cb_qh, const k3_array cb_scales,
                          const k3_array fp4_weight, const k3_array fp4_scales, const k3_array aff_weight,
@@ -105,7 +105,7 @@ int k3_moe_router(k3_array* res, size_t cap, size_t* n_out, const k3_array logit
                   const k3_array protected_mask, int top_k, int n_group, int topk_group, float routed_scaling_factor,
                   bool renormalize, const k3_stream s);
 
-/* One-token KDA decode step (SPEC_NOTES 3): short conv + SiLU over [conv_state; qkv], L2-normalized q/k,
+/* One-token KDA decode step (docs/formats.md#kimi-delta-attention-kda): short conv + SiLU over [conv_state; qkv], L2-normalized q/k,
  * beta = sigmoid(b), the per-channel decay from a (with gate_lower_bound when has_lower_bound), the gated
  * delta update of the f32 state, and RMSNorm(y; norm_weight, norm_eps) * sigmoid(gate). qkv [B, 1, 3P],
  * a and gate [B, 1, H, d] or [B, 1, H * d], b [B, 1, H] (activation dtype), conv_weight [3P, Kc, 1], a_log [H],
@@ -124,7 +124,7 @@ int k3_gated_delta_scan(k3_array* res, size_t cap, size_t* n_out, const k3_array
                         const k3_array v, const k3_array g, const k3_array beta, const k3_array state,
                         const k3_stream s);
 
-/* Attention-residual mix (SPEC_NOTES 4.2): softmax over the K snapshots raw [K, ..., D] (logits
+/* Attention-residual mix (docs/formats.md#attention-residuals): softmax over the K snapshots raw [K, ..., D] (logits
  * (b.w_eff) * inv_rms, inv_rms [K, ...] f32) and the partial sum [..., D] (logit (p.w_eff) * rsqrt(mean(p^2)
  * + eps)), then the weighted sum; fp32 math, output in partial's dtype. CPU and CUDA. */
 int k3_attn_res_mix(k3_array* res, const k3_array raw, const k3_array inv_rms, const k3_array partial,

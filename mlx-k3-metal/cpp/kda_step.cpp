@@ -1,4 +1,4 @@
-// One-token decode step of Kimi Delta Attention (SPEC_NOTES 3; mlx-lm `KimiK3DeltaAttention._decode_core`
+// One-token decode step of Kimi Delta Attention (docs/formats.md#kimi-delta-attention-kda; mlx-lm `KimiK3DeltaAttention._decode_core`
 // between the input projections and o_proj) as one MLX primitive:
 //
 //   conv:   c = SiLU(sum_i w[:, i] * [conv_state; qkv]_i), new conv state = the last Kc - 1 inputs

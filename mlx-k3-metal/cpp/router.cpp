@@ -1,4 +1,4 @@
-// The fused MoE router (SPEC_NOTES 4.3; mlx-lm `_group_expert_select`) as one MLX primitive: sigmoid of
+// The fused MoE router (docs/formats.md#moe-router; mlx-lm `_group_expert_select`) as one MLX primitive: sigmoid of
 // the router logits, the correction bias for selection only, grouped top-k (dropped groups' scores become
 // 0, not -inf), top-k, the weights renormalized and scaled, and optionally which selected experts sit in
 // the protected tier. One dispatch per call on every back-end.

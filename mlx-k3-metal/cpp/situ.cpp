@@ -1,4 +1,4 @@
-// SiTU (Kimi K3's soft-capped SwiGLU, SPEC_NOTES 4.5) as a custom MLX primitive.
+// SiTU (Kimi K3's soft-capped SwiGLU, docs/formats.md#situ) as a custom MLX primitive.
 //
 // CPU: the K3Situ primitive allocates its output in eval_cpu and enqueues the work on the stream's command
 // encoder (computing inside eval_cpu would read inputs whose producers are still queued). The work is split
