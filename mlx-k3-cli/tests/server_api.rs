@@ -198,6 +198,14 @@ fn bad_requests_get_openai_errors_and_the_server_survives() {
     bad(chat, &json!({"messages": [{"role": "wizard", "content": "hi"}]}).to_string(), Some("messages[0].role"), None);
     bad(chat, &with(json!({"tools": [{"type": "x"}]})), Some("tools[0]"), None);
     bad(chat, &with(json!({"thinking_effort": "huge"})), Some("thinking_effort"), None);
+    // k3-nano's Kimi K2-style encoding cannot ask for JSON (Kimi K3's can, see below).
+    bad(
+        chat,
+        &with(json!({"response_format": {"type": "json_object"}})),
+        Some("response_format"),
+        Some("unsupported_parameter"),
+    );
+    bad(chat, &with(json!({"response_format": {"type": "yaml"}})), Some("response_format.type"), None);
     bad("/v1/completions", &json!({"prompt": ""}).to_string(), Some("prompt"), None);
     bad("/v1/completions", &json!({"prompt": "x", "echo": true}).to_string(), Some("echo"), None);
     bad("/api/chat", &with(json!({"sesion": "x"})), Some("sesion"), Some("unknown_field"));
