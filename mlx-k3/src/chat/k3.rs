@@ -251,12 +251,14 @@ enum Call {
     NotObject,
     /// `fn = tool_call.get("function", tool_call)` is not an object (refused likewise).
     BadFunction(&'static str),
-    Call {
-        name: Option<Value>,
-        args: Map<String, Value>,
-        /// An arguments string that is not JSON, kept as one raw block.
-        json_block: Option<String>,
-    },
+    Call(CallData),
+}
+
+struct CallData {
+    name: Option<Value>,
+    args: Map<String, Value>,
+    /// An arguments string that is not JSON, kept as one raw block.
+    json_block: Option<String>,
 }
 
 /// `normalize_tool_arguments`: null/blank -> {}, an object as is, a JSON object string parsed, any other
@@ -300,12 +302,12 @@ fn normalize_calls(msg: &Msg) -> Result<Option<Vec<Call>>> {
             Some(Value::Object(f)) => {
                 let (args, json_block) =
                     normalize_arguments(f.get("arguments"), &format!("{field}[{i}].function.arguments"))?;
-                Call::Call { name: f.get("name").cloned(), args, json_block }
+                Call::Call(CallData { name: f.get("name").cloned(), args, json_block })
             }
             function => {
                 let (args, json_block) = normalize_arguments(tc.get("arguments"), &format!("{field}[{i}].arguments"))?;
                 match function {
-                    None => Call::Call { name: tc.get("name").cloned(), args, json_block },
+                    None => Call::Call(CallData { name: tc.get("name").cloned(), args, json_block }),
                     Some(v) => Call::BadFunction(kind(v)),
                 }
             }
@@ -315,13 +317,13 @@ fn normalize_calls(msg: &Msg) -> Result<Option<Vec<Call>>> {
     Ok(Some(out))
 }
 
-/// The name of call `i` (`fn["name"]`), refusing what Python cannot index.
-fn call_name<'c>(calls: &'c [Call], i: usize, field: &str) -> Result<&'c Option<Value>> {
+/// Call `i` with its name (`fn["name"]`, possibly null), refusing what Python cannot index.
+fn call_at<'c>(calls: &'c [Call], i: usize, field: &str) -> Result<(&'c Value, &'c CallData)> {
     match &calls[i] {
         Call::NotObject => Err(err(format!("{field}[{i}]: a tool call must be an object"))),
         Call::BadFunction(k) => Err(err(format!("{field}[{i}].function: must be an object, not {k}"))),
-        Call::Call { name: None, .. } => Err(err(format!("{field}[{i}].function.name: missing"))),
-        Call::Call { name, .. } => Ok(name),
+        Call::Call(CallData { name: None, .. }) => Err(err(format!("{field}[{i}].function.name: missing"))),
+        Call::Call(c @ CallData { name: Some(name), .. }) => Ok((name, c)),
     }
 }
 
@@ -410,7 +412,7 @@ pub fn segments(messages: &[Value], tools: Option<&Value>, o: &K3Options) -> Res
             Ok(())
         };
         match msg.role() {
-            "user" | "system" if msg.role() == "system" && msg.m.get("tools").is_some_and(truthy) => {
+            "system" if msg.m.get("tools").is_some_and(truthy) => {
                 out.tool_declare(&sort_keys(&msg.m["tools"]), true);
             }
             role @ ("user" | "system") => {
@@ -431,7 +433,8 @@ pub fn segments(messages: &[Value], tools: Option<&Value>, o: &K3Options) -> Res
                 if name.is_none() {
                     if let Some((at, Some(calls))) = last_calls.map(|(at, c)| (at, c.as_ref())) {
                         if tool_index <= calls.len() {
-                            name = call_name(calls, tool_index - 1, &format!("messages[{at}].tool_calls"))?.clone();
+                            name =
+                                Some(call_at(calls, tool_index - 1, &format!("messages[{at}].tool_calls"))?.0.clone());
                         }
                     }
                 }
@@ -478,10 +481,8 @@ pub fn segments(messages: &[Value], tools: Option<&Value>, o: &K3Options) -> Res
                     let field = msg.field("tool_calls");
                     out.open_tag("tools", &[]);
                     for i in 0..list.len() {
-                        let name = call_name(list, i, &field)?;
-                        let Call::Call { args, json_block, .. } = &list[i] else { unreachable!() };
-                        let name =
-                            py_str(name.as_ref().unwrap_or(&Value::Null), &format!("{field}[{i}].function.name"))?;
+                        let (name, CallData { args, json_block, .. }) = call_at(list, i, &field)?;
+                        let name = py_str(name, &format!("{field}[{i}].function.name"))?;
                         out.open_tag("call", &[("tool", name), ("index", (i + 1).to_string())]);
                         if let Some(block) = json_block {
                             out.open_tag("json", &[("type", "object".into())]);
