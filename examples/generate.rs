@@ -16,7 +16,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use mlx_k3::chat::{ChatMessage, ThinkingEffort};
+use mlx_k3::chat::{ChatMessage, ChatOptions};
 use mlx_k3::generate::{GenerateOptions, Pipeline, PromptCache, SamplerConfig};
 use mlx_k3::model::LoadOptions;
 use mlx_k3::{Error, Result};
@@ -84,7 +84,7 @@ fn run() -> Result<()> {
     eprintln!("loading {}", args.model.display());
     let p = Pipeline::load(&args.model, LoadOptions::default(), &mut |_, _| {})?;
     let ids = if args.chat {
-        p.encode_chat(&[ChatMessage::new("user", &args.prompt)], None, ThinkingEffort::default())?
+        p.encode_chat(&[ChatMessage::new("user", &args.prompt)], None, &ChatOptions::default())?
     } else {
         p.encode_raw(&args.prompt)?
     };

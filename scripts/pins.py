@@ -1,4 +1,4 @@
-"""The MLX and mlx-lm versions the scripts check for, read from the Python package's single definition
+"""The MLX, mlx-lm and mlx-vlm versions the scripts check for, read from the Python package's single definition
 (``mlx-k3-py/python/mlx_k3/_pins.py``) without importing ``mlx_k3``."""
 
 from __future__ import annotations
@@ -15,3 +15,4 @@ _spec.loader.exec_module(_pins)
 
 MLX: str = _pins.MLX
 MLX_LM: str = _pins.MLX_LM
+MLX_VLM: str = _pins.MLX_VLM

@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 
 use serde_json::Value;
 
-use mlx_k3::chat::{ChatFormat, ChatMessage, ParsedOutput, ThinkingEffort};
+use mlx_k3::chat::{ChatMessage, ChatOptions, ParsedOutput, ThinkingEffort};
 use mlx_k3::generate::{GenerateOptions, Pipeline, PromptCache, TextGeneration};
 use mlx_k3::model::shard::Comm;
 use mlx_k3::model::LoadOptions;
@@ -32,8 +32,8 @@ pub enum Prompt {
         messages: Vec<ChatMessage>,
         /// OpenAI tool definitions.
         tools: Option<Value>,
-        /// Thinking effort.
-        thinking: ThinkingEffort,
+        /// Thinking, tool_choice, response_format.
+        options: ChatOptions,
     },
 }
 
@@ -102,6 +102,8 @@ pub struct ModelInfo {
     /// Whether a chat reply with thinking on starts inside the reasoning block (Kimi K3's XTML encoding
     /// opens it in the generation prompt), so a streaming client can tell reasoning from answer as it arrives.
     pub starts_in_thinking: bool,
+    /// The chat encoding's name (`kimi_k3`, `chat_template`, `kimi_k2`, `plain`).
+    pub chat_format: &'static str,
 }
 
 /// Engine settings.
@@ -245,7 +247,8 @@ impl EngineHandle {
                         .map(|n| n.to_string_lossy().into_owned())
                         .unwrap_or_else(|| "model".into()),
                     max_context: pipeline.model.config().max_position_embeddings,
-                    starts_in_thinking: matches!(pipeline.chat.format(), ChatFormat::KimiXtml),
+                    starts_in_thinking: pipeline.chat.starts_in_thinking(ThinkingEffort::Auto),
+                    chat_format: pipeline.chat.format().name(),
                 };
                 if ready_tx.send(Ok(info)).is_err() {
                     return;
@@ -368,8 +371,8 @@ fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats, c
     let (ids, thinking) = match &request.prompt {
         Prompt::Text(t) => (p.encode_raw(t), None),
         Prompt::Tokens(t) => (Ok(t.clone()), None),
-        Prompt::Chat { messages, tools, thinking } => {
-            (p.encode_chat(messages, tools.as_ref(), *thinking), Some(*thinking))
+        Prompt::Chat { messages, tools, options } => {
+            (p.encode_chat(messages, tools.as_ref(), options), Some(options.thinking))
         }
     };
     let ids = match ids {

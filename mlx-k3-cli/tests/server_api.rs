@@ -198,6 +198,14 @@ fn bad_requests_get_openai_errors_and_the_server_survives() {
     bad(chat, &json!({"messages": [{"role": "wizard", "content": "hi"}]}).to_string(), Some("messages[0].role"), None);
     bad(chat, &with(json!({"tools": [{"type": "x"}]})), Some("tools[0]"), None);
     bad(chat, &with(json!({"thinking_effort": "huge"})), Some("thinking_effort"), None);
+    // k3-nano's Kimi K2-style encoding cannot ask for JSON (Kimi K3's can, see below).
+    bad(
+        chat,
+        &with(json!({"response_format": {"type": "json_object"}})),
+        Some("response_format"),
+        Some("unsupported_parameter"),
+    );
+    bad(chat, &with(json!({"response_format": {"type": "yaml"}})), Some("response_format.type"), None);
     bad("/v1/completions", &json!({"prompt": ""}).to_string(), Some("prompt"), None);
     bad("/v1/completions", &json!({"prompt": "x", "echo": true}).to_string(), Some("echo"), None);
     bad("/api/chat", &with(json!({"sesion": "x"})), Some("sesion"), Some("unknown_field"));
@@ -463,6 +471,54 @@ fn thinking_streams_apart_from_the_answer_with_kimi_k3s_chat_encoding() {
     );
     assert_eq!(code, 200, "{off}");
     assert!(off["choices"][0]["message"]["reasoning_content"].is_null(), "{off}");
+}
+
+#[test]
+fn kimi_k3_requests_carry_names_tool_choice_and_response_format() {
+    let _g = serial();
+    let xtml = server_support::xtml_variant(&server_support::model_dir());
+    let s = Server::start_with(xtml.path(), &[]);
+    let body = json!({
+        "messages": [
+            {"role": "system", "content": "Answer in JSON.", "name": "policy"},
+            {"role": "user", "content": "Weather in Tokyo?", "name": "ana"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Tokyo\", \"days\": 2}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "21 C"},
+            {"role": "user", "content": [{"type": "text", "text": "And "}, {"type": "text", "text": "Paris?"}]}
+        ],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+        "tool_choice": "required",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}},
+        "max_tokens": 1, "temperature": 0
+    });
+    // The prompt the server encodes is the one `mlx-k3 template` prints for the same request body.
+    let prompt_len = |body: &Value| {
+        let file = xtml.path().join("request.json");
+        std::fs::write(&file, body.to_string()).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_mlx-k3"))
+            .args(["template", "--model", xtml.path().to_str().unwrap(), "--messages", file.to_str().unwrap(), "--ids"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap().trim().split(',').count() as u64
+    };
+    let mut lens = Vec::new();
+    for strip in [None, Some("response_format"), Some("tool_choice")] {
+        let mut b = body.clone();
+        if let Some(k) = strip {
+            b.as_object_mut().unwrap().remove(k);
+        }
+        let (code, r) = s.post("/v1/chat/completions", &b);
+        assert_eq!(code, 200, "{r}");
+        let used = r["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(used, prompt_len(&b), "without {strip:?}");
+        lens.push(used);
+    }
+    assert!(lens[0] > lens[1] && lens[0] > lens[2], "response_format and tool_choice reach the prompt: {lens:?}");
+    let bad = json!({"messages": user("hi"), "response_format": {"type": "json_schema"}});
+    let (code, v) = s.post("/v1/chat/completions", &bad);
+    assert_eq!((code, error_of(&v).1), (400, Some("response_format.json_schema")), "{v}");
 }
 
 #[test]

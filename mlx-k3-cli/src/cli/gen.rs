@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Args as ClapArgs;
 
-use mlx_k3::chat::{ChatMessage, ThinkingEffort};
+use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
 use mlx_k3::generate::{GenerateOptions, GenerationStats, Pipeline, PromptCache, SamplerConfig};
 use mlx_k3::model::LoadOptions;
 use mlx_k3::{Dtype, Error, Result};
@@ -52,9 +52,10 @@ pub struct ModelArgs {
     /// Prompt tokens per prefill step.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
-    /// Thinking effort for chat prompts: off, low, high or max.
-    #[arg(long, default_value = "high")]
-    pub thinking_effort: String,
+    /// Thinking effort for chat prompts: off, low, high or max (default: the chat encoding's own; Kimi K3's
+    /// is max).
+    #[arg(long)]
+    pub thinking_effort: Option<String>,
     /// A system message for chat prompts.
     #[arg(long)]
     pub system: Option<String>,
@@ -104,9 +105,9 @@ impl ModelArgs {
     }
 
     fn thinking(&self) -> Result<ThinkingEffort> {
-        ThinkingEffort::from_name(&self.thinking_effort).ok_or_else(|| {
-            Error::invalid("cli", format!("--thinking-effort: '{}' is not off, low, high or max", self.thinking_effort))
-        })
+        let Some(name) = &self.thinking_effort else { return Ok(ThinkingEffort::Auto) };
+        ThinkingEffort::from_name(name)
+            .ok_or_else(|| Error::invalid("cli", format!("--thinking-effort: '{name}' is not off, low, high or max")))
     }
 }
 
@@ -169,7 +170,7 @@ pub(super) fn generate(args: GenerateArgs) -> Result<()> {
             msgs.push(ChatMessage::new("system", s));
         }
         msgs.push(ChatMessage::new("user", &args.prompt));
-        p.encode_chat(&msgs, None, thinking)?
+        p.encode_chat(&msgs, None, &ChatOptions::thinking(thinking))?
     } else {
         p.encode_raw(&args.prompt)?
     };
@@ -256,7 +257,7 @@ pub(super) fn chat(args: ChatArgs) -> Result<()> {
             _ => {}
         }
         history.push(ChatMessage::new("user", line));
-        let ids = p.encode_chat(&history, None, thinking)?;
+        let ids = p.encode_chat(&history, None, &ChatOptions::thinking(thinking))?;
         let r = p.generate(&mut cache, &ids, &opts, |piece| {
             if speak {
                 print!("{piece}");

@@ -13,6 +13,7 @@ mod info;
 pub mod inspect;
 mod logits;
 mod serve;
+mod template;
 
 /// Run Kimi K3-class MoE models on MLX.
 #[derive(Parser, Debug)]
@@ -59,13 +60,16 @@ enum Command {
     Eval(compress::EvalCommand),
     /// Serve the model over HTTP: OpenAI-compatible API, /api/chat (SSE, sessions), metrics, web chat page.
     Serve(serve::Args),
+    /// Print the prompt a conversation renders to with the checkpoint's chat encoding (Kimi K3's, its
+    /// chat_template, or Kimi K2-style tokens), or its token ids, as the engine would encode it.
+    Template(template::Args),
 }
 
 /// Parses the command line and runs the subcommand.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let reporting = match &cli.command {
-        Command::Info | Command::Inspect(_) | Command::Plan(_) | Command::Bench(_) => true,
+        Command::Info | Command::Inspect(_) | Command::Plan(_) | Command::Bench(_) | Command::Template(_) => true,
         // A rank that wrote to a peer's closed socket would die of SIGPIPE with no message.
         Command::Logits(a) => !a.dist.is_distributed(),
         Command::Generate(a) => !a.model.dist.is_distributed(),
@@ -89,6 +93,7 @@ pub fn main() -> ExitCode {
         Command::Retier(args) => compress::run_retier(args),
         Command::Prune(args) => compress::run_prune(args),
         Command::Eval(cmd) => compress::run_eval(cmd),
+        Command::Template(args) => template::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

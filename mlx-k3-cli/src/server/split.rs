@@ -163,7 +163,7 @@ mod tests {
         let ranks: HashMap<Vec<u8>, u32> = (0..=255u8).map(|b| (vec![b], b as u32)).collect();
         let cfg = serde_json::json!({"added_tokens_decoder": {
             "256": {"content": "<|open|>"}, "257": {"content": "<|sep|>"}, "258": {"content": "<|close|>"},
-            "259": {"content": "<|im_end|>"}
+            "259": {"content": "<|im_end|>"}, "260": {"content": "<|end_of_msg|>"}
         }});
         let tok = Tokenizer::Tiktoken(TiktokenTokenizer::from_ranks(ranks, &cfg, KIMI_PATTERN).unwrap());
         ChatEncoder::new(&tok, None, None, None).unwrap()

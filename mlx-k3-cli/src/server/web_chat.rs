@@ -32,7 +32,7 @@ use super::split::{Delta, ReplySplitter};
 use super::stream::{sse, StreamFormat};
 use super::State;
 use crate::engine::{Event, Prompt, Request};
-use mlx_k3::chat::{ChatMessage, ThinkingEffort};
+use mlx_k3::chat::{ChatMessage, ChatOptions};
 use mlx_k3::generate::FinishReason;
 
 /// Default new tokens per turn when the request gives none.
@@ -93,7 +93,8 @@ async fn run(state: State, req: WebChatRequest) -> Result<Response, ApiError> {
         Some(s) => s,
         None => new_session_id(),
     };
-    let mut request = Request::new(Prompt::Chat { messages, tools: None, thinking }, options);
+    let mut request =
+        Request::new(Prompt::Chat { messages, tools: None, options: ChatOptions::thinking(thinking) }, options);
     request.session = Some(session.clone());
 
     let mut generation = Generation::submit(&state.engine, request)?;
@@ -107,7 +108,7 @@ async fn run(state: State, req: WebChatRequest) -> Result<Response, ApiError> {
         }
         Err(e) => return Err(e),
     };
-    let starts_in_thinking = state.engine.info().starts_in_thinking && thinking != ThinkingEffort::Off;
+    let starts_in_thinking = state.engine.info().starts_in_thinking && thinking.thinking();
     let format = WebChatStream {
         splitter: ReplySplitter::new(starts_in_thinking),
         stop_requested: registration.flag.clone(),

@@ -25,9 +25,9 @@ pub fn model_dir() -> PathBuf {
     dir
 }
 
-/// A copy of `model` (weights linked, not copied) whose tokenizer names three reserved special tokens
-/// `<|open|>`, `<|sep|>`, `<|close|>`, so the server uses Kimi K3's XTML chat encoding, in which a reply with
-/// thinking on starts inside the thinking block.
+/// A copy of `model` (weights linked, not copied) whose tokenizer names four reserved special tokens
+/// `<|open|>`, `<|sep|>`, `<|close|>`, `<|end_of_msg|>`, so the server uses Kimi K3's XTML chat encoding, in
+/// which a reply with thinking on starts inside the thinking block.
 pub fn xtml_variant(model: &std::path::Path) -> tempfile::TempDir {
     let dir = tempfile::Builder::new().prefix("xtml-").tempdir().unwrap();
     for entry in std::fs::read_dir(model).unwrap() {
@@ -42,8 +42,8 @@ pub fn xtml_variant(model: &std::path::Path) -> tempfile::TempDir {
     let base =
         std::fs::read_to_string(model.join("tiktoken.model")).unwrap().lines().filter(|l| !l.trim().is_empty()).count();
     let added = cfg["added_tokens_decoder"].as_object_mut().unwrap();
-    // Offsets 20..23 are reserved in Kimi's layout (and in k3-nano's).
-    for (offset, name) in [(20, "<|open|>"), (21, "<|sep|>"), (22, "<|close|>")] {
+    // Offsets 20..24 are reserved in Kimi's layout (and in k3-nano's).
+    for (offset, name) in [(20, "<|open|>"), (21, "<|sep|>"), (22, "<|close|>"), (23, "<|end_of_msg|>")] {
         let id = (base + offset).to_string();
         let taken = added.get(&id).and_then(|t| t["content"].as_str()).filter(|c| !c.starts_with("<|reserved_token_"));
         assert!(taken.is_none(), "special id {id} is already named {taken:?}");

@@ -8,3 +8,7 @@ MLX = "0.32.4"
 
 MLX_LM = "0.32.2"
 """The mlx-lm release whose model files are the parity references."""
+
+MLX_VLM = "0.7.10"
+"""The mlx-vlm release whose ``models/kimi_k3/encoding_k3.py`` (adapted from Moonshot's ``encoding_k3.py``) is the
+reference for the built-in Kimi K3 chat encoding (``scripts/make_k3_chat_fixtures.py``)."""

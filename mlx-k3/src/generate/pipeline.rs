@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::{generate_text, GenerateOptions, PromptCache, TextGeneration};
-use crate::chat::{ChatEncoder, ChatFormat, ChatMessage, ParsedOutput, ThinkingEffort};
+use crate::chat::{ChatEncoder, ChatFormat, ChatMessage, ChatOptions, ParsedOutput, ThinkingEffort};
 use crate::model::{KimiK3, LoadOptions, ModelConfig};
 use crate::tokenizer::{Tokenizer, TokenizerConfig};
 use crate::Result;
@@ -67,15 +67,10 @@ impl Pipeline {
         Ok(ids)
     }
 
-    /// Token ids of a conversation rendered with the chat encoding and a generation prompt.
-    pub fn encode_chat(
-        &self,
-        messages: &[ChatMessage],
-        tools: Option<&Value>,
-        thinking: ThinkingEffort,
-    ) -> Result<Vec<u32>> {
-        let text = self.chat.render(messages, tools, true, thinking)?;
-        self.tokenizer.encode(&text, true)
+    /// Token ids of a conversation rendered with the chat encoding: structural markers as special tokens,
+    /// the messages' text always as ordinary text.
+    pub fn encode_chat(&self, messages: &[ChatMessage], tools: Option<&Value>, opts: &ChatOptions) -> Result<Vec<u32>> {
+        self.chat.prompt_messages(messages, tools, opts)?.encode(&self.tokenizer)
     }
 
     /// Options with this checkpoint's EOS ids added.

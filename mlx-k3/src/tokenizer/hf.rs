@@ -8,6 +8,9 @@ use crate::{Error, Result};
 /// A `tokenizer.json` tokenizer.
 pub struct HfTokenizer {
     inner: tokenizers::Tokenizer,
+    /// A copy that encodes special-token strings as ordinary text (`split_special_tokens=True` in
+    /// transformers), made on first use.
+    split: std::sync::OnceLock<tokenizers::Tokenizer>,
     path: std::path::PathBuf,
 }
 
@@ -16,16 +19,22 @@ impl HfTokenizer {
     pub fn load(path: &Path) -> Result<HfTokenizer> {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| Error::Format { path: path.to_path_buf(), message: e.to_string() })?;
-        Ok(HfTokenizer { inner, path: path.to_path_buf() })
+        Ok(HfTokenizer { inner, split: std::sync::OnceLock::new(), path: path.to_path_buf() })
     }
 
-    /// Encodes without adding BOS/EOS (chat templates add what they need).
+    /// Encodes without adding BOS/EOS (chat templates add what they need). Without `allow_special`, the text
+    /// of a special added token is encoded as ordinary text, as transformers' `split_special_tokens=True`
+    /// does (added tokens that are not special are still matched, there as here).
     pub fn encode(&self, text: &str, allow_special: bool) -> Result<Vec<u32>> {
         let enc = if allow_special {
-            self.inner.encode(text, false)
-        } else {
-            // Split special-token strings as ordinary text.
             self.inner.encode_fast(text, false)
+        } else {
+            let split = self.split.get_or_init(|| {
+                let mut t = self.inner.clone();
+                t.set_encode_special_tokens(true);
+                t
+            });
+            split.encode_fast(text, false)
         };
         enc.map(|e| e.get_ids().to_vec())
             .map_err(|e| Error::Format { path: self.path.clone(), message: format!("encode: {e}") })

@@ -18,7 +18,7 @@ use crate::server::sampling::{check_session, now_secs, response_id, thinking_eff
 use crate::server::split::{Delta, ReplySplitter};
 use crate::server::stream::{sse, StreamFormat};
 use crate::server::State;
-use mlx_k3::chat::{ChatMessage, FunctionCall, ParsedOutput, ThinkingEffort, ToolCall};
+use mlx_k3::chat::{ChatMessage, ChatOptions, FunctionCall, ParsedOutput, ToolCall};
 use mlx_k3::generate::{FinishReason, TextGeneration};
 
 /// The request body.
@@ -122,12 +122,12 @@ async fn run(state: State, req: ChatRequest) -> Result<Response, ApiError> {
     only_default("n", req.n.unwrap_or(1) == 1, "only n = 1 is supported")?;
     only_default("logprobs", req.logprobs != Some(true), "log-probabilities are not returned by this server")?;
     only_default("top_logprobs", req.top_logprobs.is_none(), "log-probabilities are not returned by this server")?;
-    let text_format = req.response_format.as_ref().map_or(true, |f| f.get("type") == Some(&json!("text")));
-    only_default("response_format", text_format, "only {\"type\": \"text\"} is supported")?;
+    let response_format = check_response_format(req.response_format, state.engine.info().chat_format)?;
     let messages = convert_messages(req.messages)?;
     let tools = check_tools(req.tools)?;
-    let tools = if req.tool_choice == Some(json!("none")) { None } else { tools };
     let thinking = thinking_effort(req.thinking_effort.as_deref(), req.reasoning_effort.as_deref())?;
+    // tool_choice "none": Kimi K3's encoding tells the model; other encodings leave the tools out.
+    let chat = ChatOptions { thinking, tool_choice: req.tool_choice, response_format, ..ChatOptions::default() };
     let sampling = Sampling {
         max_tokens: req.max_completion_tokens.or(req.max_tokens),
         temperature: req.temperature,
@@ -142,7 +142,7 @@ async fn run(state: State, req: ChatRequest) -> Result<Response, ApiError> {
     };
     // No max_tokens: as many as the context allows (the engine stops there).
     let options = sampling.options(usize::MAX)?;
-    let mut request = Request::new(Prompt::Chat { messages, tools, thinking }, options);
+    let mut request = Request::new(Prompt::Chat { messages, tools, options: chat }, options);
     request.session = check_session(req.session)?;
 
     let mut generation = Generation::submit(&state.engine, request)?;
@@ -150,7 +150,7 @@ async fn run(state: State, req: ChatRequest) -> Result<Response, ApiError> {
     let info = state.engine.info();
     let id = response_id("chatcmpl");
     let (model, created) = (info.id.clone(), now_secs());
-    let starts_in_thinking = info.starts_in_thinking && thinking != ThinkingEffort::Off;
+    let starts_in_thinking = info.starts_in_thinking && thinking.thinking();
     if req.stream {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
         let format = ChatStream { id, model, created, include_usage, splitter: ReplySplitter::new(starts_in_thinking) };
@@ -244,14 +244,14 @@ fn convert_messages(messages: Vec<ApiMessage>) -> Result<Vec<ChatMessage>, ApiEr
                 ))
             }
         };
+        // Text parts stay a list: Kimi K3's encoding concatenates them, the others join them with newlines.
         let content = match m.content {
-            Value::Null => String::new(),
-            Value::String(s) => s,
+            Value::Null => Value::String(String::new()),
+            Value::String(s) => Value::String(s),
             Value::Array(parts) => {
-                let mut texts = Vec::new();
-                for p in parts {
+                for p in &parts {
                     match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                        (Some("text"), Some(t)) => texts.push(t.to_string()),
+                        (Some("text"), Some(_)) => {}
                         (kind, _) => {
                             return Err(ApiError::bad_param(
                                 &param("content"),
@@ -260,7 +260,7 @@ fn convert_messages(messages: Vec<ApiMessage>) -> Result<Vec<ChatMessage>, ApiEr
                         }
                     }
                 }
-                texts.join("\n")
+                Value::Array(parts)
             }
             _ => {
                 return Err(ApiError::bad_param(&param("content"), "content must be a string, a list of parts or null"))
@@ -283,21 +283,45 @@ fn convert_messages(messages: Vec<ApiMessage>) -> Result<Vec<ChatMessage>, ApiEr
                 }
             })
             .collect();
-        // A tool result names its tool through the call it answers.
-        let name = m.name.or_else(|| {
-            let id = m.tool_call_id.as_deref()?;
-            out.iter().flat_map(|p| &p.tool_calls).find(|c| c.id == id).map(|c| c.function.name.clone())
-        });
+        // A tool result without a name is named by the chat encoding (Kimi K3 by its tool_call_id or its
+        // position, the others by the call it answers).
         out.push(ChatMessage {
             role,
             content,
             reasoning_content: m.reasoning_content,
             tool_calls,
             tool_call_id: m.tool_call_id,
-            name,
+            name: m.name,
         });
     }
     Ok(out)
+}
+
+/// `response_format`: `text` is the default; `json_object` and `json_schema` (with a `json_schema` object)
+/// only where the chat encoding can ask for JSON (Kimi K3's).
+fn check_response_format(rf: Option<Value>, chat_format: &str) -> Result<Option<Value>, ApiError> {
+    let Some(rf) = rf else { return Ok(None) };
+    let ty = rf.get("type").and_then(Value::as_str);
+    match ty {
+        Some("text") => Ok(None),
+        Some("json_object" | "json_schema") if chat_format != "kimi_k3" => Err(ApiError::bad_param(
+            "response_format",
+            format!(
+                "response_format: only {{\"type\": \"text\"}} is supported with this checkpoint's chat encoding \
+                 ({chat_format}); json_object and json_schema need Kimi K3's"
+            ),
+        )
+        .with_code("unsupported_parameter")),
+        Some("json_schema") if !rf.get("json_schema").is_some_and(Value::is_object) => Err(ApiError::bad_param(
+            "response_format.json_schema",
+            "response_format.json_schema: must be an object ({\"name\": ..., \"schema\": {...}})",
+        )),
+        Some("json_object" | "json_schema") => Ok(Some(rf)),
+        _ => Err(ApiError::bad_param(
+            "response_format.type",
+            "response_format.type: must be \"text\", \"json_object\" or \"json_schema\"",
+        )),
+    }
 }
 
 fn check_tools(tools: Option<Value>) -> Result<Option<Value>, ApiError> {
@@ -435,9 +459,9 @@ mod tests {
         ]))
         .unwrap();
         let m = convert_messages(messages).unwrap();
-        assert_eq!((m[0].role.as_str(), m[0].content.as_str()), ("system", "Be brief."));
+        assert_eq!((m[0].role.as_str(), &m[0].content), ("system", &json!([{"type": "text", "text": "Be brief."}])));
         assert_eq!(m[1].tool_calls[0].function.arguments, json!({"city": "Paris"}));
-        assert_eq!(m[2].name.as_deref(), Some("get_weather"), "a tool result is named by the call it answers");
+        assert_eq!(m[2].name, None, "the chat encoding names a tool result, as its reference does");
         let image = serde_json::from_value(json!([{"role": "user", "content": [{"type": "image_url"}]}])).unwrap();
         assert_eq!(convert_messages(image).unwrap_err().param.as_deref(), Some("messages[0].content"));
     }
