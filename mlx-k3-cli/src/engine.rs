@@ -3,6 +3,10 @@
 //! [`Event`]s on a channel. Dropping the receiver (a client that went away) or setting the request's cancel
 //! flag stops its generation at the next token. Conversations named by a session id keep their prompt cache
 //! between requests, evicting least-recently-used sessions beyond a byte budget.
+//!
+//! Requests arrive as token ids: prompts are tokenized by the caller with [`EngineHandle::encoder`] (a copy
+//! of the checkpoint's tokenizer and chat encoding that any thread may use), so a long tokenization never
+//! holds up the generations of others.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -11,37 +15,19 @@ use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use serde_json::Value;
-
-use mlx_k3::chat::{ChatMessage, ChatOptions, ParsedOutput, ThinkingEffort};
-use mlx_k3::generate::{GenerateOptions, Pipeline, PromptCache, TextGeneration};
+use mlx_k3::chat::{ParsedOutput, ThinkingEffort};
+use mlx_k3::generate::{GenerateOptions, Pipeline, PromptCache, PromptEncoder, TextGeneration};
 use mlx_k3::model::shard::Comm;
 use mlx_k3::model::LoadOptions;
 use mlx_k3::{Error, Result};
 
-/// What to generate from.
-#[derive(Clone, Debug)]
-pub enum Prompt {
-    /// Raw text, continued as is.
-    Text(String),
-    /// Token ids.
-    Tokens(Vec<u32>),
-    /// A conversation rendered with the checkpoint's chat encoding.
-    Chat {
-        /// The messages.
-        messages: Vec<ChatMessage>,
-        /// OpenAI tool definitions.
-        tools: Option<Value>,
-        /// Thinking, tool_choice, response_format.
-        options: ChatOptions,
-    },
-}
-
 /// One generation request.
 #[derive(Clone, Debug)]
 pub struct Request {
-    /// The prompt.
-    pub prompt: Prompt,
+    /// The prompt's token ids.
+    pub ids: Vec<u32>,
+    /// For a chat prompt, its thinking effort: the reply is then parsed into reasoning, answer and tool calls.
+    pub chat: Option<ThinkingEffort>,
     /// Generation settings (the checkpoint's EOS ids are added).
     pub options: GenerateOptions,
     /// Keep and reuse this conversation's cache under this id.
@@ -52,8 +38,8 @@ pub struct Request {
 
 impl Request {
     /// A request without session or cancel flag.
-    pub fn new(prompt: Prompt, options: GenerateOptions) -> Self {
-        Request { prompt, options, session: None, cancel: Arc::new(AtomicBool::new(false)) }
+    pub fn new(ids: Vec<u32>, chat: Option<ThinkingEffort>, options: GenerateOptions) -> Self {
+        Request { ids, chat, options, session: None, cancel: Arc::new(AtomicBool::new(false)) }
     }
 }
 
@@ -104,6 +90,9 @@ pub struct ModelInfo {
     pub starts_in_thinking: bool,
     /// The chat encoding's name (`kimi_k3`, `chat_template`, `kimi_k2`, `plain`).
     pub chat_format: &'static str,
+    /// At most how many bytes of text one token stands for ([`PromptEncoder::max_bytes_per_token`]): a prompt
+    /// text longer than `max_context` times this cannot fit the context, and is refused before tokenizing.
+    pub max_bytes_per_token: usize,
 }
 
 /// Engine settings.
@@ -196,6 +185,12 @@ pub struct EngineStats {
     pub queued: AtomicUsize,
     /// Last generation speed, tokens/s x 1000.
     pub last_generation_tps_milli: AtomicU64,
+    /// Sessions whose caches are kept.
+    pub sessions: AtomicUsize,
+    /// Bytes those caches hold (snapshots included, each array once).
+    pub session_bytes: AtomicUsize,
+    /// Bytes held by MLX arrays (weights, session caches), read after each request.
+    pub active_memory: AtomicUsize,
 }
 
 struct Job {
@@ -208,6 +203,7 @@ struct Job {
 pub struct EngineHandle {
     tx: SyncSender<Job>,
     info: ModelInfo,
+    encoder: Arc<PromptEncoder>,
     stats: Arc<EngineStats>,
     _thread: Arc<JoinOnDrop>,
 }
@@ -226,6 +222,8 @@ impl Drop for JoinOnDrop {
 impl EngineHandle {
     /// Starts the engine thread and waits until the model is loaded (or failed to load).
     pub fn spawn(cfg: EngineConfig) -> Result<EngineHandle> {
+        let encoder = Arc::new(PromptEncoder::load(&cfg.model_dir)?);
+        let max_bytes_per_token = encoder.max_bytes_per_token();
         let (tx, rx) = mpsc::sync_channel::<Job>(cfg.max_queue.max(1));
         let (ready_tx, ready_rx) = mpsc::channel::<std::result::Result<ModelInfo, String>>();
         let stats = Arc::new(EngineStats::default());
@@ -249,6 +247,7 @@ impl EngineHandle {
                     max_context: pipeline.model.config().max_position_embeddings,
                     starts_in_thinking: pipeline.chat.starts_in_thinking(ThinkingEffort::Auto),
                     chat_format: pipeline.chat.format().name(),
+                    max_bytes_per_token,
                 };
                 if ready_tx.send(Ok(info)).is_err() {
                     return;
@@ -259,6 +258,9 @@ impl EngineHandle {
                 let mut sessions = Sessions::new(cfg.session_cache_bytes);
                 while let Ok(job) = rx.recv() {
                     serve(&pipeline, &mut sessions, job, &thread_stats, cfg.comm.as_deref());
+                    thread_stats.sessions.store(sessions.map.len(), Ordering::Relaxed);
+                    thread_stats.session_bytes.store(sessions.bytes(), Ordering::Relaxed);
+                    thread_stats.active_memory.store(mlx_k3::memory::active(), Ordering::Relaxed);
                     thread_stats.queued.fetch_sub(1, Ordering::SeqCst);
                 }
                 if let Some(c) = &cfg.comm {
@@ -280,12 +282,17 @@ impl EngineHandle {
                 return Err(Error::invalid("engine", "the engine thread died while loading"));
             }
         };
-        Ok(EngineHandle { tx, info, stats, _thread: Arc::new(JoinOnDrop(Some(thread))) })
+        Ok(EngineHandle { tx, info, encoder, stats, _thread: Arc::new(JoinOnDrop(Some(thread))) })
     }
 
     /// The loaded model.
     pub fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    /// The checkpoint's tokenizer and chat encoding, for any thread.
+    pub fn encoder(&self) -> &Arc<PromptEncoder> {
+        &self.encoder
     }
 
     /// The engine's counters.
@@ -338,12 +345,19 @@ impl Sessions {
         self.map.remove(id).map(|(c, _)| c)
     }
 
+    /// Bytes held by every kept cache, snapshots included.
+    fn bytes(&self) -> usize {
+        self.map.values().map(|(c, _)| c.held_bytes()).sum()
+    }
+
     fn put(&mut self, id: String, cache: PromptCache) {
         self.clock += 1;
         self.map.insert(id, (cache, self.clock));
-        // Evict least-recently-used sessions until the byte budget holds (the newest always stays).
+        // Evict least-recently-used sessions until the byte budget holds (the newest always stays). A cache
+        // counts its snapshots: they hold their own copies of the recurrent states and KV buffers that later
+        // steps replaced.
         loop {
-            let total: usize = self.map.values().map(|(c, _)| c.nbytes()).sum();
+            let total = self.bytes();
             if total <= self.budget || self.map.len() <= 1 {
                 break;
             }
@@ -368,17 +382,7 @@ fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats, c
     if request.cancel.load(Ordering::SeqCst) {
         return;
     }
-    let (ids, thinking) = match &request.prompt {
-        Prompt::Text(t) => (p.encode_raw(t), None),
-        Prompt::Tokens(t) => (Ok(t.clone()), None),
-        Prompt::Chat { messages, tools, options } => {
-            (p.encode_chat(messages, tools.as_ref(), options), Some(options.thinking))
-        }
-    };
-    let ids = match ids {
-        Ok(ids) => ids,
-        Err(e) => return fail(FailureKind::BadRequest, e.to_string()),
-    };
+    let (ids, thinking) = (&request.ids, request.chat);
     let max_ctx = p.model.config().max_position_embeddings;
     if ids.len() + request.options.max_tokens.min(1) > max_ctx {
         return fail(
@@ -412,7 +416,7 @@ fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats, c
     options.max_tokens = options.max_tokens.min(max_ctx.saturating_sub(ids.len()));
     let evict = std::mem::take(&mut sessions.evicted);
     if let Some(c) = comm {
-        let order = WorkOrder { ids: ids.clone(), options: options.clone(), session: request.session.clone(), evict };
+        let order = WorkOrder { ids: ids.to_vec(), options: options.clone(), session: request.session.clone(), evict };
         let sent = serde_json::to_vec(&order)
             .map_err(|e| Error::invalid("distributed", format!("cannot encode a work order: {e}")))
             .and_then(|b| c.broadcast_bytes(Some(&b)));
@@ -422,7 +426,7 @@ fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats, c
         }
     }
     let cancel = request.cancel.clone();
-    let result = p.generate(&mut cache, &ids, &options, |piece| {
+    let result = p.generate(&mut cache, ids, &options, |piece| {
         !cancel.load(Ordering::SeqCst) && events.send(Event::Text(piece.to_string())).is_ok()
     });
     match result {
@@ -444,12 +448,13 @@ fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats, c
                 Error::InvalidArgument { .. } => FailureKind::BadRequest,
                 _ => FailureKind::Internal,
             };
-            // A failed step may leave the cache half-updated: never keep it.
-            cache.clear();
+            // A failed step may leave the cache half-updated: never keep it, nor the session (a request that
+            // failed leaves no entry behind).
             fail(kind, e.to_string());
             if comm.is_some() {
                 ranks_out_of_step(&e);
             }
+            return;
         }
     }
     if let Some(s) = request.session {

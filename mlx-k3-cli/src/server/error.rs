@@ -102,8 +102,8 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             ApiError::bad_request("the request body is empty; expected a JSON object").with_code("invalid_json")
         );
     }
-    let de = &mut serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         if inner.is_syntax() || inner.is_eof() {
@@ -123,7 +123,14 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             None => format!("invalid request: {msg}"),
         };
         ApiError { param, ..ApiError::bad_request(message) }.with_code(code)
-    })
+    })?;
+    // One JSON value and nothing after it but whitespace: a second value or stray bytes are an error, not
+    // ignored.
+    de.end().map_err(|e| {
+        ApiError::bad_request(format!("malformed JSON: the body goes on after its JSON value: {e}"))
+            .with_code("invalid_json")
+    })?;
+    Ok(value)
 }
 
 #[cfg(test)]
@@ -157,5 +164,8 @@ mod tests {
         assert_eq!(e.code, Some("invalid_json"), "{}", e.message);
         let e = parse_json::<Req>(b"").unwrap_err();
         assert_eq!(e.code, Some("invalid_json"), "{}", e.message);
+        let e = parse_json::<Req>(br#"{"a": 1} {"a": 2}"#).unwrap_err();
+        assert_eq!(e.code, Some("invalid_json"), "{}", e.message);
+        assert!(parse_json::<Req>(b"{\"a\": 1} \r\n").is_ok(), "trailing whitespace is fine");
     }
 }

@@ -73,6 +73,20 @@ pub async fn metrics(AxState(state): AxState<State>) -> Response {
         "Decode speed of the last finished generation.",
         format!("{tps}"),
     );
+    let load_usize = |c: &std::sync::atomic::AtomicUsize| c.load(Ordering::Relaxed).to_string();
+    metric("mlx_k3_sessions", "gauge", "Sessions whose prompt caches are kept.", load_usize(&s.sessions));
+    metric(
+        "mlx_k3_session_cache_bytes",
+        "gauge",
+        "Bytes the kept sessions' prompt caches hold, snapshots included (--session-cache-mib bounds it).",
+        load_usize(&s.session_bytes),
+    );
+    metric(
+        "mlx_k3_memory_active_bytes",
+        "gauge",
+        "Bytes held by MLX arrays (weights and session caches), read after each request.",
+        load_usize(&s.active_memory),
+    );
     let active = state.active.lock().unwrap_or_else(|p| p.into_inner()).len();
     metric("mlx_k3_web_chat_streams", "gauge", "Running /api/chat generations.", active.to_string());
     out.push_str("# HELP mlx_k3_http_requests_total HTTP responses by route and status.\n");

@@ -145,10 +145,15 @@ pub fn now_secs() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-/// A response id with `prefix` (`chatcmpl`, `cmpl`).
+/// A response id with `prefix` (`chatcmpl`, `cmpl`) and 96 random bits.
 pub fn response_id(prefix: &str) -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    format!("{prefix}-{:x}{:06x}", now_secs(), N.fetch_add(1, Ordering::Relaxed) & 0xff_ffff)
+    format!("{prefix}-{}", random_hex::<12>())
+}
+
+/// `N` random bytes in hex, from `rand`'s thread generator (a CSPRNG seeded by the operating system).
+pub fn random_hex<const N: usize>() -> String {
+    let bytes: [u8; N] = rand::random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A session id: at most 128 printable ASCII characters.

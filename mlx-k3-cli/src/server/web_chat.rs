@@ -13,12 +13,16 @@
 //! The client sends the whole conversation each turn; the session id keeps its KV state in the engine, so
 //! only the new suffix is prefilled (`usage.cached_tokens` says how much was reused). `POST /api/chat/stop`
 //! with `{"session"}` stops that session's running generation; it ends with `finish_reason: "cancelled"`.
+//!
+//! A session id the server makes is 128 random bits (`s-` and 32 hex digits), so one client cannot guess
+//! another's. With API keys, sessions belong to the key that made them: the same id sent with another key
+//! names another session, and `/api/chat/stop` finds only the caller's own.
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use axum::extract::State as AxState;
+use axum::extract::{Extension, State as AxState};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -27,11 +31,12 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, JsonBody};
 use super::generation::{failure, Generation};
+use super::prompt::{self, Prompt};
 use super::sampling::{thinking_effort, Sampling};
 use super::split::{Delta, ReplySplitter};
 use super::stream::{sse, StreamFormat};
-use super::State;
-use crate::engine::{Event, Prompt, Request};
+use super::{Owner, State};
+use crate::engine::{Event, Request};
 use mlx_k3::chat::{ChatMessage, ChatOptions};
 use mlx_k3::generate::FinishReason;
 
@@ -59,14 +64,18 @@ struct WebMessage {
 }
 
 /// `POST /api/chat`.
-pub async fn chat(AxState(state): AxState<State>, JsonBody(req): JsonBody<WebChatRequest>) -> Response {
-    match run(state, req).await {
+pub async fn chat(
+    AxState(state): AxState<State>,
+    Extension(owner): Extension<Owner>,
+    JsonBody(req): JsonBody<WebChatRequest>,
+) -> Response {
+    match run(state, owner, req).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn run(state: State, req: WebChatRequest) -> Result<Response, ApiError> {
+async fn run(state: State, owner: Owner, req: WebChatRequest) -> Result<Response, ApiError> {
     if req.messages.is_empty() {
         return Err(ApiError::bad_param("messages", "messages must not be empty"));
     }
@@ -93,13 +102,18 @@ async fn run(state: State, req: WebChatRequest) -> Result<Response, ApiError> {
         Some(s) => s,
         None => new_session_id(),
     };
-    let mut request =
-        Request::new(Prompt::Chat { messages, tools: None, options: ChatOptions::thinking(thinking) }, options);
-    request.session = Some(session.clone());
+    let prompt = prompt::encode(
+        &state,
+        Prompt::Chat { messages, tools: None, options: ChatOptions::thinking(thinking) },
+        "messages",
+    )
+    .await?;
+    let mut request = Request::new(prompt.ids, prompt.chat, options);
+    request.session = Some(owner.session(&session));
 
     let mut generation = Generation::submit(&state.engine, request)?;
     // Registered while queued too, so a stop before the generation starts is not lost.
-    let registration = Registration::new(state.clone(), session.clone(), generation.cancel_flag());
+    let registration = Registration::new(state.clone(), owner.session(&session), generation.cancel_flag());
     let prompt_tokens = match generation.started().await {
         Ok(n) => n,
         Err(_) if registration.flag.load(Ordering::SeqCst) => {
@@ -118,9 +132,9 @@ async fn run(state: State, req: WebChatRequest) -> Result<Response, ApiError> {
     Ok(sse(generation, format, first).into_response())
 }
 
+/// `s-` and 128 random bits in hex.
 fn new_session_id() -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    format!("s-{:x}-{}", super::sampling::now_secs(), N.fetch_add(1, Ordering::Relaxed))
+    format!("s-{}", super::sampling::random_hex::<16>())
 }
 
 fn event(name: &str, data: Value) -> SseEvent {
@@ -135,8 +149,13 @@ pub struct StopRequest {
 }
 
 /// `POST /api/chat/stop`: `{"stopped": true}` when a generation of that session was running.
-pub async fn stop(AxState(state): AxState<State>, JsonBody(req): JsonBody<StopRequest>) -> Json<Value> {
-    let flag = state.active.lock().unwrap_or_else(|p| p.into_inner()).get(&req.session).cloned();
+pub async fn stop(
+    AxState(state): AxState<State>,
+    Extension(owner): Extension<Owner>,
+    JsonBody(req): JsonBody<StopRequest>,
+) -> Json<Value> {
+    let key = owner.session(&req.session);
+    let flag = state.active.lock().unwrap_or_else(|p| p.into_inner()).get(&key).cloned();
     let stopped = match flag {
         Some(f) => !f.swap(true, Ordering::SeqCst),
         None => false,

@@ -2,7 +2,8 @@
 //! and a small HTTP/SSE client over `ureq`.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -56,10 +57,24 @@ pub fn xtml_variant(model: &std::path::Path) -> tempfile::TempDir {
 /// A running `mlx-k3 serve`, killed on drop.
 pub struct Server {
     child: Child,
+    client: Client,
+}
+
+/// A client of a running server: its address, and the API key it sends.
+#[derive(Clone)]
+pub struct Client {
     /// `http://127.0.0.1:PORT`.
     pub url: String,
     agent: ureq::Agent,
     key: Option<String>,
+}
+
+impl std::ops::Deref for Server {
+    type Target = Client;
+
+    fn deref(&self) -> &Client {
+        &self.client
+    }
 }
 
 impl Server {
@@ -70,15 +85,21 @@ impl Server {
 
     /// Starts the server with the checkpoint at `model`.
     pub fn start_with(model: &std::path::Path, extra: &[&str]) -> Server {
+        let key = extra.iter().position(|a| *a == "--api-key").map(|i| extra[i + 1].to_string());
+        Server::start_env(model, extra, &[], key)
+    }
+
+    /// Starts the server with environment variables set, sending `key` with requests.
+    pub fn start_env(model: &std::path::Path, extra: &[&str], env: &[(&str, &str)], key: Option<String>) -> Server {
         let child = Command::new(env!("CARGO_BIN_EXE_mlx-k3"))
             .args(["serve", "--port", "0", "--model"])
             .arg(model)
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("cannot start mlx-k3 serve");
-        let key = extra.iter().position(|a| *a == "--api-key").map(|i| extra[i + 1].to_string());
         Server::attach(child, key)
     }
 
@@ -102,7 +123,47 @@ impl Server {
         };
         let url = line.rsplit(' ').next().unwrap().to_string();
         assert!(url.starts_with("http://"), "unexpected first line from serve: {line}");
-        Server { child, url, agent: agent(), key }
+        Server { child, client: Client { url, agent: agent(), key } }
+    }
+
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits up to `timeout` for the process to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < timeout {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Client {
+    /// The same server with another API key (or none).
+    pub fn with_key(&self, key: Option<&str>) -> Client {
+        Client { key: key.map(str::to_string), ..self.clone() }
+    }
+
+    /// `127.0.0.1:PORT`.
+    pub fn addr(&self) -> String {
+        self.url.trim_start_matches("http://").to_string()
+    }
+
+    /// Sends `head` (request line and headers, without the blank line; `Connection: close` is added) and
+    /// `body` on a fresh connection and reads the whole answer.
+    pub fn raw(&self, head: &str, body: &[u8]) -> RawResponse {
+        let mut sock = TcpStream::connect(self.addr()).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut req = format!("{head}\r\nConnection: close\r\n\r\n").into_bytes();
+        req.extend_from_slice(body);
+        sock.write_all(&req).unwrap();
+        read_response(&mut sock).unwrap_or_else(|e| panic!("no answer to {head:?}: {e}"))
     }
 
     /// `url` + `path`.
@@ -257,4 +318,71 @@ pub fn collect_chat_chunks(events: &[SseEvent]) -> (String, String, Option<Strin
         }
     }
     (reasoning, content, finish, usage)
+}
+
+/// An HTTP answer read off a socket.
+#[derive(Debug)]
+pub struct RawResponse {
+    /// Status code.
+    pub status: u16,
+    /// Headers, names lowercase.
+    pub headers: Vec<(String, String)>,
+    /// The body (de-chunked).
+    pub body: String,
+}
+
+impl RawResponse {
+    /// A header's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+
+    /// The body as JSON.
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("body is not JSON ({e}): {self:?}"))
+    }
+}
+
+/// Reads one HTTP/1.1 answer: status line, headers, and a body of Content-Length bytes, chunks, or up to
+/// the end of the stream.
+pub fn read_response(sock: &mut TcpStream) -> std::io::Result<RawResponse> {
+    let mut r = BufReader::new(sock);
+    let mut line = String::new();
+    if r.read_line(&mut line)? == 0 {
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the connection closed with no answer"));
+    }
+    let status = line.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        r.read_line(&mut line)?;
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        if let Some((n, v)) = l.split_once(':') {
+            headers.push((n.trim().to_ascii_lowercase(), v.trim().to_string()));
+        }
+    }
+    let get = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+    let mut body = Vec::new();
+    if let Some(n) = get("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        body.resize(n, 0);
+        r.read_exact(&mut body)?;
+    } else if get("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+        loop {
+            line.clear();
+            r.read_line(&mut line)?;
+            let n = usize::from_str_radix(line.trim(), 16).unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            let mut chunk = vec![0; n + 2];
+            r.read_exact(&mut chunk)?;
+            body.extend_from_slice(&chunk[..n]);
+        }
+    } else {
+        r.read_to_end(&mut body)?;
+    }
+    Ok(RawResponse { status, headers, body: String::from_utf8_lossy(&body).into_owned() })
 }

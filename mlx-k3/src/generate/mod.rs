@@ -18,7 +18,7 @@ use std::time::Instant;
 use crate::model::{KimiK3, ModelCache};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{memory, Array, Dtype, Error, Result};
-pub use pipeline::Pipeline;
+pub use pipeline::{Pipeline, PromptEncoder};
 pub use sample::{RecentTokens, Sampler, SamplerConfig};
 
 /// Settings of one generation.
@@ -117,6 +117,21 @@ impl PromptCache {
     /// Bytes held (live state and snapshots; snapshots share most arrays with it).
     pub fn nbytes(&self) -> usize {
         self.cache.as_ref().map_or(0, ModelCache::nbytes)
+    }
+
+    /// Bytes held by the live state and its snapshots together, each array counted once: a snapshot shares
+    /// the arrays it has in common with the live state, but holds its own copy of every array a later step
+    /// replaced (a recurrent state, a grown KV buffer), so a conversation of several turns holds more than
+    /// [`PromptCache::nbytes`].
+    pub fn held_bytes(&self) -> usize {
+        let mut seen = std::collections::HashSet::new();
+        self.cache
+            .iter()
+            .chain(self.snapshots.iter().map(|(_, c)| c))
+            .flat_map(ModelCache::arrays)
+            .filter(|a| seen.insert(a.id()))
+            .map(Array::nbytes)
+            .sum()
     }
 
     /// Makes the state hold a prefix of `prompt` (never all of it: the last token must run to give logits)

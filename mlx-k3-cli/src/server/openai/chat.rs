@@ -3,7 +3,7 @@
 //! Streaming sends a role chunk, then deltas (reasoning and answer separated as they arrive, see
 //! [`crate::server::split`]), the tool calls, a final chunk with `finish_reason` and `usage`, and `[DONE]`.
 
-use axum::extract::State as AxState;
+use axum::extract::{Extension, State as AxState};
 use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -11,13 +11,14 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::only_default;
-use crate::engine::{Event, Prompt, Request};
+use crate::engine::{Event, Request};
 use crate::server::error::{ApiError, JsonBody};
 use crate::server::generation::{failure, usage, Generation};
+use crate::server::prompt::{self, Prompt};
 use crate::server::sampling::{check_session, now_secs, response_id, thinking_effort, Sampling, Stop};
 use crate::server::split::{Delta, ReplySplitter};
 use crate::server::stream::{sse, StreamFormat};
-use crate::server::State;
+use crate::server::{Owner, State};
 use mlx_k3::chat::{ChatMessage, ChatOptions, FunctionCall, ParsedOutput, ToolCall};
 use mlx_k3::generate::{FinishReason, TextGeneration};
 
@@ -111,14 +112,18 @@ struct ApiFunction {
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat_completions(AxState(state): AxState<State>, JsonBody(req): JsonBody<ChatRequest>) -> Response {
-    match run(state, req).await {
+pub async fn chat_completions(
+    AxState(state): AxState<State>,
+    Extension(owner): Extension<Owner>,
+    JsonBody(req): JsonBody<ChatRequest>,
+) -> Response {
+    match run(state, owner, req).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn run(state: State, req: ChatRequest) -> Result<Response, ApiError> {
+async fn run(state: State, owner: Owner, req: ChatRequest) -> Result<Response, ApiError> {
     only_default("n", req.n.unwrap_or(1) == 1, "only n = 1 is supported")?;
     only_default("logprobs", req.logprobs != Some(true), "log-probabilities are not returned by this server")?;
     only_default("top_logprobs", req.top_logprobs.is_none(), "log-probabilities are not returned by this server")?;
@@ -142,8 +147,10 @@ async fn run(state: State, req: ChatRequest) -> Result<Response, ApiError> {
     };
     // No max_tokens: as many as the context allows (the engine stops there).
     let options = sampling.options(usize::MAX)?;
-    let mut request = Request::new(Prompt::Chat { messages, tools, options: chat }, options);
-    request.session = check_session(req.session)?;
+    let session = check_session(req.session)?;
+    let prompt = prompt::encode(&state, Prompt::Chat { messages, tools, options: chat }, "messages").await?;
+    let mut request = Request::new(prompt.ids, prompt.chat, options);
+    request.session = session.map(|s| owner.session(&s));
 
     let mut generation = Generation::submit(&state.engine, request)?;
     generation.started().await?;

@@ -1,6 +1,6 @@
 //! `POST /v1/completions`: a raw prompt (text, or token ids) continued as is, no chat encoding.
 
-use axum::extract::State as AxState;
+use axum::extract::{Extension, State as AxState};
 use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -8,12 +8,13 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::only_default;
-use crate::engine::{Event, Prompt, Request};
+use crate::engine::{Event, Request};
 use crate::server::error::{ApiError, JsonBody};
 use crate::server::generation::{failure, usage, Generation};
+use crate::server::prompt::{self, Prompt};
 use crate::server::sampling::{check_session, now_secs, response_id, Sampling, Stop};
 use crate::server::stream::{sse, StreamFormat};
-use crate::server::State;
+use crate::server::{Owner, State};
 
 /// OpenAI's default `max_tokens` for completions.
 const DEFAULT_MAX_TOKENS: usize = 16;
@@ -60,8 +61,12 @@ struct StreamOptions {
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(AxState(state): AxState<State>, JsonBody(req): JsonBody<CompletionRequest>) -> Response {
-    match run(state, req).await {
+pub async fn completions(
+    AxState(state): AxState<State>,
+    Extension(owner): Extension<Owner>,
+    JsonBody(req): JsonBody<CompletionRequest>,
+) -> Response {
+    match run(state, owner, req).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -93,7 +98,7 @@ fn prompt_of(v: Value) -> Result<Prompt, ApiError> {
     Ok(prompt)
 }
 
-async fn run(state: State, req: CompletionRequest) -> Result<Response, ApiError> {
+async fn run(state: State, owner: Owner, req: CompletionRequest) -> Result<Response, ApiError> {
     only_default("n", req.n.unwrap_or(1) == 1, "only n = 1 is supported")?;
     only_default("best_of", req.best_of.unwrap_or(1) == 1, "only best_of = 1 is supported")?;
     let no_logprobs = matches!(req.logprobs, None | Some(Value::Null) | Some(Value::Bool(false)));
@@ -113,8 +118,11 @@ async fn run(state: State, req: CompletionRequest) -> Result<Response, ApiError>
         repetition_penalty: req.repetition_penalty,
         logit_bias: req.logit_bias,
     };
-    let mut request = Request::new(prompt, sampling.options(DEFAULT_MAX_TOKENS)?);
-    request.session = check_session(req.session)?;
+    let options = sampling.options(DEFAULT_MAX_TOKENS)?;
+    let session = check_session(req.session)?;
+    let prompt = prompt::encode(&state, prompt, "prompt").await?;
+    let mut request = Request::new(prompt.ids, None, options);
+    request.session = session.map(|s| owner.session(&s));
 
     let mut generation = Generation::submit(&state.engine, request)?;
     generation.started().await?;
