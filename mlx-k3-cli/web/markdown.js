@@ -154,7 +154,7 @@ function renderMarkdown(src) {
       i++;
       while (i < lines.length && !closesFence(lines[i], fence.fence)) {
         const l = lines[i++];
-        body.push(l.slice(Math.min(fence.indent, indentOf(l) === l.length ? l.length : l.match(/^ */)[0].length)));
+        body.push(l.slice(Math.min(fence.indent, l.match(/^ */)[0].length)));
       }
       i++;
       const lang = fence.lang ? ' class="language-' + escapeHtml(fence.lang) + '"' : "";
