@@ -83,6 +83,10 @@ fn run() -> Result<()> {
     eprintln!("mlx-k3 {} on MLX {} ({})", env!("CARGO_PKG_VERSION"), mlx_k3::mlx_version(), mlx_k3::MLX_ORIGIN);
     eprintln!("loading {}", args.model.display());
     let p = Pipeline::load(&args.model, LoadOptions::default(), &mut |_, _| {})?;
+    if args.model.file_name().is_some_and(|n| n == "k3-nano") {
+        // What a new user should expect from the default model before reading its output.
+        eprintln!("k3-nano is a 3M-parameter model trained on Python code: expect Python-like text, not answers\n");
+    }
     let ids = if args.chat {
         p.encode_chat(&[ChatMessage::new("user", &args.prompt)], None, &ChatOptions::default())?
     } else {

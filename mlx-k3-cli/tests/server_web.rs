@@ -1,7 +1,9 @@
 //! The web chat page in headless Chromium (Debian's `chromium`), driven over the Chrome DevTools protocol:
 //! load `/`, check the markdown renderer escapes HTML, send a prompt, see text stream in, press stop, see the
 //! generation end, reload and find the conversation kept in the browser. A screenshot is saved to
-//! `target/test-artifacts/web_chat.png`.
+//! `target/test-artifacts/web_chat.png`. A second test has the page show a stored assistant reply with
+//! fenced and unfenced Python and checks that the code is displayed as code (indentation, `__init__`), and
+//! that the page says what k3-nano is.
 //!
 //! Chromium is found on PATH (or `MLX_K3_CHROMIUM`); if missing, the test installs it with apt-get (as root,
 //! or with sudo). It skips, loudly, only when Chromium can be neither found nor installed.
@@ -252,4 +254,83 @@ fn web_chat_page_streams_and_stops_in_headless_chromium() {
     );
     let kept = b.eval(ANSWER_LEN).as_u64().unwrap();
     assert_eq!(kept, len_end, "the stored answer differs from the one shown");
+}
+
+/// An assistant reply with code in it, as a model writes one: a fenced block with an info string, unfenced
+/// Python (k3-nano writes no fences), an indented block under prose, and dunder names in prose.
+const CODE_REPLY: &str = "Here is a class:
+
+```python title=\"account.py\"
+class Account:
+    def __init__(self, owner):
+        self.owner = owner
+```
+
+And without fences:
+
+def __repr__(self):
+    return f\"Account({self.owner!r})\"
+
+    if self.owner:
+        return __name__
+
+Indented under prose:
+    x = 1
+        y = 2
+The __init__ method sets the owner; __repr__ shows it.";
+
+#[test]
+fn web_chat_page_shows_code_as_code_and_says_what_k3_nano_is() {
+    let Some(exe) = chromium() else {
+        eprintln!("\nSKIPPED web_chat_page_shows_code_as_code_and_says_what_k3_nano_is: chromium is not installed and");
+        eprintln!("`apt-get install chromium` failed. Install Debian's chromium package to run this test.\n");
+        return;
+    };
+    let s = Server::start(&[]);
+    let mut b = Browser::launch(&exe);
+    b.call("Page.enable", json!({}));
+    b.call("Page.navigate", json!({"url": s.at("/")}));
+    b.wait_for("document.readyState === 'complete'", Duration::from_secs(30), "the page to load");
+    // A conversation as the page stores it, shown after a reload.
+    let store = json!({
+        "sessions": [{"id": "web-code", "title": "code", "messages": [
+            {"role": "user", "content": "Write a class."},
+            {"role": "assistant", "content": CODE_REPLY, "reasoning": "", "meta": "stop"},
+        ]}],
+        "current": "web-code",
+        "settings": {},
+    });
+    b.eval(&format!("localStorage.setItem('mlx-k3.chat', {}); true", json!(store.to_string())));
+    b.call("Page.reload", json!({}));
+    b.wait_for(
+        "document.readyState === 'complete' && document.querySelectorAll('.msg.assistant .answer pre').length > 0",
+        Duration::from_secs(30),
+        "the stored reply to render",
+    );
+    // innerText is what the page displays (CSS white-space applied), so collapsed indentation would show.
+    let blocks = b.eval("Array.from(document.querySelectorAll('.msg.assistant .answer pre'), (p) => p.innerText)");
+    let want = json!([
+        "class Account:\n    def __init__(self, owner):\n        self.owner = owner",
+        "def __repr__(self):\n    return f\"Account({self.owner!r})\"\n\n    if self.owner:\n        return __name__",
+        "x = 1\n    y = 2",
+    ]);
+    assert_eq!(blocks, want, "code blocks as displayed");
+    let lang = b.eval("document.querySelector('.msg.assistant .answer pre code').className");
+    assert_eq!(lang, json!("language-python"));
+    let prose = b.eval("document.querySelector('.msg.assistant .answer p:last-child').innerText");
+    assert_eq!(prose, json!("The __init__ method sets the owner; __repr__ shows it."));
+    let bold = b.eval("document.querySelectorAll('.msg.assistant .answer strong, .msg.assistant .answer em').length");
+    assert_eq!(bold, json!(0), "no emphasis made of dunder names");
+
+    // The page says what k3-nano is (when the tests run it: MLX_K3_TEST_MODEL may name another model).
+    if server_support::model_dir().file_name().is_some_and(|n| n != "k3-nano") {
+        return;
+    }
+    b.wait_for("!document.getElementById('notice').hidden", Duration::from_secs(10), "the note on k3-nano");
+    let note = b.eval("document.getElementById('notice').innerText");
+    assert_eq!(
+        note,
+        json!("k3-nano is a 3M-parameter model trained on Python code: expect Python-like text, not answers.")
+    );
+    b.screenshot(&artifacts().join("web_chat_code.png"));
 }

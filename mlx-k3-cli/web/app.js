@@ -304,8 +304,15 @@ $("new-chat").addEventListener("click", () => {
 });
 for (const id of ["max-tokens", "temperature", "thinking", "api-key"]) $(id).addEventListener("change", readSettings);
 
+// What a new user should know about the project's tiny default model before reading its replies.
+const K3_NANO_NOTE = "k3-nano is a 3M-parameter model trained on Python code: expect Python-like text, not answers.";
+
 fetch("/health").then((r) => r.json()).then((h) => {
   $("model").textContent = "model: " + h.model + " (context " + h.max_context + ")";
+  if (h.model === "k3-nano") {
+    $("notice").textContent = K3_NANO_NOTE;
+    $("notice").hidden = false;
+  }
 }).catch(() => { $("model").textContent = "server unreachable"; });
 
 applySettings();

@@ -8,9 +8,11 @@ latent RMSNorm's scale is divided by sqrt(2) (the mean square over twice the dim
 computes what k3-nano computes (up to the norm's epsilon) and is still a trained model, so greedy decoding
 is decisive, not a coin toss between near-equal logits.
 
-Every checkpoint is float32 (the Rust engine's CPU default, so both engines do the same arithmetic), in
-mlx-lm's format and names, with k3-nano's Kimi tiktoken tokenizer plus a tokenizer.json for mlx-lm
-(:func:`mlx_k3.tokenizer.write_tokenizer_json`).
+The codebook and tiered checkpoints are float32 (the Rust engine's CPU default), in mlx-lm's format and
+names, with k3-nano's Kimi tiktoken tokenizer plus a tokenizer.json for mlx-lm
+(:func:`mlx_k3.tokenizer.write_tokenizer_json`). :func:`mlx_quantized` is k3-nano quantized by mlx-lm's own
+``quantize_model`` (affine, MXFP4), kept in bf16 as ``mlx_lm.convert`` would, with k3-nano's tokenizer files
+only (no tokenizer.json, as k3-nano itself).
 """
 
 import json
@@ -19,6 +21,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 import mlx_k3
 from mlx_k3.tokenizer import write_tokenizer_json
@@ -47,13 +50,14 @@ def _moe_layers(cfg):
     return [i for i in range(tc["num_hidden_layers"]) if i >= first and (i - first) % freq == 0]
 
 
-def _save(dst: Path, weights, cfg) -> Path:
+def _save(dst: Path, weights, cfg, tokenizer_json: bool = True) -> Path:
     dst.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     for name in TOKENIZER_FILES:
         shutil.copy(K3_NANO / name, dst / name)
-    write_tokenizer_json(dst)
+    if tokenizer_json:
+        write_tokenizer_json(dst)
     return dst
 
 
@@ -144,3 +148,19 @@ def wide_dense(dst: Path) -> Path:
     """The widened model before quantization (checks that widening keeps k3-nano's function)."""
     w, cfg = widen(_weights(), _config())
     return _save(dst, w, cfg)
+
+
+def mlx_quantized(dst: Path, mode: str, bits: int, group_size: int) -> Path:
+    """k3-nano (bf16) quantized by mlx-lm's ``quantize_model`` on mlx-lm's own classes, as ``mlx_lm.convert
+    -q`` quantizes it (its quant_predicate keeps the router at 8 bits, group 64, affine), saved with the
+    config mlx-lm writes. k3-nano's experts have 32 inputs (down_proj), so groups of 32 reach every layer."""
+    from mlx_lm.utils import quantize_model
+
+    from mlx_k3.models import kimi_k3 as drop_in
+
+    cfg = _config()
+    model = drop_in.MlxLmModel(drop_in.MlxLmModelArgs.from_dict(cfg))
+    weights = model.sanitize(mx.load(str(K3_NANO / "model.safetensors")))
+    model.load_weights(list(weights.items()))
+    model, cfg = quantize_model(model, cfg, group_size, bits, mode=mode)
+    return _save(dst, dict(tree_flatten(model.parameters())), cfg, tokenizer_json=False)

@@ -45,6 +45,18 @@ def tiered_ckpts(ckpt_dir):
 
 
 @pytest.fixture(scope="session")
+def affine_ckpt(ckpt_dir):
+    """k3-nano quantized by mlx-lm: affine 4-bit, groups of 32 (bf16 scales)."""
+    return checkpoints.mlx_quantized(ckpt_dir / "affine4", "affine", 4, 32)
+
+
+@pytest.fixture(scope="session")
+def mxfp4_ckpt(ckpt_dir):
+    """k3-nano quantized by mlx-lm: MXFP4 (the router affine 8-bit)."""
+    return checkpoints.mlx_quantized(ckpt_dir / "mxfp4", "mxfp4", 4, 32)
+
+
+@pytest.fixture(scope="session")
 def rust_cli():
     if "MLX_K3_CLI" in os.environ:
         path = Path(os.environ["MLX_K3_CLI"])

@@ -1,18 +1,24 @@
-"""The drop-in model: after ``import mlx_k3``, ``mlx_lm.load`` loads checkpoints in mlx-k3's formats and
-mlx-lm's generation and evaluation use them unchanged; plain checkpoints keep mlx-lm's own classes.
+"""The drop-in model: after ``import mlx_k3``, ``mlx_lm.load`` builds every Kimi K3 checkpoint as the
+drop-in (mlx-k3's kernels, float32 on the CPU, mlx-k3's formats), and mlx-lm's generation and evaluation use
+it unchanged.
 
-Each format is checked against (a) the same model with its expert stacks decoded to float32 and loaded by
-mlx-lm's own class (logits, perplexity, greedy tokens) and (b) the Rust engine's CLI (greedy tokens)."""
+mlx-k3's formats are checked against the same model with its expert stacks decoded to float32 and loaded by
+mlx-lm's own class (logits, perplexity, greedy tokens); MLX's formats and k3-nano as it ships (bf16) against
+mlx-lm's own class in float32 (logits); every format against the Rust engine's CLI (greedy tokens)."""
 
 import json
+import re
 import subprocess
 import sys
 
 import mlx.core as mx
 import mlx_lm
 import pytest
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import kimi_k3 as mlx_lm_kimi_k3
+from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.perplexity import eval_ppl
+from mlx_lm.utils import load_model
 
 import checkpoints
 import mlx_k3
@@ -46,17 +52,94 @@ def test_mlx_lm_loads_the_drop_in_for_k3_formats(quantized):
     assert type(moe.switch_mlp.activation) is drop_in.FusedSiTU
 
 
-def test_plain_checkpoints_keep_mlx_lm_classes(plain_ckpt, codebook_ckpts):
-    for path in (plain_ckpt, codebook_ckpts[1], checkpoints.K3_NANO):
+def test_every_kimi_k3_checkpoint_loads_the_drop_in(plain_ckpt, affine_ckpt, mxfp4_ckpt):
+    """Plain float checkpoints (k3-nano as it ships, bf16; float32) and MLX's formats load as the drop-in;
+    its quantized layers run mlx-k3's quantized_matmul / gather_qmm."""
+    for path in (checkpoints.K3_NANO, plain_ckpt):
         model, _ = mlx_lm.load(str(path))
-        assert type(model) is drop_in.MlxLmModel  # mlx-lm's own kimi_k3.Model, not a subclass
+        assert type(model) is drop_in.Model
         moe = model.language_model.model.layers[1].mlp
-        assert type(moe.switch_mlp.up_proj).__module__ == "mlx_lm.models.switch_layers"
+        assert type(moe.switch_mlp.up_proj) is SwitchLinear
+        assert type(moe.switch_mlp.activation) is drop_in.FusedSiTU
+    for path in (affine_ckpt, mxfp4_ckpt):
+        model, _ = mlx_lm.load(str(path))
+        assert type(model) is drop_in.Model
+        lm = model.language_model.model
+        moe = lm.layers[1].mlp
+        for proj in checkpoints.PROJECTIONS:
+            assert type(getattr(moe.switch_mlp, proj)) is drop_in.K3QuantizedSwitchLinear
+        assert type(moe.shared_experts.up_proj) is drop_in.K3QuantizedLinear
+        assert type(moe.gate) is drop_in.K3QuantizedLinear and moe.gate.bits == 8  # mlx-lm's router predicate
+        assert type(lm.embed_tokens) is drop_in.K3QuantizedEmbedding  # tied: the output head
+
+
+@pytest.mark.parametrize("kernel", ["moe_router", "attn_res_mix", "situ"])
+def test_kernels_run_in_the_drop_in_only(kernel, plain_ckpt, monkeypatch):
+    """On a CPU the drop-in runs mlx-k3's router, residual mix and SiTU (mlx-lm's module functions dispatch to
+    them); mlx-lm's own class (``drop_in.MlxLmModel``) keeps mlx-lm's functions."""
+    assert drop_in.MlxLmModel.__module__ == "mlx_lm.models.kimi_k3" and drop_in.MlxLmModel is not drop_in.Model
+    drop, _ = mlx_lm.load(str(plain_ckpt))
+    own, _ = mlx_lm_load(plain_ckpt)
+    calls = []
+    real = getattr(drop_in.kernels, kernel)
+    monkeypatch.setattr(drop_in.kernels, kernel, lambda *a, **k: calls.append(1) or real(*a, **k))
+    tokens = mx.array([[1, 2, 3]])
+    mx.eval(own(tokens))
+    assert calls == []
+    mx.eval(drop(tokens))
+    assert calls
 
 
 def test_hook_points_mlx_lm_at_the_drop_in():
     assert mlx_lm_kimi_k3.Model is drop_in.Model
     assert mlx_lm_kimi_k3.ModelArgs is drop_in.ModelArgs
+
+
+def mlx_lm_load(path, dtype=None):
+    """``path`` loaded by mlx-lm's own ``kimi_k3`` classes (not the drop-in), its float weights cast to
+    ``dtype`` as mlx-lm casts them (``cast_predicate``)."""
+    model, _ = load_model(path, get_model_classes=lambda config: (drop_in.MlxLmModel, drop_in.MlxLmModelArgs))
+    if dtype is not None:
+        keep = model.cast_predicate
+        params = [
+            (k, v.astype(dtype) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v)
+            for k, v in tree_flatten(model.parameters())
+        ]
+        model.update(tree_unflatten(params))
+    return model, None
+
+
+@pytest.mark.parametrize("which", ["k3_nano", "affine", "mxfp4"])
+def test_logits_match_mlx_lm_in_float32(which, affine_ckpt, mxfp4_ckpt):
+    """k3-nano as it ships (bf16) and mlx-lm's affine / MXFP4 quantizations of it: the drop-in's logits are
+    mlx-lm's own class's in float32 (mlx-lm's model cannot run bf16 experts on a CPU: MLX's CPU gather_mm
+    takes float32 only)."""
+    path = {"k3_nano": checkpoints.K3_NANO, "affine": affine_ckpt, "mxfp4": mxfp4_ckpt}[which]
+    model, tok = mlx_lm.load(str(path))
+    got = logits(model, tok)
+    assert got.dtype == mx.float32
+    ref, _ = mlx_lm_load(path, mx.float32)
+    want = logits(ref, tok)
+    err = float(mx.abs(got - want).max() / mx.abs(want).max())
+    assert err < 1e-5, err
+
+
+def test_mlx_lm_alone_cannot_run_k3_nano_on_the_cpu():
+    """What the drop-in fixes: mlx-lm's own model fails on k3-nano's bf16 experts on a CPU."""
+    model, _ = mlx_lm_load(checkpoints.K3_NANO)
+    with pytest.raises(RuntimeError, match="GatherMM.*float32"):
+        mx.eval(model(mx.array([[1, 2, 3]])))
+
+
+def test_convert_keeps_the_checkpoint_dtype(tmp_path):
+    """The float32 cast happens at the first call on a CPU, not at load: loading and saving (what
+    ``mlx_lm.convert`` does) keeps k3-nano's bf16."""
+    model, _ = mlx_lm.load(str(checkpoints.K3_NANO), lazy=True)
+    dtypes = {v.dtype for _, v in tree_flatten(model.parameters())}
+    assert mx.bfloat16 in dtypes
+    model(mx.array([[1, 2, 3]]))
+    dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
+    assert set(dtypes.values()) == {mx.float32}, dtypes
 
 
 def test_logits_match_the_decoded_reference(quantized):
@@ -97,14 +180,20 @@ def rust_generate(cli, ckpt):
     return r.stdout
 
 
-@pytest.mark.parametrize("which", ["plain", "codebook", "codebook_narrow", "tiered"])
+@pytest.mark.parametrize(
+    "which", ["k3_nano", "plain", "affine", "mxfp4", "codebook", "codebook_narrow", "tiered"]
+)
 def test_greedy_tokens_match_the_rust_cli(
-    which, rust_cli, plain_ckpt, codebook_ckpts, codebook_narrow_ckpts, tiered_ckpts
+    which, rust_cli, plain_ckpt, affine_ckpt, mxfp4_ckpt, codebook_ckpts, codebook_narrow_ckpts, tiered_ckpts
 ):
     """Greedy decoding through mlx_lm.generate gives the Rust CLI's continuation, token for token (the CLI
-    prints the prompt, then the continuation, then a newline)."""
+    prints the prompt, then the continuation, then a newline). k3_nano: the checkpoint as it ships (bf16, no
+    tokenizer.json); plain: float32; affine, mxfp4: mlx-lm's quantizations of it (bf16 scales)."""
     ckpt = {
+        "k3_nano": checkpoints.K3_NANO,
         "plain": plain_ckpt,
+        "affine": affine_ckpt,
+        "mxfp4": mxfp4_ckpt,
         "codebook": codebook_ckpts[0],
         "codebook_narrow": codebook_narrow_ckpts[0],
         "tiered": tiered_ckpts[0],
@@ -150,3 +239,22 @@ def test_drop_in_installs_when_mlx_lm_came_first():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+def test_python_m_mlx_k3_generate_runs_k3_nano_as_the_cli_does(rust_cli):
+    """The README's command, ``python -m mlx_k3 generate --model models/k3-nano``: it runs k3-nano as it ships
+    (bf16, Kimi's tiktoken tokenizer without tokenizer.json), prints the Rust CLI's greedy continuation, and
+    nothing on stderr (no transformers warning about the model type)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_k3", "generate", "--model", str(checkpoints.K3_NANO), "--prompt", PROMPT,
+         "--max-tokens", str(MAX_TOKENS)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "", r.stderr
+    m = re.match(r"=+\n(.*)\n=+\nPrompt: ", r.stdout, re.S)
+    assert m, r.stdout
+    assert PROMPT + m.group(1) + "\n" == rust_generate(rust_cli, checkpoints.K3_NANO)
+    assert not (checkpoints.K3_NANO / "tokenizer.json").exists()  # the checkpoint's folder is not written to

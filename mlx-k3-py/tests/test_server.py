@@ -1,5 +1,6 @@
 """mlx-lm's HTTP server, started with the drop-in (``python -m mlx_k3 server``), answers a chat request with
-the codebook checkpoint (which mlx-lm alone cannot load, see test_drop_in)."""
+the codebook checkpoint (which mlx-lm alone cannot load, see test_drop_in) and with k3-nano as it ships
+(bf16, which mlx-lm alone cannot run on a CPU: its server dropped the connection)."""
 
 import json
 import socket
@@ -12,6 +13,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
+import checkpoints
 import mlx_k3  # noqa: F401
 
 
@@ -27,11 +29,16 @@ def post(url, body, timeout=120):
         return json.loads(r.read())
 
 
+@pytest.fixture(scope="module", params=["codebook", "k3_nano"])
+def model_dir(request, codebook_ckpts):
+    return {"codebook": codebook_ckpts[0], "k3_nano": checkpoints.K3_NANO}[request.param]
+
+
 @pytest.fixture(scope="module")
-def server(codebook_ckpts):
+def server(model_dir):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_k3", "server", "--model", str(codebook_ckpts[0]), "--port", str(port)],
+        [sys.executable, "-m", "mlx_k3", "server", "--model", str(model_dir), "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -57,7 +64,7 @@ def server(codebook_ckpts):
         proc.kill()
 
 
-def test_chat_completion(server, codebook_ckpts):
+def test_chat_completion(server, model_dir):
     messages = [{"role": "user", "content": "def read_config(path):"}]
     reply = post(f"{server}/v1/chat/completions", {"messages": messages, "max_tokens": 24, "temperature": 0.0})
     choice = reply["choices"][0]
@@ -67,7 +74,7 @@ def test_chat_completion(server, codebook_ckpts):
     # checkpoint has no chat template, so the server joins them as text).
     from mlx_lm.server import convert_chat
 
-    model, tok = mlx_lm.load(str(codebook_ckpts[0]))
+    model, tok = mlx_lm.load(str(model_dir))
     with mx.stream(mx.cpu):
         want = mlx_lm.generate(model, tok, tok.encode(convert_chat(messages, None)), max_tokens=24)
     assert choice["message"]["content"] == want

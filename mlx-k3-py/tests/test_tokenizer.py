@@ -58,3 +58,36 @@ def test_command_line_writes_the_same_file(tmp_path, plain_ckpt):
     )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "tokenizer.json").read_text() == (plain_ckpt / "tokenizer.json").read_text()
+
+
+def test_mlx_lm_loads_kimis_tokenizer_without_tokenizer_json(encodings):
+    """After ``import mlx_k3``, mlx-lm's loader gives k3-nano, which ships no tokenizer.json, the exact Kimi
+    tokenizer (transformers alone would convert tiktoken.model with a generic pattern), and leaves k3-nano's
+    folder as it is."""
+    import mlx_k3  # noqa: F401
+    from mlx_lm.utils import load_tokenizer
+
+    enc, _ = encodings
+    tok = load_tokenizer(checkpoints.K3_NANO)
+    for text in texts():
+        assert tok.encode(text, add_special_tokens=False) == enc.encode_ordinary(text)
+    assert tok.encode("x = 1") == [enc.encode_single_token("[BOS]")] + enc.encode_ordinary("x = 1")
+    assert not (checkpoints.K3_NANO / "tokenizer.json").exists()
+
+
+def test_transformers_alone_tokenizes_k3_nano_otherwise(encodings):
+    """What the loader above fixes: transformers' own conversion of k3-nano's tiktoken.model splits
+    contractions differently from Kimi's pattern."""
+    enc, _ = encodings
+    code = (
+        "import sys\n"
+        "from transformers import AutoTokenizer\n"
+        f"t = AutoTokenizer.from_pretrained({str(checkpoints.K3_NANO)!r})\n"
+        "print(t.encode(sys.argv[1], add_special_tokens=False))\n"
+    )
+    text = "It's, don't, WE'LL, they'Ve"
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", code, text], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() != str(enc.encode_ordinary(text))

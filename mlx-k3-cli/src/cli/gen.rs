@@ -13,9 +13,9 @@ use mlx_k3::{Dtype, Error, Result};
 /// Model and sampling flags shared by `generate` and `chat`.
 #[derive(ClapArgs, Debug, Clone)]
 pub struct ModelArgs {
-    /// Checkpoint folder (config.json, model*.safetensors, tokenizer).
+    /// Checkpoint folder (config.json, model*.safetensors, tokenizer) [default: k3-nano from the source tree].
     #[arg(long)]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
     /// Activation dtype: float32, bfloat16 or float16 (default: float32 on a CPU, bfloat16 on a GPU).
     #[arg(long)]
     pub dtype: Option<String>,
@@ -76,7 +76,8 @@ impl ModelArgs {
         };
         let comm = self.dist.join()?;
         let opts = super::dist::shard_options(LoadOptions { dtype, lazy: false, shard: None }, comm.as_ref());
-        let mut p = load_with_progress(&self.model, opts)?;
+        let dir = super::default_model::resolve(self.model.as_deref())?;
+        let mut p = load_with_progress(&dir, opts)?;
         if let Some(c) = comm {
             p.model.set_comm(c)?;
             super::dist::report_rank(&p.model);
@@ -222,6 +223,9 @@ pub(super) fn chat(args: ChatArgs) -> Result<()> {
     let speak = comm.as_ref().is_none_or(|c| c.shard().rank == 0);
     if speak {
         eprintln!("chatting with {} (/clear resets the conversation, /exit or end of input quits)", p.dir.display());
+        if super::default_model::is_k3_nano(&p.dir) {
+            eprintln!("{}", super::default_model::K3_NANO_NOTE);
+        }
     }
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
@@ -252,6 +256,9 @@ pub(super) fn chat(args: ChatArgs) -> Result<()> {
             "/clear" => {
                 history.retain(|m| m.role == "system");
                 cache.clear();
+                if speak {
+                    eprintln!("conversation cleared: the next message starts a new chat");
+                }
                 continue;
             }
             _ => {}

@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod compress;
+pub mod default_model;
 pub mod dist;
 mod dist_check;
 pub mod gen;

@@ -16,9 +16,9 @@ const KEY_ENV: &str = "MLX_K3_API_KEY";
 /// Options of `serve`.
 #[derive(ClapArgs, Debug)]
 pub(super) struct Args {
-    /// Checkpoint folder (config.json, model*.safetensors, tokenizer).
+    /// Checkpoint folder (config.json, model*.safetensors, tokenizer) [default: k3-nano from the source tree].
     #[arg(long)]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// Address to bind; the default serves this machine only.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -147,7 +147,7 @@ pub(super) fn run(args: Args) -> Result<()> {
     let api_keys = api_keys(&args.api_key, args.api_key_file.as_deref())?;
     let comm = args.dist.join()?;
     let engine = EngineConfig {
-        model_dir: args.model,
+        model_dir: super::default_model::resolve(args.model.as_deref())?,
         load: LoadOptions { dtype, lazy: false, shard: None },
         max_queue: args.max_queue,
         session_cache_bytes: args.session_cache_mib.saturating_mul(1 << 20),

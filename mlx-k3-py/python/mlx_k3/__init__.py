@@ -10,11 +10,12 @@ included. The kernels are ordinary MLX ops for Python code::
     y = mlx_k3.situ(up, gate, beta=2.0, linear_beta=4.0)          # lazy, like any mx op
     z = mlx_k3.gather_codebook_qmm(x, codes, qh, scales, rhs_indices=experts)
 
-and ``import mlx_k3`` teaches ``mlx_lm.load`` the project's checkpoint formats (codebook and tiered expert
-stacks, recorded in ``config.json``'s ``quantization`` as ``{"mode": "k3_codebook"}`` / ``"k3_tiered"``):
-such checkpoints load as :class:`mlx_k3.models.kimi_k3.Model`, which ``mlx_lm.generate``,
-``stream_generate``, the server and perplexity use unchanged. Everything else keeps loading through
-mlx-lm's own classes. ``python -m mlx_k3 <mlx_lm command> ...`` runs any mlx-lm command with the drop-in.
+and ``import mlx_k3`` makes ``mlx_lm.load`` build every Kimi K3 checkpoint (``model_type: kimi_k3``) as
+:class:`mlx_k3.models.kimi_k3.Model`: mlx-lm's model with mlx-k3's kernels (quantized matmuls, router,
+SiTU, residual mix), float32 on a CPU as mlx-k3's CLI computes, and the project's codebook and tiered
+expert formats (``config.json``'s ``quantization``: ``{"mode": "k3_codebook"}`` / ``"k3_tiered"``), which
+``mlx_lm.generate``, ``stream_generate``, the server and perplexity use unchanged. Other model types keep
+mlx-lm's classes. ``python -m mlx_k3 <mlx_lm command> ...`` runs any mlx-lm command with the drop-in.
 """
 
 import mlx.core as mx  # loads libmlx first: the extension below binds to this same copy

@@ -1,25 +1,28 @@
-"""How ``import mlx_k3`` makes ``mlx_lm.load`` understand mlx-k3's checkpoint formats.
+"""How ``import mlx_k3`` makes ``mlx_lm.load`` understand Kimi K3 checkpoints with mlx-k3's kernels.
 
 mlx-lm picks a model's classes in ``mlx_lm.utils._get_classes``: it imports ``mlx_lm.models.<model_type>``
 and takes that module's ``Model`` and ``ModelArgs``. (Patching ``_get_classes`` itself would not reach
 ``load_model``, which bound it as a default argument when mlx-lm was imported.) So the hook replaces those
-two attributes of ``mlx_lm.models.kimi_k3`` with :mod:`mlx_k3.models.kimi_k3`'s, whose ``Model`` builds
-mlx-k3's layers only for a config that names an mlx-k3 format and otherwise returns mlx-lm's own ``Model``,
-unchanged. Every mlx-lm entry point (``load``, ``generate``, the server, perplexity, ...) goes through
-``_get_classes``, so all of them see the drop-in.
+two attributes of ``mlx_lm.models.kimi_k3`` with :mod:`mlx_k3.models.kimi_k3`'s, whose ``Model`` is
+mlx-lm's with mlx-k3's kernels and formats (see that module for what else it installs). Every mlx-lm entry
+point (``load``, ``generate``, the server, perplexity, ...) goes through ``_get_classes``, so all of them see
+the drop-in for every ``kimi_k3`` checkpoint.
 
-Importing mlx-lm takes seconds, so nothing is imported eagerly: when ``mlx_lm.models.kimi_k3`` is already
-loaded it is patched at once, otherwise the first import of it is (a meta-path finder that steps aside after
-that).
+The tokenizer is loaded by ``mlx_lm.utils.load_tokenizer``, which may run before any model module is
+imported, so ``mlx_lm.utils`` is patched by itself: its tokenizer loader gets Kimi's exact tokenizer for a
+checkpoint without ``tokenizer.json``, and transformers learns the ``kimi_k3`` model type
+(:func:`mlx_k3.tokenizer.install_tokenizer`).
+
+Importing mlx-lm takes seconds, so nothing is imported eagerly: a module of :data:`TARGETS` that is already
+loaded is patched at once, otherwise its first import is (a meta-path finder that steps aside once every
+target is patched).
 """
 
 import importlib.abc
 import sys
 
-TARGET = "mlx_lm.models.kimi_k3"
 
-
-def _patch(module) -> None:
+def _patch_model(module) -> None:
     from .models import kimi_k3
 
     # When mlx_k3.models.kimi_k3 itself is being imported (and imported mlx-lm's module), it is only partly
@@ -29,14 +32,24 @@ def _patch(module) -> None:
         install(module)
 
 
+def _patch_utils(module) -> None:
+    from .tokenizer import install_tokenizer
+
+    install_tokenizer(module)
+
+
+# mlx-lm's modules the drop-in patches, and how.
+TARGETS = {"mlx_lm.models.kimi_k3": _patch_model, "mlx_lm.utils": _patch_utils}
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``TARGET`` with the other finders and patches it right after it executes."""
+    """Finds the modules of :data:`TARGETS` with the other finders and patches each right after it executes."""
 
     def __init__(self):
-        self._loader = None
+        self._loaders = {}
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET:
+        if fullname not in TARGETS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -46,23 +59,26 @@ class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 break
         else:
             return None
-        self._loader, spec.loader = spec.loader, self
+        self._loaders[fullname], spec.loader = spec.loader, self
         return spec
 
     def create_module(self, spec):
-        return self._loader.create_module(spec)
+        return self._loaders[spec.name].create_module(spec)
 
     def exec_module(self, module):
-        self._loader.exec_module(module)
-        module.__spec__.loader = self._loader
-        if self in sys.meta_path:
+        name = module.__spec__.name
+        loader = self._loaders.pop(name)
+        loader.exec_module(module)
+        module.__spec__.loader = loader
+        if self in sys.meta_path and all(t in sys.modules for t in TARGETS):
             sys.meta_path.remove(self)
-        _patch(module)
+        TARGETS[name](module)
 
 
 def install_drop_in() -> None:
-    """Makes ``mlx_lm`` load mlx-k3's formats (idempotent; ``import mlx_k3`` calls it)."""
-    if TARGET in sys.modules:
-        _patch(sys.modules[TARGET])
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+    """Makes ``mlx_lm`` load Kimi K3 checkpoints with the drop-in (idempotent; ``import mlx_k3`` calls it)."""
+    for name, patch in TARGETS.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not all(t in sys.modules for t in TARGETS) and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport())

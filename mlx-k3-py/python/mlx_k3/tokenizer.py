@@ -6,11 +6,22 @@ splits some text differently from Kimi's (contractions such as "don't", for one)
 model other token ids than mlx-k3 and Kimi's own tokenizer do. :func:`write_tokenizer_json` writes the
 same BPE with Kimi's pattern and the special tokens at their ids; mlx-lm then prefers it. mlx-k3's Rust
 loader keeps reading ``tiktoken.model``. (``python -m mlx_k3 tokenizer-json DIR`` does the same.)
+
+``import mlx_k3`` does this by itself (:func:`install_tokenizer`): mlx-lm's tokenizer loader then loads a
+``kimi_k3`` checkpoint without ``tokenizer.json`` with one written into a temporary folder (the checkpoint's
+folder is never written to). Writing it once with ``tokenizer-json`` saves that step at every load (a second
+or so for a full 160k-token vocabulary).
 """
 
+import functools
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Optional, Union
+
+# As mlx-lm does before it imports transformers: no advice to install PyTorch, which mlx-lm does not use.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 # Kimi's pre-tokenization regex (tokenization_kimi.py's pat_str; mlx_k3::tokenizer::KIMI_PATTERN in Rust).
 KIMI_PATTERN = "|".join(
@@ -74,3 +85,61 @@ def write_tokenizer_json(model_dir: Union[str, Path], out_dir: Optional[Union[st
     out = Path(out_dir or model_dir) / "tokenizer.json"
     tokenizer.save(str(out))
     return out
+
+
+def needs_tokenizer_json(model_dir: Union[str, Path]) -> bool:
+    """Whether ``model_dir`` is a ``kimi_k3`` checkpoint with Kimi's tiktoken tokenizer and no ``tokenizer.json``."""
+    d = Path(model_dir)
+    if (d / "tokenizer.json").exists() or not (d / "tiktoken.model").is_file():
+        return False
+    if not (d / "tokenizer_config.json").is_file() or not (d / "config.json").is_file():
+        return False
+    try:
+        return json.loads((d / "config.json").read_text()).get("model_type") == "kimi_k3"
+    except (OSError, ValueError):
+        return False
+
+
+def with_kimi_tokenizer_json(load):
+    """mlx-lm's tokenizer loader (``mlx_lm.tokenizer_utils.load``, called as ``load(model_path, ...)``), made
+    to load a checkpoint that :func:`needs_tokenizer_json` from a temporary folder holding links to its files
+    and the ``tokenizer.json`` :func:`write_tokenizer_json` writes; other checkpoints load as before."""
+    load = getattr(load, "_mlx_k3_original", load)  # wrapped once only
+
+    @functools.wraps(load)
+    def wrapped(model_path, *args, **kwargs):
+        if not needs_tokenizer_json(model_path):
+            return load(model_path, *args, **kwargs)
+        with tempfile.TemporaryDirectory(prefix="mlx_k3_tokenizer_") as tmp:
+            view = Path(tmp)
+            for f in Path(model_path).iterdir():
+                (view / f.name).symlink_to(f.resolve())
+            write_tokenizer_json(model_path, view)
+            return load(view, *args, **kwargs)
+
+    wrapped._mlx_k3_original = load
+    return wrapped
+
+
+def _register_transformers_config() -> None:
+    """Tells transformers the ``kimi_k3`` model type. Its tokenizer loader reads config.json first; for a type
+    it does not know it falls back to a generic config and warns ("You are using a model of type kimi_k3 to
+    instantiate a model of type ..."). Registering a config class is transformers' way to add a type."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "kimi_k3" in CONFIG_MAPPING:
+        return
+
+    class KimiK3Config(transformers.PretrainedConfig):
+        model_type = "kimi_k3"
+
+    transformers.AutoConfig.register("kimi_k3", KimiK3Config)
+
+
+def install_tokenizer(utils) -> None:
+    """Makes ``mlx_lm.utils`` (the module ``utils``) load Kimi's tiktoken tokenizer exactly for a ``kimi_k3``
+    checkpoint without ``tokenizer.json`` (:func:`with_kimi_tokenizer_json`), and registers the ``kimi_k3``
+    model type with transformers (idempotent; ``import mlx_k3`` calls it)."""
+    utils._load_tokenizer = with_kimi_tokenizer_json(utils._load_tokenizer)
+    _register_transformers_config()

@@ -421,8 +421,12 @@ impl ModelConfig {
                             },
                         }
                     }
+                    // mlx-lm passes a per-path entry to MLX's `to_quantized(**entry)`, whose mode defaults to
+                    // affine whatever the top-level mode: its MXFP4 conversions of Kimi K3 keep the router at
+                    // `{"group_size": 64, "bits": 8}`, affine with biases.
                     Value::Object(_) => PathQuant::Quantized(
-                        spec_from(&format!("quantization.{k}"), v, default_mode).map_err(|e| fmt(e.to_string()))?,
+                        spec_from(&format!("quantization.{k}"), v, QuantMode::Affine)
+                            .map_err(|e| fmt(e.to_string()))?,
                     ),
                     // Other metadata keys (e.g. "quant_method") are not module paths.
                     _ => continue,

@@ -1,24 +1,42 @@
-"""Kimi K3 for mlx-lm with mlx-k3's expert formats: the drop-in model.
+"""Kimi K3 for mlx-lm with mlx-k3's kernels: the drop-in model.
 
-This is mlx-lm's own ``kimi_k3`` model (subclassed, not copied) with the layers that config.json gives an
-mlx-k3 format replaced by layers that call mlx-k3's kernels:
+This is mlx-lm's own ``kimi_k3`` model (subclassed, not copied), built for every ``kimi_k3`` checkpoint
+``mlx_lm.load`` reads after ``import mlx_k3``, with mlx-k3's kernels where they apply:
 
-- ``{"mode": "k3_codebook"}``: the ternary codebook (``P.codes`` uint8, ``P.qh`` uint16, ``P.scales`` f16),
-  on an expert stack (``gather_codebook_qmm``) or a linear layer (``codebook_qmm``);
-- ``{"mode": "k3_tiered", "affine": {...}}``: a mixed-format expert stack (``P.tier``, ``P.slot`` and the
-  tiers' stacks ``P.codebook.*``, ``P.mxfp4.*``, ``P.affine.*``) through ``gather_tiered_qmm``;
+- the project's formats, which mlx-lm cannot read: ``{"mode": "k3_codebook"}``, the ternary codebook
+  (``P.codes`` uint8, ``P.qh`` uint16, ``P.scales`` f16) on an expert stack (``gather_codebook_qmm``) or a
+  linear layer (``codebook_qmm``); ``{"mode": "k3_tiered", "affine": {...}}``, a mixed-format expert stack
+  (``P.tier``, ``P.slot`` and the tiers' stacks ``P.codebook.*``, ``P.mxfp4.*``, ``P.affine.*``) through
+  ``gather_tiered_qmm``;
+- MLX's formats (affine 2-8 bit, MXFP4, MXFP8, NVFP4 without a global scale): linear layers, expert stacks
+  and a quantized tied output head run ``mlx_k3.quantized_matmul`` / ``gather_qmm`` (mlx-k3's CPU kernels,
+  MLX's own op where those do not apply);
+- the routed experts' SiTU as the fused kernel, and on a CPU stream the dense MLPs' SiTU, the MoE router
+  (``moe_router``) and the attention-residual mix (``attn_res_mix``) too.
 
-and, in such a model, the routed experts' SiTU runs as mlx-k3's fused kernel. Attention, caches, routing,
-generation and everything else is mlx-lm's code, so ``mlx_lm.generate``, ``stream_generate``, the server,
-prompt caches, batching and perplexity work exactly as for any mlx-lm model. (A wrapper over the Rust
-engine would have to re-implement mlx-lm's cache objects, which its server and prompt caching manipulate
-directly; a model class keeps all of that and still runs the Rust kernels, zero-copy.)
+On a CPU the model computes in float32, as mlx-k3's CLI does by default: at its first call on a CPU stream
+it casts its floating-point weights to float32 (not the codebook scales, which the kernels read as f16).
+MLX's CPU ``gather_mm`` (mlx-lm's unquantized expert layers) takes float32 only, so a bf16 checkpoint such
+as k3-nano could not run otherwise, and the same arithmetic as the CLI's gives the same greedy tokens. The
+cast happens at the first call rather than at load so that ``mlx_lm.convert`` and other tools that load and
+save a model keep its dtypes. On a GPU the weights keep their dtype and mlx-lm's ops run where mlx-k3's CLI
+keeps MLX's ops too (router, residual mix).
+
+Attention, caches, generation and everything else is mlx-lm's code, so ``mlx_lm.generate``,
+``stream_generate``, the server, prompt caches, batching and perplexity work exactly as for any mlx-lm
+model. (A wrapper over the Rust engine would have to re-implement mlx-lm's cache objects, which its server
+and prompt caching manipulate directly; a model class keeps all of that and still runs the Rust kernels,
+zero-copy.) The router, residual mix and dense SiTU are module-level functions of mlx-lm's ``kimi_k3``
+that its layers call; :func:`install` rebinds them to dispatchers that run mlx-k3's kernels while a
+drop-in model computes on a CPU stream, and mlx-lm's functions otherwise, so mlx-lm's own ``Model``
+(``MlxLmModel``) still computes exactly as mlx-lm does.
 
 :func:`install` (run by ``import mlx_k3``) makes ``mlx_lm.models.kimi_k3.Model`` / ``ModelArgs`` these
-classes. :class:`Model` builds itself only when the config names an mlx-k3 format; for any other
-checkpoint it returns mlx-lm's own ``Model``, untouched.
+classes; :func:`mlx_k3.tokenizer.install_tokenizer` gives mlx-lm Kimi's exact tokenizer for a checkpoint
+that ships only ``tiktoken.model``.
 """
 
+import contextvars
 import importlib
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
@@ -26,15 +44,26 @@ from typing import Any, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import SwitchLinear
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from .. import kernels
 
 base = importlib.import_module("mlx_lm.models.kimi_k3")
 
-# mlx-lm's classes, kept even if this module is imported again after install().
+# mlx-lm's classes and functions, kept even if this module is imported again after install().
 MlxLmModel = getattr(base, "_mlx_lm_Model", base.Model)
 MlxLmModelArgs = getattr(base, "_mlx_lm_ModelArgs", base.ModelArgs)
+_mlx_lm_group_expert_select = getattr(base, "_mlx_lm_group_expert_select", base._group_expert_select)
+_mlx_lm_attn_res_mix = getattr(base, "_mlx_lm_attn_res_mix", base._attn_res_mix)
+_mlx_lm_situ = getattr(base, "_mlx_lm_situ", base._situ)
+if hasattr(base, "TOKENIZER_DEFAULTS"):  # mlx-lm reads it from the module of the model's class
+    TOKENIZER_DEFAULTS = base.TOKENIZER_DEFAULTS
+
+# True while a drop-in model computes on a CPU stream: mlx-lm's module functions below then run mlx-k3's kernels.
+_CPU_KERNELS = contextvars.ContextVar("mlx_k3_cpu_kernels", default=False)
+# MLX's quantization modes that mlx-k3's quantized_matmul / gather_qmm take (its CPU kernels or MLX's op).
+MLX_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 
 K3_MODES = ("k3_codebook", "k3_tiered")
 TIER_NAMES = ("codebook", "mxfp4", "affine")  # tier ids 0, 1, 2 in P.tier
@@ -190,6 +219,62 @@ class TieredSwitchLinear(nn.Module):
         return self
 
 
+class K3QuantizedLinear(nn.QuantizedLinear):
+    """MLX's ``QuantizedLinear`` (same parameters) through ``mlx_k3.quantized_matmul``."""
+
+    def __call__(self, x):
+        y = kernels.quantized_matmul(
+            x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode
+        )
+        return y + self["bias"] if "bias" in self else y
+
+
+class K3QuantizedEmbedding(nn.QuantizedEmbedding):
+    """MLX's ``QuantizedEmbedding`` whose tied output head (``as_linear``) runs ``mlx_k3.quantized_matmul``."""
+
+    def as_linear(self, x):
+        return kernels.quantized_matmul(
+            x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode
+        )
+
+
+class K3QuantizedSwitchLinear(QuantizedSwitchLinear):
+    """mlx-lm's ``QuantizedSwitchLinear`` (same parameters) through ``mlx_k3.gather_qmm``."""
+
+    def __call__(self, x, indices, sorted_indices=False):
+        y = kernels.gather_qmm(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            rhs_indices=indices,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=sorted_indices,
+        )
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][indices], -2)
+        return y
+
+
+# mlx-lm's quantized layer -> the drop-in's, with the same parameters and attributes.
+K3_QUANTIZED = {
+    nn.QuantizedLinear: K3QuantizedLinear,
+    nn.QuantizedEmbedding: K3QuantizedEmbedding,
+    QuantizedSwitchLinear: K3QuantizedSwitchLinear,
+}
+
+
+def _use_k3_quantized(module: nn.Module) -> None:
+    """Turns mlx-lm's quantized layers in ``module`` into the drop-in's (those with a global scale keep MLX's
+    op: mlx-k3's kernels have no global scale)."""
+    for _, m in module.named_modules():
+        k3_class = K3_QUANTIZED.get(type(m))
+        if k3_class is not None and m.mode in MLX_MODES and m.get("global_scale") is None:
+            m.__class__ = k3_class
+
+
 class FusedSiTU(nn.Module):
     """mlx-lm's ``SiTU`` module through mlx-k3's fused kernel (one pass, f32 math)."""
 
@@ -223,12 +308,8 @@ class ModelArgs(MlxLmModelArgs):
 
 
 class Model(MlxLmModel):
-    """Kimi K3 with mlx-k3's layers where config.json names an mlx-k3 format; mlx-lm's ``Model`` otherwise."""
-
-    def __new__(cls, args):
-        if cls is Model and not k3_formats(getattr(args, "quantization", None)):
-            return MlxLmModel(args)
-        return super().__new__(cls)
+    """Kimi K3: mlx-lm's model with mlx-k3's kernels where they apply and mlx-k3's formats where config.json
+    names them; float32 on a CPU (see the module's doc)."""
 
     def __init__(self, args):
         super().__init__(args)
@@ -239,6 +320,7 @@ class Model(MlxLmModel):
             if isinstance(layer.mlp, base.KimiK3SparseMoE):
                 act = layer.mlp.switch_mlp.activation
                 layer.mlp.switch_mlp.activation = FusedSiTU(act.beta, act.linear_beta)
+        self._cpu_ready = False
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         weights = super().sanitize(weights)
@@ -251,6 +333,42 @@ class Model(MlxLmModel):
                 if missing:
                     raise ValueError(f"config.json gives {path} the k3_codebook format but {missing} are missing")
         return weights
+
+    def load_weights(self, file_or_weights, strict: bool = True):
+        # mlx-lm has made its quantized layers by now (nn.quantize runs between sanitize and this).
+        _use_k3_quantized(self)
+        self._cpu_ready = False
+        return super().load_weights(file_or_weights, strict=strict)
+
+    def __call__(self, inputs: mx.array, cache=None):
+        if mx.default_device().type != mx.cpu:
+            return super().__call__(inputs, cache)
+        if not self._cpu_ready:
+            self.to_float32()
+        token = _CPU_KERNELS.set(True)
+        try:
+            return super().__call__(inputs, cache)
+        finally:
+            _CPU_KERNELS.reset(token)
+
+    def to_float32(self) -> None:
+        """Casts the floating-point weights to float32 and evaluates them (the codebook scales stay f16, as
+        the codebook kernels read them). The first call on a CPU stream does this."""
+        keep = set()
+        for path, m in self.named_modules():
+            if isinstance(m, (CodebookSwitchLinear, CodebookLinear)):
+                keep.add(f"{path}.scales")
+            elif isinstance(m, TieredSwitchLinear):
+                keep.add(f"{path}.codebook.scales")
+        cast = [
+            (k, v.astype(mx.float32))
+            for k, v in tree_flatten(self.parameters())
+            if k not in keep and mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32
+        ]
+        if cast:
+            self.update(tree_unflatten(cast))
+            mx.eval([v for _, v in cast])
+        self._cpu_ready = True
 
 
 def _locate(root: nn.Module, path: str) -> Tuple[Any, str, Any]:
@@ -288,15 +406,53 @@ def _k3_layer(path: str, record: dict, layer) -> nn.Module:
     )
 
 
+def _router(gates, bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize):
+    """mlx-lm's ``_group_expert_select``; mlx-k3's ``moe_router`` (bit-identical on a CPU) in a drop-in model."""
+    if not _CPU_KERNELS.get():
+        return _mlx_lm_group_expert_select(
+            gates, bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize
+        )
+    return kernels.moe_router(
+        gates,
+        bias,
+        top_k=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
+        renormalize=renormalize,
+    )
+
+
+def _attn_res_mix(blocks, partial_sum, w_eff, eps, use_kernel=True):
+    """mlx-lm's ``_attn_res_mix``; mlx-k3's ``attn_res_mix`` in a drop-in model."""
+    if not _CPU_KERNELS.get() or blocks.raw is None:
+        return _mlx_lm_attn_res_mix(blocks, partial_sum, w_eff, eps, use_kernel)
+    return kernels.attn_res_mix(blocks.raw, blocks.inv_rms, partial_sum, w_eff, eps)
+
+
+def _situ(x, gate, beta, linear_beta):
+    """mlx-lm's ``_situ``; mlx-k3's fused ``situ`` in a drop-in model."""
+    if not _CPU_KERNELS.get():
+        return _mlx_lm_situ(x, gate, beta, linear_beta)
+    return kernels.situ(x, gate, beta, linear_beta)
+
+
 def install(module=None) -> None:
-    """Makes ``mlx_lm.models.kimi_k3`` build :class:`Model` (idempotent)."""
+    """Makes ``mlx_lm.models.kimi_k3`` build :class:`Model` and its layers call mlx-k3's kernels in it
+    (idempotent)."""
     module = module or base
     if module.Model is Model:
         return
     module._mlx_lm_Model = MlxLmModel
     module._mlx_lm_ModelArgs = MlxLmModelArgs
+    module._mlx_lm_group_expert_select = _mlx_lm_group_expert_select
+    module._mlx_lm_attn_res_mix = _mlx_lm_attn_res_mix
+    module._mlx_lm_situ = _mlx_lm_situ
     module.Model = Model
     module.ModelArgs = ModelArgs
+    module._group_expert_select = _router
+    module._attn_res_mix = _attn_res_mix
+    module._situ = _situ
 
 
 install()
