@@ -121,6 +121,12 @@ impl PromptCache {
 
     /// Makes the state hold a prefix of `prompt` (never all of it: the last token must run to give logits)
     /// and returns how many prompt tokens it covers.
+    ///
+    /// Invariant: a snapshot `(n, state)` is the state of `self.tokens[..n]`, so every snapshot has
+    /// `n <= self.tokens.len()`. A snapshot records only its length, so whenever the held tokens are cut
+    /// back to `k`, the snapshots longer than `k` (taken on the branch being abandoned) must go: a later
+    /// prompt sharing `k + 1` or more tokens with that old branch but not with this one would otherwise
+    /// resume from the old branch's state (issue 41, item 1: the web chat's "edit a message").
     fn prepare(&mut self, model: &KimiK3, prompt: &[u32]) -> Result<usize> {
         let limit = prompt.len().saturating_sub(1);
         let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(limit);
@@ -129,7 +135,7 @@ impl PromptCache {
         }
         if let Some(c) = self.cache.as_mut().filter(|c| c.is_trimmable()) {
             c.trim(self.tokens.len() - common)?;
-            self.tokens.truncate(common);
+            self.truncate(common);
             return Ok(common);
         }
         // Resume from the longest snapshot that is a prefix of the prompt.
@@ -138,16 +144,21 @@ impl PromptCache {
             Some((n, snap)) => {
                 let n = *n;
                 self.cache = Some(snap.snapshot());
-                self.tokens.truncate(n);
+                self.truncate(n);
                 Ok(n)
             }
             None => {
                 self.cache = Some(model.make_cache());
-                self.tokens.clear();
-                self.snapshots.clear();
+                self.truncate(0);
                 Ok(0)
             }
         }
+    }
+
+    /// Cuts the held tokens back to `n` and drops the snapshots past them (see [`PromptCache::prepare`]).
+    fn truncate(&mut self, n: usize) {
+        self.tokens.truncate(n);
+        self.snapshots.retain(|(m, _)| *m <= n);
     }
 
     fn remember(&mut self) {
