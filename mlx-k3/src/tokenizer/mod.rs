@@ -120,7 +120,7 @@ impl Tokenizer {
     /// Token ids of `text`; special-token strings in `text` become their ids when `allow_special`.
     pub fn encode(&self, text: &str, allow_special: bool) -> Result<Vec<u32>> {
         match self {
-            Tokenizer::Tiktoken(t) => Ok(t.encode(text, allow_special)),
+            Tokenizer::Tiktoken(t) => t.encode(text, allow_special),
             Tokenizer::HuggingFace(t) => t.encode(text, allow_special),
         }
     }
