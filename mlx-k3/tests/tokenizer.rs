@@ -139,3 +139,24 @@ fn a_megabyte_long_pre_token_encodes_in_seconds() {
         println!("{} ids in {took:?}", ids.len());
     }
 }
+
+#[test]
+fn eos_ids_that_are_not_token_ids_are_refused_naming_the_file() {
+    // Issue 41, item 5: `eos_token_id` 2^40 became token 0 (`as u32`); -1 and "2" were dropped unseen.
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["tiktoken.model", "tokenizer_config.json"] {
+        std::fs::copy(nano().join(f), dir.path().join(f)).unwrap();
+    }
+    let gen = dir.path().join("generation_config.json");
+    for bad in ["1099511627776", "4294967296", "[2047, -1]", "\"2\"", "1.5", "[[1]]"] {
+        std::fs::write(&gen, format!("{{\"eos_token_id\": {bad}}}")).unwrap();
+        let e = Tokenizer::load(dir.path()).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("generation_config.json") && e.contains("eos_token_id"), "{bad}: {e}");
+    }
+    // tokenizer_config.json's eos_token "[EOS]" is id 2047 (added_tokens_decoder); the rest come from here.
+    for (good, want) in [("null", vec![2047]), ("7", vec![7, 2047]), ("[4294967295, 7]", vec![7, 2047, 4294967295])] {
+        std::fs::write(&gen, format!("{{\"eos_token_id\": {good}}}")).unwrap();
+        let (_, cfg) = Tokenizer::load(dir.path()).unwrap();
+        assert_eq!(cfg.eos_token_ids, want, "{good}");
+    }
+}
