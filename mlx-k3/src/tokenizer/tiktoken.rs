@@ -112,6 +112,8 @@ pub const NUM_SPECIAL: u32 = 258;
 pub struct TiktokenTokenizer {
     /// Byte-pair merging only: its split pattern takes a whole pre-token as one piece.
     bpe: CoreBPE,
+    /// Token ids by bytes: a pre-token that is a whole token skips the merge call (as tiktoken does).
+    ranks: rustc_hash::FxHashMap<Vec<u8>, u32>,
     pre: PreTokenizer,
     /// Special-token texts, for encoding with special tokens allowed.
     special_matcher: Option<aho_corasick::AhoCorasick>,
@@ -194,7 +196,7 @@ impl TiktokenTokenizer {
         let special_by_id = special.iter().map(|(k, v)| (*v, k.clone())).collect();
         let ranks: rustc_hash::FxHashMap<Vec<u8>, u32> = ranks.into_iter().collect();
         let pre = PreTokenizer::new(pattern)?;
-        let bpe = CoreBPE::new(ranks, Default::default(), WHOLE_PIECE)
+        let bpe = CoreBPE::new(ranks.clone(), Default::default(), WHOLE_PIECE)
             .map_err(|e| Error::invalid("tiktoken", format!("cannot build the encoder: {e}")))?;
         let names: Vec<&str> = special.keys().map(String::as_str).filter(|s| !s.is_empty()).collect();
         let special_matcher = if names.is_empty() {
@@ -207,7 +209,7 @@ impl TiktokenTokenizer {
                     .map_err(|e| Error::invalid("tokenizer_config", format!("cannot match the special tokens: {e}")))?,
             )
         };
-        Ok(TiktokenTokenizer { bpe, pre, special_matcher, decoder, special, special_by_id, n_base })
+        Ok(TiktokenTokenizer { bpe, ranks, pre, special_matcher, decoder, special, special_by_id, n_base })
     }
 
     /// Encodes `text`; with `allow_special`, special-token strings become their ids (as Kimi's tokenizer
@@ -233,7 +235,10 @@ impl TiktokenTokenizer {
         // Each pre-token is merged on its own: `WHOLE_PIECE` hands it to tiktoken's merge unsplit, which
         // looks the piece up first and merges pieces of 100 bytes or more with upstream tiktoken's heap-based
         // `_byte_pair_merge_large` (O(n log n); the same merges in the same order as the quadratic scan).
-        self.pre.split(text, &mut |piece| ids.extend(self.bpe.encode_ordinary(piece)))
+        self.pre.split(text, &mut |piece| match self.ranks.get(piece.as_bytes()) {
+            Some(&id) => ids.push(id),
+            None => ids.extend(self.bpe.encode_ordinary(piece)),
+        })
     }
 
     /// Bytes of token `id`.
