@@ -243,3 +243,76 @@ fn bad_input_exits_with_a_one_line_error() {
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }
+
+/// `inspect --check` reads every float tensor: a clean checkpoint passes, a NaN names its tensor and file
+/// and makes the command fail with a one-line error.
+#[test]
+fn inspect_check_reports_tensors_holding_nan_or_inf() {
+    use mlx_k3::io::save_safetensors;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixture("a_latent_norm_attnres");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
+    }
+    let d = tmp.path().to_str().unwrap();
+    let (ok, stdout, stderr) = mlx_k3(&["inspect", "--check", d]);
+    assert!(ok && stdout.contains("check: no NaN or Inf in"), "{stdout}\n{stderr}");
+
+    let path = tmp.path().join("model.safetensors");
+    let st = Safetensors::load(&path).unwrap();
+    let mut tensors: Vec<(String, mlx_k3::Array)> = st.arrays().unwrap().into_iter().collect();
+    drop(st);
+    let key = "language_model.model.layers.0.input_layernorm.weight";
+    for (k, a) in tensors.iter_mut() {
+        a.eval().unwrap();
+        if k == key {
+            let mut v = a.to_vec::<f32>().unwrap();
+            (v[2], v[7]) = (f32::NAN, f32::INFINITY);
+            *a = mlx_k3::Array::from_slice(&v, &a.shape()).unwrap();
+        }
+    }
+    let refs: Vec<(&str, &mlx_k3::Array)> = tensors.iter().map(|(k, a)| (k.as_str(), a)).collect();
+    save_safetensors(&path, &refs, &[("format", "mlx")]).unwrap();
+    let (ok, stdout, stderr) = mlx_k3(&["inspect", "--check", d]);
+    assert!(!ok, "{stdout}");
+    assert!(stdout.contains(&format!("check: tensor '{key}' (model.safetensors): 1 NaN, 1 Inf")), "{stdout}");
+    assert!(
+        stderr.starts_with("mlx-k3: error:") && stderr.contains("1 of ") && stderr.contains("NaN or Inf"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+}
+
+/// A config that claims 10^12 layers made `inspect` loop over them for hours; now it is a one-line error
+/// naming the file and the field, at once (the child is killed after 60 s so a regression fails, not hangs).
+#[test]
+fn inspect_refuses_a_config_with_impossible_sizes_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixture("a_latent_norm_attnres");
+    std::fs::copy(src.join("model.safetensors"), tmp.path().join("model.safetensors")).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg["text_config"]["num_hidden_layers"] = 1_000_000_000_000u64.into();
+    cfg["text_config"]["linear_attn_config"]["kda_layers"] = serde_json::json!([1, 2, 3]);
+    std::fs::write(tmp.path().join("config.json"), cfg.to_string()).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mlx-k3"))
+        .args(["inspect", tmp.path().to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed() > std::time::Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("inspect still running after 60 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.starts_with("mlx-k3: error:") && stderr.contains("config.json"), "{stderr}");
+    assert!(stderr.contains("num_hidden_layers"), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+}

@@ -110,14 +110,12 @@ pub fn from_iq1s_blocks(blocks: &[u8], rows: usize, k: usize) -> Result<Codebook
         return Err(Error::invalid("codebook", format!("K = {k} is not a multiple of {SUPER_BLOCK}")));
     }
     let nsb = k / SUPER_BLOCK;
-    if blocks.len() != rows * nsb * IQ1S_BLOCK_BYTES {
+    let want = rows.checked_mul(nsb).and_then(|b| b.checked_mul(IQ1S_BLOCK_BYTES));
+    if want != Some(blocks.len()) {
+        let want = want.map_or("more than the address space".to_string(), |w| format!("{w} bytes"));
         return Err(Error::invalid(
             "codebook",
-            format!(
-                "{} bytes do not hold {rows} x {k} IQ1_S weights ({} bytes)",
-                blocks.len(),
-                rows * nsb * IQ1S_BLOCK_BYTES
-            ),
+            format!("{} bytes do not hold {rows} x {k} IQ1_S weights ({want})", blocks.len()),
         ));
     }
     let mut h = CodebookHost {

@@ -39,45 +39,55 @@ pub struct GgufFile {
     pub tensors: BTreeMap<String, TensorInfo>,
     data_start: u64,
     size: u64,
+    /// The file's bytes when parsed from memory ([`GgufFile::from_bytes`]); else tensors are read from `path`.
+    bytes: Option<Vec<u8>>,
 }
 
-struct Cursor<'a> {
-    f: &'a mut std::fs::File,
+struct Cursor<'a, R: Read> {
+    r: R,
+    pos: u64,
     path: &'a Path,
 }
 
-impl Cursor<'_> {
+impl<R: Read> Cursor<'_, R> {
     fn err(&self, m: impl std::fmt::Display) -> Error {
         Error::Format { path: self.path.to_path_buf(), message: m.to_string() }
     }
-    fn bytes(&mut self, n: usize) -> Result<Vec<u8>> {
+    fn bytes(&mut self, n: u64) -> Result<Vec<u8>> {
         if n > 1 << 30 {
             return Err(self.err(format!("corrupt: a field claims {n} bytes")));
         }
-        let mut b = vec![0u8; n];
-        self.f.read_exact(&mut b).map_err(|_| self.err("truncated"))?;
+        let mut b = vec![0u8; n as usize];
+        self.r.read_exact(&mut b).map_err(|_| self.err("truncated"))?;
+        self.pos += n;
+        Ok(b)
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let mut b = [0u8; N];
+        self.r.read_exact(&mut b).map_err(|_| self.err("truncated"))?;
+        self.pos += N as u64;
         Ok(b)
     }
     fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.bytes(4)?.try_into().unwrap_or([0; 4])))
+        Ok(u32::from_le_bytes(self.array()?))
     }
     fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.bytes(8)?.try_into().unwrap_or([0; 8])))
+        Ok(u64::from_le_bytes(self.array()?))
     }
     fn string(&mut self) -> Result<String> {
-        let n = self.u64()? as usize;
+        let n = self.u64()?;
         String::from_utf8(self.bytes(n)?).map_err(|_| self.err("corrupt: a string is not UTF-8"))
     }
     fn value(&mut self, ty: u32, depth: usize) -> Result<String> {
         Ok(match ty {
-            0 => self.bytes(1)?[0].to_string(),
-            1 => (self.bytes(1)?[0] as i8).to_string(),
-            2 => u16::from_le_bytes(self.bytes(2)?.try_into().unwrap_or([0; 2])).to_string(),
-            3 => i16::from_le_bytes(self.bytes(2)?.try_into().unwrap_or([0; 2])).to_string(),
+            0 => self.array::<1>()?[0].to_string(),
+            1 => (self.array::<1>()?[0] as i8).to_string(),
+            2 => u16::from_le_bytes(self.array()?).to_string(),
+            3 => i16::from_le_bytes(self.array()?).to_string(),
             4 => self.u32()?.to_string(),
             5 => (self.u32()? as i32).to_string(),
             6 => f32::from_bits(self.u32()?).to_string(),
-            7 => (self.bytes(1)?[0] != 0).to_string(),
+            7 => (self.array::<1>()?[0] != 0).to_string(),
             8 => self.string()?,
             9 => {
                 if depth > 2 {
@@ -101,13 +111,31 @@ impl Cursor<'_> {
     }
 }
 
+/// The product of `dims` as a `usize`, or None when it overflows.
+fn checked_product(dims: &[u64]) -> Option<usize> {
+    dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(usize::try_from(d).ok()?))
+}
+
 impl GgufFile {
     /// Reads the header and directory of `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
-        let mut f = std::fs::File::open(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        let f = std::fs::File::open(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
         let size = f.metadata().map_err(|source| Error::Io { path: path.to_path_buf(), source })?.len();
-        let mut c = Cursor { f: &mut f, path };
+        Self::parse(std::io::BufReader::new(f), size, path)
+    }
+
+    /// Parses a whole GGUF file held in memory; `name` only names it in errors. Tensors are then read from
+    /// these bytes. Every size and offset is checked: no input makes this (or a tensor read) panic,
+    /// allocate more than the file holds, or loop longer than the file is long (usable by a fuzzer).
+    pub fn from_bytes(bytes: Vec<u8>, name: impl AsRef<Path>) -> Result<GgufFile> {
+        let size = bytes.len() as u64;
+        let header = Self::parse(bytes.as_slice(), size, name.as_ref())?;
+        Ok(GgufFile { bytes: Some(bytes), ..header })
+    }
+
+    fn parse(r: impl Read, size: u64, path: &Path) -> Result<GgufFile> {
+        let mut c = Cursor { r, pos: 0, path };
         if c.bytes(4).map_err(|_| c.err("not a GGUF file (too short)"))? != b"GGUF" {
             return Err(c.err("not a GGUF file (bad magic)"));
         }
@@ -137,27 +165,50 @@ impl GgufFile {
             let dims = (0..nd).map(|_| c.u64()).collect::<Result<Vec<_>>>()?;
             let ggml_type = c.u32()?;
             let offset = c.u64()?;
+            if checked_product(&dims).is_none() {
+                return Err(c.err(format!("tensor '{name}': dims {dims:?} overflow")));
+            }
+            if tensors.contains_key(&name) {
+                return Err(c.err(format!("tensor '{name}' appears twice")));
+            }
             tensors.insert(name.clone(), TensorInfo { name, dims, ggml_type, offset });
         }
-        let align: u64 = metadata.get("general.alignment").and_then(|v| v.parse().ok()).unwrap_or(32).max(1);
-        let pos = c.f.stream_position().map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-        let data_start = pos.div_ceil(align) * align;
-        Ok(GgufFile { path: path.to_path_buf(), version, metadata, tensors, data_start, size })
+        let align: u64 = match metadata.get("general.alignment") {
+            None => 32,
+            Some(v) => v
+                .parse()
+                .ok()
+                .filter(|a: &u64| a.is_power_of_two())
+                .ok_or_else(|| c.err(format!("general.alignment: {v} is not a power of two")))?,
+        };
+        let data_start = c
+            .pos
+            .div_ceil(align)
+            .checked_mul(align)
+            .ok_or_else(|| c.err(format!("general.alignment: {align} overflows the data offset")))?;
+        for t in tensors.values() {
+            if data_start.checked_add(t.offset).is_none() {
+                return Err(c.err(format!("tensor '{}': offset {} overflows", t.name, t.offset)));
+            }
+        }
+        Ok(GgufFile { path: path.to_path_buf(), version, metadata, tensors, data_start, size, bytes: None })
     }
 
-    /// The raw bytes of tensor `name` (`nbytes` long).
+    /// The raw bytes of tensor `name` (`nbytes` long), after checking that they lie inside the file.
     fn raw(&self, info: &TensorInfo, nbytes: u64) -> Result<Vec<u8>> {
-        let start = self.data_start + info.offset;
-        if start.checked_add(nbytes).is_none_or(|end| end > self.size) {
+        let start = self.data_start.checked_add(info.offset);
+        let end = start.and_then(|s| s.checked_add(nbytes));
+        let (Some(start), Some(end)) = (start, end.filter(|&e| e <= self.size)) else {
             return Err(Error::Format {
                 path: self.path.clone(),
                 message: format!(
-                    "truncated: tensor '{}' needs bytes {start}..{} of {}",
-                    info.name,
-                    start + nbytes,
-                    self.size
+                    "truncated: tensor '{}' needs {nbytes} bytes from byte {} + {}, the file has {}",
+                    info.name, self.data_start, info.offset, self.size
                 ),
             });
+        };
+        if let Some(b) = &self.bytes {
+            return Ok(b[start as usize..end as usize].to_vec());
         }
         let mut f = std::fs::File::open(&self.path).map_err(|source| Error::Io { path: self.path.clone(), source })?;
         f.seek(SeekFrom::Start(start)).map_err(|source| Error::Io { path: self.path.clone(), source })?;
@@ -170,6 +221,10 @@ impl GgufFile {
         self.tensors
             .get(name)
             .ok_or_else(|| Error::Format { path: self.path.clone(), message: format!("no tensor named '{name}'") })
+    }
+
+    fn too_large(&self, name: &str, dims: &[u64]) -> Error {
+        Error::Format { path: self.path.clone(), message: format!("tensor '{name}': dims {dims:?} are too large") }
     }
 
     /// Imports IQ1_S tensor `name` (`[rows, K]`) into the planar codebook layout, bit for bit.
@@ -187,10 +242,15 @@ impl GgufFile {
                 message: format!("tensor '{name}': inner dimension {:?} is not a multiple of 256", info.dims.first()),
             });
         }
-        let k = info.dims[0] as usize;
-        let rows: usize = info.dims[1..].iter().product::<u64>() as usize;
-        let nbytes = (rows * k / SUPER_BLOCK * IQ1S_BLOCK_BYTES) as u64;
-        from_iq1s_blocks(&self.raw(info, nbytes)?, rows, k)
+        // MLX shapes are int32; the byte count is checked against the file before anything is allocated.
+        let (k, rows) = (checked_product(&info.dims[..1]), checked_product(&info.dims[1..]));
+        let (Some(k), Some(rows)) = (k.filter(|&k| k <= i32::MAX as usize), rows.filter(|&r| r <= i32::MAX as usize))
+        else {
+            return Err(self.too_large(name, &info.dims));
+        };
+        let nbytes = rows.checked_mul(k / SUPER_BLOCK).and_then(|b| b.checked_mul(IQ1S_BLOCK_BYTES));
+        let nbytes = nbytes.ok_or_else(|| self.too_large(name, &info.dims))?;
+        from_iq1s_blocks(&self.raw(info, nbytes as u64)?, rows, k)
     }
 
     /// An F32 tensor's values.
@@ -202,8 +262,9 @@ impl GgufFile {
                 message: format!("tensor '{name}' has GGML type {}, not F32", info.ggml_type),
             });
         }
-        let n: u64 = info.dims.iter().product();
-        let b = self.raw(info, n * 4)?;
+        let nbytes = checked_product(&info.dims).and_then(|n| n.checked_mul(4));
+        let nbytes = nbytes.ok_or_else(|| self.too_large(name, &info.dims))?;
+        let b = self.raw(info, nbytes as u64)?;
         Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
 }

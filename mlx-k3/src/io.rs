@@ -23,10 +23,13 @@ pub struct Safetensors {
 }
 
 impl Safetensors {
-    /// Opens `path` and parses its header; no tensor data is read yet.
+    /// Opens `path` and parses its header; no tensor data is read yet. The header is checked against the
+    /// file first ([`crate::model::loader::validate_safetensors`]: sizes, offsets, overlaps), so MLX never
+    /// maps a tensor past the end of the file.
     pub fn load(path: impl AsRef<Path>) -> Result<Safetensors> {
         let path = path.as_ref().to_path_buf();
         std::fs::metadata(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+        crate::model::loader::validate_safetensors(&path)?;
         let cpath = c_path(&path)?;
         let mut raw = sys::k3_safetensors { ctx: ptr::null_mut() };
         // SAFETY: valid C string in, handle out (owned by the returned value).
@@ -143,7 +146,13 @@ pub fn array_from_bytes(bytes: &[u8], shape: &[i32], dtype: Dtype) -> Result<Arr
     if shape.iter().any(|&d| d < 0) {
         return Err(Error::invalid("array_from_bytes", format!("negative dimension in shape {shape:?}")));
     }
-    let want = shape.iter().map(|&d| d as usize).product::<usize>() * dtype.size_of();
+    let want = shape.iter().try_fold(dtype.size_of(), |acc, &d| acc.checked_mul(d as usize));
+    let Some(want) = want else {
+        return Err(Error::invalid(
+            "array_from_bytes",
+            format!("shape {shape:?} of {dtype} overflows the address space"),
+        ));
+    };
     if bytes.len() != want {
         return Err(Error::invalid(
             "array_from_bytes",

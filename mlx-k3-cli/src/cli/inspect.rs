@@ -6,15 +6,20 @@ use std::path::PathBuf;
 use clap::Args as ClapArgs;
 
 use mlx_k3::compress::classes::{classify, TensorClass};
+use mlx_k3::model::loader;
 use mlx_k3::model::weights::TensorRecord;
 use mlx_k3::model::{KimiK3, LoadOptions, ModelConfig};
-use mlx_k3::Result;
+use mlx_k3::{Error, Result};
 
 /// Options of `inspect`.
 #[derive(ClapArgs, Debug)]
 pub(super) struct Args {
     /// The checkpoint folder (config.json + model*.safetensors).
     dir: PathBuf,
+    /// Also read every float tensor (weights, scales, biases) and report those holding NaN or Inf; exits
+    /// with status 1 when any does. Reads all tensor data, a piece at a time.
+    #[arg(long)]
+    check: bool,
 }
 
 pub(super) fn fmt_bytes(b: u64) -> String {
@@ -126,5 +131,24 @@ pub(super) fn run(args: Args) -> Result<()> {
         tn += n;
     }
     println!("{:<22} {tn:>7} {tp:>14} {:>12} {:>10.3}", "total", fmt_bytes(tb), tb as f64 * 8.0 / tp.max(1) as f64);
+    if args.check {
+        check_finite(&args.dir)?;
+    }
     Ok(())
+}
+
+/// `--check`: every float tensor scanned for NaN and Inf; the ones that hold any are listed and make the
+/// command fail.
+fn check_finite(dir: &std::path::Path) -> Result<()> {
+    let (bad, scanned) = loader::scan_non_finite(dir, &mut |_, _| {})?;
+    println!();
+    if bad.is_empty() {
+        println!("check: no NaN or Inf in {scanned} float tensors");
+        return Ok(());
+    }
+    for (file, name, c) in &bad {
+        let file = file.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+        println!("check: tensor '{name}' ({file}): {} NaN, {} Inf", c.nan, c.inf);
+    }
+    Err(Error::invalid("inspect", format!("{} of {scanned} float tensors hold NaN or Inf (listed above)", bad.len())))
 }

@@ -36,6 +36,43 @@ pub struct GenerateOptions {
     pub stop_strings: Vec<String>,
 }
 
+/// The most stop strings one generation takes ([`GenerateOptions::validate`]). OpenAI's API allows 4; 16
+/// leaves room for clients that list a few spellings of each delimiter. Matching costs nothing per stop
+/// string (one automaton), but each one is a request-controlled allocation and the limit keeps a request
+/// from making the server build an automaton of 100,000 patterns.
+pub const MAX_STOP_STRINGS: usize = 16;
+
+/// The longest stop string in bytes. Text that could still grow into a stop string is held back from the
+/// stream, so this bounds that delay (and the bytes rescanned per token); real delimiters (`"\n\nHuman:"`,
+/// `"</answer>"`, special-token texts) are tens of bytes.
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+
+impl GenerateOptions {
+    /// Rejects settings generation cannot honour, naming the setting: the sampler's
+    /// ([`SamplerConfig::validate`]) and the stop strings (at most [`MAX_STOP_STRINGS`], each 1 to
+    /// [`MAX_STOP_STRING_BYTES`] bytes). [`generate_tokens`] calls it; front ends may call it earlier to
+    /// refuse a request before queuing it.
+    pub fn validate(&self, vocab: usize) -> Result<()> {
+        self.sampler.validate(vocab)?;
+        let bad = |m: String| Err(Error::invalid("stop", m));
+        if self.stop_strings.len() > MAX_STOP_STRINGS {
+            return bad(format!("at most {MAX_STOP_STRINGS} stop strings, got {}", self.stop_strings.len()));
+        }
+        for s in &self.stop_strings {
+            if s.is_empty() {
+                return bad("stop strings must not be empty".into());
+            }
+            if s.len() > MAX_STOP_STRING_BYTES {
+                return bad(format!(
+                    "stop strings must be at most {MAX_STOP_STRING_BYTES} bytes, got one of {}",
+                    s.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for GenerateOptions {
     fn default() -> Self {
         GenerateOptions {
@@ -136,6 +173,12 @@ impl PromptCache {
 
     /// Makes the state hold a prefix of `prompt` (never all of it: the last token must run to give logits)
     /// and returns how many prompt tokens it covers.
+    ///
+    /// Invariant: a snapshot `(n, state)` is the state of `self.tokens[..n]`, so every snapshot has
+    /// `n <= self.tokens.len()`. A snapshot records only its length, so whenever the held tokens are cut
+    /// back to `k`, the snapshots longer than `k` (taken on the branch being abandoned) must go: a later
+    /// prompt sharing `k + 1` or more tokens with that old branch but not with this one would otherwise
+    /// resume from the old branch's state (issue 41, item 1: the web chat's "edit a message").
     fn prepare(&mut self, model: &KimiK3, prompt: &[u32]) -> Result<usize> {
         let limit = prompt.len().saturating_sub(1);
         let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(limit);
@@ -144,7 +187,7 @@ impl PromptCache {
         }
         if let Some(c) = self.cache.as_mut().filter(|c| c.is_trimmable()) {
             c.trim(self.tokens.len() - common)?;
-            self.tokens.truncate(common);
+            self.truncate(common);
             return Ok(common);
         }
         // Resume from the longest snapshot that is a prefix of the prompt.
@@ -153,16 +196,21 @@ impl PromptCache {
             Some((n, snap)) => {
                 let n = *n;
                 self.cache = Some(snap.snapshot());
-                self.tokens.truncate(n);
+                self.truncate(n);
                 Ok(n)
             }
             None => {
                 self.cache = Some(model.make_cache());
-                self.tokens.clear();
-                self.snapshots.clear();
+                self.truncate(0);
                 Ok(0)
             }
         }
+    }
+
+    /// Cuts the held tokens back to `n` and drops the snapshots past them (see [`PromptCache::prepare`]).
+    fn truncate(&mut self, n: usize) {
+        self.tokens.truncate(n);
+        self.snapshots.retain(|(m, _)| *m <= n);
     }
 
     fn remember(&mut self) {
@@ -225,7 +273,7 @@ pub fn generate_tokens(
     if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
         return Err(Error::invalid("generate", format!("prompt token {bad} is outside the vocabulary (0..{vocab})")));
     }
-    opts.sampler.validate(vocab)?;
+    opts.validate(vocab)?;
     let mut sampler = Sampler::new(opts.sampler.clone())?;
     memory::reset_peak();
     let start = Instant::now();
@@ -390,10 +438,12 @@ pub fn generate_text(
     opts: &GenerateOptions,
     mut on_text: impl FnMut(&str) -> bool,
 ) -> Result<TextGeneration> {
+    opts.validate(model.config().vocab_size)?;
     let mut dec = StreamDecoder::new();
     let mut text = String::new();
     let mut emitted = 0usize;
     let mut stopped = false;
+    let stops = StopMatcher::new(&opts.stop_strings)?;
     let longest_stop = opts.stop_strings.iter().map(String::len).max().unwrap_or(0);
     let mut error = None;
     let (tokens, mut reason, stats) = generate_tokens(model, pcache, prompt, opts, |ev| {
@@ -401,8 +451,9 @@ pub fn generate_text(
             error = Some(Error::invalid("generate", format!("token {} has no text", ev.token)));
             return false;
         };
+        let before = text.len();
         text.push_str(&dec.push(&bytes));
-        if let Some(cut) = opts.stop_strings.iter().filter_map(|s| text.find(s.as_str())).min() {
+        if let Some(cut) = stops.find_new(&text, before) {
             text.truncate(cut);
             stopped = true;
         }
@@ -430,4 +481,41 @@ pub fn generate_text(
         }
     }
     Ok(TextGeneration { text, tokens, finish_reason: reason, stats })
+}
+
+/// Finds stop strings in a growing text without rescanning it: one Aho-Corasick automaton over all of
+/// them, run over only the bytes a new piece could complete a match in ([`generate_text`] uses it).
+///
+/// Same answer as `stops.iter().filter_map(|s| text.find(s)).min()` on the whole text, given that the
+/// text before `before` held no stop string (each earlier call said so, or generation stopped): a match
+/// that ends inside the old text lies wholly in it, so a new match must end past `before` and thus start
+/// at or after `before - (longest - 1)`. Leftmost matching returns the match that starts first, which is
+/// the smallest `find` over the stop strings.
+pub struct StopMatcher {
+    automaton: Option<aho_corasick::AhoCorasick>,
+    longest: usize,
+}
+
+impl StopMatcher {
+    /// A matcher for `stops` (none: it never matches). Limits are [`GenerateOptions::validate`]'s.
+    pub fn new(stops: &[String]) -> Result<StopMatcher> {
+        if stops.is_empty() {
+            return Ok(StopMatcher { automaton: None, longest: 0 });
+        }
+        let automaton = aho_corasick::AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostFirst)
+            .build(stops)
+            .map_err(|e| Error::invalid("stop", format!("cannot match the stop strings: {e}")))?;
+        Ok(StopMatcher { automaton: Some(automaton), longest: stops.iter().map(String::len).max().unwrap_or(0) })
+    }
+
+    /// The byte offset of the first stop string in `text`, whose bytes before `before` held none.
+    pub fn find_new(&self, text: &str, before: usize) -> Option<usize> {
+        let ac = self.automaton.as_ref()?;
+        let mut from = before.min(text.len()).saturating_sub(self.longest.saturating_sub(1));
+        while !text.is_char_boundary(from) {
+            from -= 1;
+        }
+        ac.find(&text[from..]).map(|m| from + m.start())
+    }
 }

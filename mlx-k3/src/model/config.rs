@@ -168,7 +168,15 @@ pub struct MlaDims {
 impl TextConfig {
     /// Whether layer `i` (0-based) is a KDA layer.
     pub fn is_kda(&self, i: usize) -> bool {
-        self.linear_attn_config.as_ref().is_some_and(|c| c.kda_layers.contains(&(i + 1)))
+        // `ModelConfig::parse` sorts the list; a config built by hand may not be.
+        self.linear_attn_config.as_ref().is_some_and(|c| {
+            let l = c.kda_layers.as_slice();
+            if l.windows(2).all(|w| w[0] <= w[1]) {
+                l.binary_search(&(i + 1)).is_ok()
+            } else {
+                l.contains(&(i + 1))
+            }
+        })
     }
 
     /// Whether layer `i` has a sparse MoE FFN (else a dense SiTU MLP).
@@ -203,8 +211,14 @@ impl TextConfig {
     }
 
     /// The unsupported or inconsistent values mlx-lm would reject (or crash on), as errors naming the field.
+    ///
+    /// Sanity bounds come first (issue 41, item 5): they reject only values no checkpoint can have, or that
+    /// would hang or overflow, and accept every real config generously: at most [`MAX_LAYERS`] layers
+    /// (Kimi K3 has 93), every size a tensor dimension is made of at most `i32::MAX` (MLX shapes are
+    /// int32), and counts that must be positive (heads, groups, positions) positive.
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &str, msg: String| Error::invalid("config", format!("{field}: {msg}"));
+        self.validate_bounds()?;
         if self.hidden_act != "situ" {
             return Err(bad("hidden_act", format!("unsupported activation '{}' (only 'situ')", self.hidden_act)));
         }
@@ -253,6 +267,12 @@ impl TextConfig {
                     format!("{} is not in 1..={e} (num_experts)", self.num_experts_per_token),
                 ));
             }
+            if self.topk_group > self.num_expert_group {
+                return Err(bad(
+                    "topk_group",
+                    format!("{} is more than num_expert_group ({})", self.topk_group, self.num_expert_group),
+                ));
+            }
             if self.num_expert_group > 1 {
                 let g = self.num_expert_group;
                 if e % g != 0 || self.topk_group == 0 || self.topk_group > g || e / g < 2 {
@@ -268,6 +288,97 @@ impl TextConfig {
         }
         if self.moe_layer_freq == 0 {
             return Err(bad("moe_layer_freq", "must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+/// The most layers a config may declare: 700 times Kimi K3's 93. Loading, `inspect` and validation walk
+/// the layers, so a config claiming 10^12 of them must be refused before anything loops over them.
+pub const MAX_LAYERS: usize = 1 << 16;
+
+impl TextConfig {
+    fn validate_bounds(&self) -> Result<()> {
+        let bad = |field: &str, msg: String| Err(Error::invalid("config", format!("{field}: {msg}")));
+        if self.num_hidden_layers == 0 || self.num_hidden_layers > MAX_LAYERS {
+            return bad("num_hidden_layers", format!("{} is not in 1..={MAX_LAYERS}", self.num_hidden_layers));
+        }
+        // Sizes tensor shapes are built from, alone and in the products the layers use (u128 with
+        // saturation: no sum or product of these can wrap).
+        const MAX_DIM: u128 = i32::MAX as u128;
+        let n = |v: usize| v as u128;
+        let o = |v: Option<usize>| v.unwrap_or(0) as u128;
+        let la = self.linear_attn_config.as_ref();
+        let (kda_heads, kda_dim) = (n(la.map_or(0, |c| c.num_heads)), n(la.map_or(0, |c| c.head_dim)));
+        let heads = n(self.num_attention_heads);
+        let dims: [(&str, u128); 24] = [
+            ("vocab_size", n(self.vocab_size)),
+            ("hidden_size", n(self.hidden_size)),
+            ("num_attention_heads", heads),
+            ("num_key_value_heads", n(self.num_key_value_heads)),
+            ("intermediate_size", n(self.intermediate_size)),
+            ("linear_attn_config.num_heads", kda_heads),
+            ("linear_attn_config.head_dim", kda_dim),
+            ("linear_attn_config.short_conv_kernel_size", n(la.map_or(0, |c| c.short_conv_kernel_size))),
+            ("linear_attn_config.num_heads x head_dim x 3", kda_heads.saturating_mul(kda_dim).saturating_mul(3)),
+            ("q_lora_rank", o(self.q_lora_rank)),
+            ("kv_lora_rank", o(self.kv_lora_rank)),
+            ("qk_nope_head_dim", o(self.qk_nope_head_dim)),
+            ("qk_rope_head_dim", o(self.qk_rope_head_dim)),
+            ("v_head_dim", o(self.v_head_dim)),
+            (
+                "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim)",
+                heads.saturating_mul(o(self.qk_nope_head_dim) + o(self.qk_rope_head_dim)),
+            ),
+            (
+                "num_attention_heads x (qk_nope_head_dim + v_head_dim)",
+                heads.saturating_mul(o(self.qk_nope_head_dim) + o(self.v_head_dim)),
+            ),
+            ("kv_lora_rank + qk_rope_head_dim", o(self.kv_lora_rank) + o(self.qk_rope_head_dim)),
+            ("num_experts", o(self.num_experts)),
+            ("num_experts_per_token", n(self.num_experts_per_token)),
+            ("moe_intermediate_size", o(self.moe_intermediate_size)),
+            (
+                "moe_intermediate_size x num_shared_experts",
+                o(self.moe_intermediate_size).saturating_mul(n(self.num_shared_experts)),
+            ),
+            ("routed_expert_hidden_size", o(self.routed_expert_hidden_size)),
+            ("num_expert_group", n(self.num_expert_group)),
+            ("topk_group", n(self.topk_group)),
+        ];
+        if let Some((field, v)) = dims.iter().find(|(_, v)| *v > MAX_DIM) {
+            return bad(field, format!("{v} is larger than a tensor dimension can be ({MAX_DIM})"));
+        }
+        for (field, v) in [
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("max_position_embeddings", self.max_position_embeddings),
+            ("num_expert_group", self.num_expert_group),
+            ("topk_group", self.topk_group),
+        ] {
+            if v == 0 {
+                return bad(field, "must be positive, got 0".into());
+            }
+        }
+        if !(self.rms_norm_eps > 0.0 && self.rms_norm_eps.is_finite()) {
+            return bad("rms_norm_eps", format!("must be a positive number, got {}", self.rms_norm_eps));
+        }
+        for (field, v) in [
+            ("routed_scaling_factor", Some(self.routed_scaling_factor)),
+            ("activation_situ_beta", self.activation_situ_beta),
+            ("activation_situ_linear_beta", self.activation_situ_linear_beta),
+            ("linear_attn_config.gate_lower_bound", la.and_then(|c| c.gate_lower_bound)),
+        ] {
+            if let Some(v) = v.filter(|v| !v.is_finite()) {
+                return bad(field, format!("must be a finite number, got {v}"));
+            }
+        }
+        if let Some(c) = la {
+            if c.kda_layers.len() > self.num_hidden_layers {
+                return bad(
+                    "linear_attn_config.kda_layers",
+                    format!("lists {} layers of {}", c.kda_layers.len(), self.num_hidden_layers),
+                );
+            }
         }
         Ok(())
     }
@@ -380,11 +491,17 @@ impl ModelConfig {
             Some(t) => (t.clone(), "text_config."),
             None => (raw.clone(), ""),
         };
-        let text: TextConfig = serde_path_to_error::deserialize(text_value).map_err(|e| {
+        let mut text: TextConfig = serde_path_to_error::deserialize(text_value).map_err(|e| {
             let field = e.path().to_string();
             let field = if field == "." { String::from("(top level)") } else { format!("{prefix}{field}") };
             fmt(format!("{field}: {}", e.inner()))
         })?;
+        if let Some(c) = text.linear_attn_config.as_mut() {
+            // Sorted so that `is_kda` is a binary search: checking every layer against the list stays cheap
+            // however long both are.
+            c.kda_layers.sort_unstable();
+            c.kda_layers.dedup();
+        }
         text.validate().map_err(|e| fmt(e.to_string().trim_start_matches("[config] ").to_string()))?;
 
         let mut quantization = QuantizationConfig::default();

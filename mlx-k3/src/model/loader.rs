@@ -76,6 +76,106 @@ impl TensorLoc {
     }
 }
 
+/// How many values of one tensor are NaN and how many are infinite.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NonFinite {
+    /// NaN values.
+    pub nan: u64,
+    /// +Inf and -Inf values.
+    pub inf: u64,
+}
+
+impl NonFinite {
+    /// Whether there is any.
+    pub fn any(&self) -> bool {
+        self.nan + self.inf > 0
+    }
+
+    /// Counts the NaN and Inf values in little-endian `bytes` of `dtype`; None for non-float dtypes
+    /// (a trailing partial value is ignored).
+    pub fn count(bytes: &[u8], dtype: Dtype) -> Option<NonFinite> {
+        // (exponent mask, mantissa mask) of each float format: all exponent bits set is Inf (mantissa 0)
+        // or NaN.
+        fn tally<const N: usize>(bytes: &[u8], exp: u64, man: u64) -> NonFinite {
+            let mut c = NonFinite::default();
+            for v in bytes.chunks_exact(N) {
+                let mut b = [0u8; 8];
+                b[..N].copy_from_slice(v);
+                let bits = u64::from_le_bytes(b);
+                if bits & exp == exp {
+                    if bits & man == 0 {
+                        c.inf += 1;
+                    } else {
+                        c.nan += 1;
+                    }
+                }
+            }
+            c
+        }
+        Some(match dtype {
+            Dtype::F16 => tally::<2>(bytes, 0x7c00, 0x03ff),
+            Dtype::BF16 => tally::<2>(bytes, 0x7f80, 0x007f),
+            Dtype::F32 => tally::<4>(bytes, 0x7f80_0000, 0x007f_ffff),
+            Dtype::F64 => tally::<8>(bytes, 0x7ff0_0000_0000_0000, 0x000f_ffff_ffff_ffff),
+            _ => return None,
+        })
+    }
+}
+
+impl TensorLoc {
+    /// Counts NaN and Inf values by reading the tensor's bytes from its file in 8 MiB pieces (memory stays
+    /// bounded whatever the tensor's size); None for non-float dtypes.
+    pub fn count_non_finite(&self) -> Result<Option<NonFinite>> {
+        use std::os::unix::fs::FileExt;
+        if NonFinite::count(&[], self.dtype).is_none() {
+            return Ok(None);
+        }
+        let total = self.shape.iter().product::<usize>() as u64 * self.dtype.size_of() as u64;
+        let f = fs::File::open(&self.path).map_err(|source| Error::Io { path: self.path.clone(), source })?;
+        // 8 MiB: a whole number of values of every float dtype.
+        let piece = 8 << 20;
+        let mut buf = vec![0u8; piece.min(total as usize)];
+        let mut counts = NonFinite::default();
+        let mut done = 0u64;
+        while done < total {
+            let n = ((total - done) as usize).min(buf.len());
+            f.read_exact_at(&mut buf[..n], self.offset + done)
+                .map_err(|source| Error::Io { path: self.path.clone(), source })?;
+            let c = NonFinite::count(&buf[..n], self.dtype).unwrap_or_default();
+            counts.nan += c.nan;
+            counts.inf += c.inf;
+            done += n as u64;
+        }
+        Ok(Some(counts))
+    }
+}
+
+/// Scans every float tensor in the `model*.safetensors` files of `dir` for NaN and Inf (reads all tensor
+/// data, one piece at a time); `progress(done, total)` counts tensors. Returns each file, tensor and counts
+/// that have any, in file and name order, and how many float tensors were scanned.
+pub fn scan_non_finite(
+    dir: &Path,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(Vec<(PathBuf, String, NonFinite)>, usize)> {
+    let mut all = Vec::new();
+    for path in weight_files(dir)? {
+        all.extend(validate_safetensors(&path)?.into_iter().map(|(name, loc)| (path.clone(), name, loc)));
+    }
+    let mut bad = Vec::new();
+    let mut scanned = 0;
+    for (i, (path, name, loc)) in all.iter().enumerate() {
+        progress(i, all.len());
+        if let Some(c) = loc.count_non_finite()? {
+            scanned += 1;
+            if c.any() {
+                bad.push((path.clone(), name.clone(), c));
+            }
+        }
+    }
+    progress(all.len(), all.len());
+    Ok((bad, scanned))
+}
+
 /// The `model*.safetensors` files of `dir` (as mlx-lm globs them), checked against the index when present.
 pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let entries = fs::read_dir(dir).map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
@@ -114,27 +214,55 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// Checks a safetensors file's header against its size before MLX maps it: a truncated or corrupt file
-/// becomes an error naming the file (and the tensor), never a read past the end.
+/// becomes an error naming the file (and the tensor), never a read past the end. Returns where each
+/// tensor of a dtype MLX reads lies.
 pub fn validate_safetensors(path: &Path) -> Result<BTreeMap<String, TensorLoc>> {
     let fmt = |message: String| Error::Format { path: path.to_path_buf(), message };
     let mut f = fs::File::open(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
     let size = f.metadata().map_err(|source| Error::Io { path: path.to_path_buf(), source })?.len();
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len).map_err(|_| fmt(format!("truncated: {size} bytes, no header")))?;
-    let n = u64::from_le_bytes(len);
-    if n > size.saturating_sub(8) || n > 100 << 20 {
+    let mut start = vec![0u8; 8];
+    f.read_exact(&mut start).map_err(|_| fmt(format!("truncated: {size} bytes, no header")))?;
+    let n = u64::from_le_bytes([start[0], start[1], start[2], start[3], start[4], start[5], start[6], start[7]]);
+    if n > size.saturating_sub(8) || n > MAX_HEADER_BYTES {
         return Err(fmt(format!("corrupt or truncated: header of {n} bytes in a file of {size}")));
     }
-    let mut header = vec![0u8; n as usize];
-    f.read_exact(&mut header).map_err(|_| fmt("truncated inside the header".into()))?;
-    let v: Value = serde_json::from_slice(&header).map_err(|e| fmt(format!("corrupt header: {e}")))?;
+    start.resize(8 + n as usize, 0);
+    f.read_exact(&mut start[8..]).map_err(|_| fmt("truncated inside the header".into()))?;
+    parse_safetensors_header(&start, size, path)
+}
+
+/// The largest safetensors header read (the format's own limit is 100 MB).
+const MAX_HEADER_BYTES: u64 = 100 << 20;
+
+/// Parses and checks the start of a safetensors file: `bytes` holds its first bytes (the 8-byte header
+/// length and at least the JSON header; the whole file will do), `file_size` is the file's length and
+/// `path` only names it in errors. Returns where each tensor of a dtype MLX reads lies.
+///
+/// Checked, with errors naming the file and the tensor: the header length against the file, that the
+/// header is a JSON object of tensors, each with a known dtype, a shape of whole numbers each at most
+/// `i32::MAX` (MLX shapes are int32) and `data_offsets` of two whole numbers that span exactly the shape's
+/// bytes (computed without overflow) inside the data, and that no two tensors share a byte. Usable without
+/// a file or a model (e.g. by a fuzzer).
+pub fn parse_safetensors_header(bytes: &[u8], file_size: u64, path: &Path) -> Result<BTreeMap<String, TensorLoc>> {
+    let fmt = |message: String| Error::Format { path: path.to_path_buf(), message };
+    let Some(len) = bytes.get(..8) else {
+        return Err(fmt(format!("truncated: {file_size} bytes, no header")));
+    };
+    let n = u64::from_le_bytes([len[0], len[1], len[2], len[3], len[4], len[5], len[6], len[7]]);
+    if n > file_size.saturating_sub(8) || n > MAX_HEADER_BYTES {
+        return Err(fmt(format!("corrupt or truncated: header of {n} bytes in a file of {file_size}")));
+    }
+    let header = bytes.get(8..8 + n as usize).ok_or_else(|| fmt("truncated inside the header".into()))?;
+    let v: Value = serde_json::from_slice(header).map_err(|e| fmt(format!("corrupt header: {e}")))?;
     let obj = v.as_object().ok_or_else(|| fmt("corrupt header: not a JSON object".into()))?;
-    let data = size - 8 - n;
+    let data = file_size - 8 - n;
     let mut locs = BTreeMap::new();
+    let mut spans: Vec<(u64, u64, &str)> = Vec::new();
     for (name, t) in obj {
         if name == "__metadata__" {
             continue;
         }
+        let bad = |m: String| fmt(format!("tensor '{name}': {m}"));
         let dtype = t.get("dtype").and_then(Value::as_str).unwrap_or("");
         let (item, dt): (u64, Option<Dtype>) = match dtype {
             "BOOL" => (1, Some(Dtype::Bool)),
@@ -152,22 +280,30 @@ pub fn validate_safetensors(path: &Path) -> Result<BTreeMap<String, TensorLoc>> 
             "I64" => (8, Some(Dtype::I64)),
             "F64" => (8, Some(Dtype::F64)),
             "C64" => (8, None),
-            other => return Err(fmt(format!("tensor '{name}': unsupported dtype '{other}'"))),
+            other => return Err(bad(format!("unsupported dtype '{other}'"))),
         };
-        let shape: Vec<u64> = t
-            .get("shape")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_u64).collect())
-            .ok_or_else(|| fmt(format!("tensor '{name}': no shape")))?;
+        let whole = |v: &Value| v.as_u64();
+        let shape: Vec<u64> = match t.get("shape").and_then(Value::as_array) {
+            Some(a) => {
+                a.iter().map(whole).collect::<Option<_>>().ok_or_else(|| bad(format!("bad shape {}", t["shape"])))?
+            }
+            None => return Err(bad("no shape".into())),
+        };
+        if let Some(d) = shape.iter().find(|&&d| d > i32::MAX as u64) {
+            return Err(bad(format!("dimension {d} of shape {shape:?} is larger than MLX's int32 shapes allow")));
+        }
         let offs: Vec<u64> = t
             .get("data_offsets")
             .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_u64).collect())
-            .filter(|o: &Vec<u64>| o.len() == 2)
-            .ok_or_else(|| fmt(format!("tensor '{name}': no data_offsets")))?;
-        let want = shape.iter().product::<u64>() * item;
+            .and_then(|a| a.iter().map(whole).collect::<Option<Vec<u64>>>())
+            .filter(|o| o.len() == 2)
+            .ok_or_else(|| bad("no data_offsets (two whole numbers)".into()))?;
+        let want = shape.iter().try_fold(item, |acc, &d| acc.checked_mul(d));
+        let Some(want) = want else {
+            return Err(bad(format!("shape {shape:?} x {dtype} overflows 64 bits")));
+        };
         if offs[1] < offs[0] || offs[1] - offs[0] != want {
-            return Err(fmt(format!("tensor '{name}': data_offsets {offs:?} do not hold {shape:?} x {dtype}")));
+            return Err(bad(format!("data_offsets {offs:?} do not hold {shape:?} x {dtype}")));
         }
         if offs[1] > data {
             return Err(fmt(format!(
@@ -175,10 +311,21 @@ pub fn validate_safetensors(path: &Path) -> Result<BTreeMap<String, TensorLoc>> 
                 offs[1]
             )));
         }
+        if want > 0 {
+            spans.push((offs[0], offs[1], name));
+        }
         if let Some(dtype) = dt {
             let shape = shape.iter().map(|&d| d as usize).collect();
             locs.insert(name.clone(), TensorLoc { path: path.to_path_buf(), dtype, shape, offset: 8 + n + offs[0] });
         }
+    }
+    // Two tensors over the same bytes would alias: one file's corruption read as two weights.
+    spans.sort_unstable();
+    if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+        return Err(fmt(format!(
+            "corrupt: tensors '{}' (bytes {}..{}) and '{}' (bytes {}..{}) overlap",
+            w[0].2, w[0].0, w[0].1, w[1].2, w[1].0, w[1].1
+        )));
     }
     Ok(locs)
 }

@@ -60,6 +60,23 @@ fn token_text(v: Option<&Value>) -> Option<String> {
     }
 }
 
+/// `eos_token_id` of `generation_config.json`: absent or null, one id, or a list of ids. An id must be a
+/// whole number that fits a token id (u32): 2^40 must not become token 0, and a string or -1 must not be
+/// dropped without a word.
+fn eos_ids(v: Option<&Value>, path: &Path) -> Result<Vec<u32>> {
+    let id = |v: &Value| {
+        v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| Error::Format {
+            path: path.to_path_buf(),
+            message: format!("eos_token_id: {v} is not a token id (a whole number below 2^32)"),
+        })
+    };
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a.iter().map(id).collect(),
+        Some(v) => Ok(vec![id(v)?]),
+    }
+}
+
 impl Tokenizer {
     /// Loads the tokenizer of the checkpoint folder `dir`: `tiktoken.model` if present, else `tokenizer.json`.
     pub fn load(dir: &Path) -> Result<(Tokenizer, TokenizerConfig)> {
@@ -106,11 +123,7 @@ impl Tokenizer {
         }
         let gen_path: PathBuf = dir.join("generation_config.json");
         if let Some(g) = read_json(&gen_path)? {
-            match g.get("eos_token_id") {
-                Some(Value::Number(n)) => cfg.eos_token_ids.extend(n.as_u64().map(|v| v as u32)),
-                Some(Value::Array(a)) => cfg.eos_token_ids.extend(a.iter().filter_map(Value::as_u64).map(|v| v as u32)),
-                _ => {}
-            }
+            cfg.eos_token_ids.extend(eos_ids(g.get("eos_token_id"), &gen_path)?);
         }
         cfg.eos_token_ids.sort_unstable();
         cfg.eos_token_ids.dedup();
@@ -120,7 +133,7 @@ impl Tokenizer {
     /// Token ids of `text`; special-token strings in `text` become their ids when `allow_special`.
     pub fn encode(&self, text: &str, allow_special: bool) -> Result<Vec<u32>> {
         match self {
-            Tokenizer::Tiktoken(t) => Ok(t.encode(text, allow_special)),
+            Tokenizer::Tiktoken(t) => t.encode(text, allow_special),
             Tokenizer::HuggingFace(t) => t.encode(text, allow_special),
         }
     }

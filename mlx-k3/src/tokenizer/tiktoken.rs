@@ -24,12 +24,99 @@ pub const KIMI_PATTERN: &str = concat!(
     r"|\s+",
 );
 
+/// The split pattern of the merge-only encoder: one piece, whatever the text.
+const WHOLE_PIECE: &str = r"(?s:.+)";
+
+/// The two last alternatives of tiktoken-style patterns (Kimi's, cl100k's, o200k's): a run of whitespace
+/// that leaves its last character to the next pre-token when one follows, else the whole run.
+const WHITESPACE_TAIL: &str = r"|\s+(?!\S)|\s+";
+
+/// Cuts text into pre-tokens as tiktoken's fancy-regex split does, in linear time.
+///
+/// tiktoken runs the pattern with fancy-regex, a backtracking engine: `\s+(?!\S)` pushes a backtrack
+/// entry per character, so a run of a million spaces exceeds its stack and the split fails. Patterns made
+/// of regular alternatives followed by [`WHITESPACE_TAIL`] run instead on the `regex` crate (finite
+/// automata: linear time, no stack), with the tail as `(\s+)` and its look-ahead applied afterwards. That
+/// gives the same pre-tokens: leftmost-first alternation picks the same alternative as backtracking, and
+/// where the head fails at position i on whitespace, `\s+(?!\S)` backtracks from the whole run [i, r) to
+/// [i, r - 1 char) when a non-space follows at r and the run has two characters or more, else takes
+/// [i, r) (at the end of the text) or fails and leaves the one character to `\s+`; the post-step does
+/// exactly that. Other patterns keep fancy-regex.
+enum PreTokenizer {
+    /// The `regex` crate; `tail`: the pattern ended with [`WHITESPACE_TAIL`], now capture group 1.
+    Linear { re: regex::Regex, tail: bool },
+    /// A pattern with look-around elsewhere.
+    Backtracking(fancy_regex::Regex),
+}
+
+impl PreTokenizer {
+    fn new(pattern: &str) -> Result<PreTokenizer> {
+        let bad = |e: String| Error::invalid("tiktoken", format!("bad split pattern: {e}"));
+        // The head must be a whole regex by itself, so that the tail was a top-level alternative.
+        if let Some(head) = pattern.strip_suffix(WHITESPACE_TAIL).filter(|h| regex::Regex::new(h).is_ok()) {
+            if let Ok(re) = regex::Regex::new(&format!(r"{head}|(\s+)")) {
+                return Ok(PreTokenizer::Linear { re, tail: true });
+            }
+        }
+        if let Ok(re) = regex::Regex::new(pattern) {
+            return Ok(PreTokenizer::Linear { re, tail: false });
+        }
+        fancy_regex::Regex::new(pattern).map(PreTokenizer::Backtracking).map_err(|e| bad(e.to_string()))
+    }
+
+    /// Calls `f` on each pre-token of `text`, in order.
+    fn split<'t>(&self, text: &'t str, f: &mut dyn FnMut(&'t str)) -> Result<()> {
+        match self {
+            PreTokenizer::Linear { re, tail } => {
+                let group = re.captures_len() - 1;
+                let mut locs = re.capture_locations();
+                let mut at = 0;
+                while let Some(m) = re.find_at(text, at) {
+                    let (start, mut end) = (m.start(), m.end());
+                    // The look-ahead of `\s+(?!\S)`: with a non-space after the run, give back the last
+                    // character if the run has two or more. Only whitespace matches are candidates, and
+                    // only those from the tail alternative (the capture says which).
+                    if *tail && end < text.len() && !text[end..].starts_with(char::is_whitespace) {
+                        let piece = &text[start..end];
+                        let mut chars = piece.char_indices();
+                        let last = chars.next_back().map_or(0, |(i, _)| i);
+                        if last > 0 && piece.starts_with(char::is_whitespace) {
+                            re.captures_read_at(&mut locs, text, start);
+                            if locs.get(group) == Some((start, end)) {
+                                end = start + last;
+                            }
+                        }
+                    }
+                    f(&text[start..end]);
+                    at = end;
+                }
+                Ok(())
+            }
+            PreTokenizer::Backtracking(re) => {
+                for m in re.find_iter(text) {
+                    let m = m.map_err(|e| {
+                        Error::invalid("tokenizer", format!("the split pattern failed on the text: {e}"))
+                    })?;
+                    f(m.as_str());
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 /// Special-token slots after the regular vocabulary (Kimi's `num_reserved_special_tokens + 2`).
 pub const NUM_SPECIAL: u32 = 258;
 
 /// A tiktoken-format tokenizer.
 pub struct TiktokenTokenizer {
+    /// Byte-pair merging only: its split pattern takes a whole pre-token as one piece.
     bpe: CoreBPE,
+    /// Token ids by bytes: a pre-token that is a whole token skips the merge call (as tiktoken does).
+    ranks: rustc_hash::FxHashMap<Vec<u8>, u32>,
+    pre: PreTokenizer,
+    /// Special-token texts, for encoding with special tokens allowed.
+    special_matcher: Option<aho_corasick::AhoCorasick>,
     decoder: Vec<Vec<u8>>,
     special: BTreeMap<String, u32>,
     special_by_id: HashMap<u32, String>,
@@ -108,20 +195,50 @@ impl TiktokenTokenizer {
         }
         let special_by_id = special.iter().map(|(k, v)| (*v, k.clone())).collect();
         let ranks: rustc_hash::FxHashMap<Vec<u8>, u32> = ranks.into_iter().collect();
-        let specials: rustc_hash::FxHashMap<String, u32> = special.iter().map(|(k, v)| (k.clone(), *v)).collect();
-        let bpe = CoreBPE::new(ranks, specials, pattern)
+        let pre = PreTokenizer::new(pattern)?;
+        let bpe = CoreBPE::new(ranks.clone(), Default::default(), WHOLE_PIECE)
             .map_err(|e| Error::invalid("tiktoken", format!("cannot build the encoder: {e}")))?;
-        Ok(TiktokenTokenizer { bpe, decoder, special, special_by_id, n_base })
+        let names: Vec<&str> = special.keys().map(String::as_str).filter(|s| !s.is_empty()).collect();
+        let special_matcher = if names.is_empty() {
+            None
+        } else {
+            Some(
+                aho_corasick::AhoCorasick::builder()
+                    .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                    .build(&names)
+                    .map_err(|e| Error::invalid("tokenizer_config", format!("cannot match the special tokens: {e}")))?,
+            )
+        };
+        Ok(TiktokenTokenizer { bpe, ranks, pre, special_matcher, decoder, special, special_by_id, n_base })
     }
 
     /// Encodes `text`; with `allow_special`, special-token strings become their ids (as Kimi's tokenizer
-    /// does by default), else they are encoded as ordinary text.
-    pub fn encode(&self, text: &str, allow_special: bool) -> Vec<u32> {
-        if allow_special {
-            self.bpe.encode_with_special_tokens(text)
-        } else {
-            self.bpe.encode_ordinary(text)
+    /// does by default), else they are encoded as ordinary text. The ids are tiktoken's for every input
+    /// (tests/k3_nano.rs and tests/tokenizer.rs compare them with Python tiktoken's and with the
+    /// pre-tokens of tiktoken's own fancy-regex split); the time grows about linearly with the text,
+    /// however long one pre-token is (docs/correctness.md, "Tokenizer").
+    pub fn encode(&self, text: &str, allow_special: bool) -> Result<Vec<u32>> {
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        let mut at = 0;
+        if let Some(specials) = self.special_matcher.as_ref().filter(|_| allow_special) {
+            for m in specials.find_iter(text) {
+                self.encode_ordinary(&text[at..m.start()], &mut ids)?;
+                ids.push(self.special[&text[m.start()..m.end()]]);
+                at = m.end();
+            }
         }
+        self.encode_ordinary(&text[at..], &mut ids)?;
+        Ok(ids)
+    }
+
+    fn encode_ordinary(&self, text: &str, ids: &mut Vec<u32>) -> Result<()> {
+        // Each pre-token is merged on its own: `WHOLE_PIECE` hands it to tiktoken's merge unsplit, which
+        // looks the piece up first and merges pieces of 100 bytes or more with upstream tiktoken's heap-based
+        // `_byte_pair_merge_large` (O(n log n); the same merges in the same order as the quadratic scan).
+        self.pre.split(text, &mut |piece| match self.ranks.get(piece.as_bytes()) {
+            Some(&id) => ids.push(id),
+            None => ids.extend(self.bpe.encode_ordinary(piece)),
+        })
     }
 
     /// Bytes of token `id`.
@@ -138,7 +255,7 @@ impl TiktokenTokenizer {
         if let Some(&id) = self.special.get(token) {
             return Some(id);
         }
-        let ids = self.bpe.encode_ordinary(token);
+        let ids = self.encode(token, false).ok()?;
         (ids.len() == 1).then(|| ids[0])
     }
 
