@@ -400,7 +400,7 @@ fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats, c
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
             return fail(FailureKind::BadRequest, format!("prompt token {bad} is outside the vocabulary (0..{vocab})"));
         }
-        if let Err(e) = request.options.sampler.validate(vocab) {
+        if let Err(e) = request.options.validate(vocab) {
             return fail(FailureKind::BadRequest, e.to_string());
         }
     }

@@ -206,6 +206,10 @@ fn bad_requests_get_openai_errors_and_the_server_survives() {
         Some("unsupported_parameter"),
     );
     bad(chat, &with(json!({"response_format": {"type": "yaml"}})), Some("response_format.type"), None);
+    // Generation's stop-string limits (16 strings of at most 256 bytes), refused before the request is queued.
+    let many: Vec<String> = (0..17).map(|i| format!("stop{i}")).collect();
+    bad(chat, &with(json!({"stop": many})), Some("stop"), None);
+    bad("/v1/completions", &json!({"prompt": "x", "stop": ["y".repeat(257)]}).to_string(), Some("stop"), None);
     bad("/v1/completions", &json!({"prompt": ""}).to_string(), Some("prompt"), None);
     bad("/v1/completions", &json!({"prompt": "x", "echo": true}).to_string(), Some("echo"), None);
     bad("/api/chat", &with(json!({"sesion": "x"})), Some("sesion"), Some("unknown_field"));

@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 use super::error::ApiError;
 use mlx_k3::chat::ThinkingEffort;
-use mlx_k3::generate::{GenerateOptions, SamplerConfig};
+use mlx_k3::generate::{GenerateOptions, SamplerConfig, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
 
 /// `stop`: one string or a list.
 #[derive(Clone, Debug, Deserialize)]
@@ -76,6 +76,19 @@ impl Sampling {
         };
         if stop_strings.iter().any(String::is_empty) {
             return Err(ApiError::bad_param("stop", "stop strings must not be empty"));
+        }
+        // Generation's own limits, checked here so that such a request is refused before it is queued.
+        if stop_strings.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::bad_param(
+                "stop",
+                format!("at most {MAX_STOP_STRINGS} stop strings, got {}", stop_strings.len()),
+            ));
+        }
+        if let Some(long) = stop_strings.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+            return Err(ApiError::bad_param(
+                "stop",
+                format!("stop strings must be at most {MAX_STOP_STRING_BYTES} bytes, got one of {}", long.len()),
+            ));
         }
         let mut logit_bias = Vec::new();
         for (k, v) in self.logit_bias.iter().flatten() {
