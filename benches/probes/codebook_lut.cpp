@@ -1,19 +1,19 @@
 // Probe (not part of the build or of CI): a lookup-table codebook GEMV on a transposed layout, measured against
 // the project's q8 codebook kernel (`codebook_rows`, row-major planes) in the same process, and checked against
-// the scalar q8 path. It records why the issue's "2x ggml IQ1_S" target needs a layout change (README,
+// the scalar q8 path. It records why the issue's "2x ggml IQ1_S" target needs a layout change (CHANGELOG.md,
 // "Later the same day"): the current kernels decode grid rows per weight row; this one builds, per 32-block of
 // the activations, four 2048-entry tables T_l[j] = dot(grid[j] + 1, q[8l..8l+8]) (int16, VNNI dot products)
 // and then needs one table load per 8 weights, which pays only when the tables serve thousands of rows in a
 // sweep, i.e. when the planes are stored column by column: codes [K/8][N], qh [K/32][N], scales [K/256][N].
 // The same bits, so the same 1.5625 bits per weight; the integers per super-block equal the scalar q8
 // kernel's, so results match it to the last f32 rounding. It also times the same sweep without the scalar table
-// loads (output meaningless), which splits the time into the lookups and everything else (README, "Stop of
-// 2026-12-06").
+// loads (output meaningless), which splits the time into the lookups and everything else (CHANGELOG.md,
+// 2026-12-06).
 //
 // Build and run (x86-64 with AVX-512 F/BW/VL/VNNI; after a `cargo build`, debug or release; one thread):
 //   OUT=$(ls -td target/*/build/mlx-k3-metal-*/out | head -1); M=mlx-k3-metal/cpp
 //   g++ -O3 -std=c++20 -march=native -I $M -I $OUT -I mlx-k3-sys/shim benches/probes/codebook_lut.cpp \
-//       $M/qmm_cpu.cpp $M/parallel.cpp -lpthread -o /tmp/codebook_lut
+//       $M/qmm_cpu*.cpp $M/parallel.cpp -lpthread -o /tmp/codebook_lut
 //   taskset -c 0 /tmp/codebook_lut 4096 14336 20
 #include <immintrin.h>
 

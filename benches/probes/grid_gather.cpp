@@ -3,7 +3,7 @@
 // (`codebook_rows`) per 64 weights in the same process: one AVX-512 `vpgatherdq` fetching the 8 grid rows of 64
 // weights, against 8 scalar loads and 3 inserts per 64 weights (the way the kernels and ggml build a vector), both
 // on indices streamed from memory with nothing else to do. It bounds what gathers could gain toward the issue's
-// "2x ggml IQ1_S" target (README, "Stop of 2026-12-03 (fifth session)"): ggml's IQ1_S builds its vectors the same
+// "2x ggml IQ1_S" target (CHANGELOG.md, 2026-12-03, fifth session): ggml's IQ1_S builds its vectors the same
 // way and runs at about the kernel's speed here, so a 2x kernel has half the kernel's time per 64 weights for
 // building, assembling the indices, the dot products and the scales together. The indices here are ready-made
 // 16-bit values (a kernel assembles them from the 8-bit codes and the 3-bit high parts), so the figures are lower
@@ -12,7 +12,7 @@
 // Build and run (x86-64 with AVX-512 F/BW/VL; after `cargo build --release`; one thread):
 //   OUT=$(ls -td target/release/build/mlx-k3-metal-*/out | head -1); M=mlx-k3-metal/cpp
 //   g++ -O3 -std=c++20 -march=native -I $M -I $OUT -I mlx-k3-sys/shim benches/probes/grid_gather.cpp
-//       $M/qmm_cpu.cpp $M/parallel.cpp -lpthread -o /tmp/grid_gather   (one command)
+//       $M/qmm_cpu*.cpp $M/parallel.cpp -lpthread -o /tmp/grid_gather   (one command)
 //   K3_NUM_THREADS=1 taskset -c 1 /tmp/grid_gather 4096 14336 10
 #include <immintrin.h>
 

@@ -1,4 +1,4 @@
-// The routed experts' gate and up projections with SiTU applied where the kernel stores (SPEC_NOTES 4.4-4.5):
+// The routed experts' gate and up projections with SiTU applied where the kernel stores (docs/formats.md#latent-moe, #situ):
 // out = SiTU(x @ W_up[e]^T, x @ W_gate[e]^T) for each gathered (token, expert) pair, in one primitive and
 // without the two intermediate tensors. gather_qmm semantics for x, lhs and rhs (x (*Bx, M, K), out
 // (*broadcast(lhs, rhs), M, N)).
@@ -29,7 +29,7 @@ namespace k3::kernels {
 namespace {
 
 struct GateUpFormat {
-  char kind;  // 'c' codebook, 'a' affine, 'm' mxfp4
+  WeightFormat kind;
   int bits;
   int group;
   bool simd;
@@ -41,20 +41,20 @@ struct GateUpFormat {
 };
 
 
-int n_weights(char kind) {
-  return kind == 'm' ? 2 : 3;
+int n_weights(WeightFormat kind) {
+  return kind == WeightFormat::mxfp4 ? 2 : 3;
 }
 
 // Row kernels of expert e of one projection whose arrays start at w[0].
 void proj_rows(const GateUpFormat& f, const mx::array* w, int e, int N, int K, const Activations& a, int n0, int n1,
                float* out, int ldo) {
   switch (f.kind) {
-    case 'c': {
+    case WeightFormat::codebook: {
       CodebookRows r{w[0].data<uint8_t>() + (size_t)e * N * (K / 8), w[1].data<uint16_t>() + (size_t)e * N * (K / 32),
                      reinterpret_cast<const uint16_t*>(w[2].data<mx::float16_t>()) + (size_t)e * N * codebook_super_blocks(K), K};
       return codebook_rows(r, a, n0, n1, out, ldo, f.simd);
     }
-    case 'a': {
+    case WeightFormat::affine: {
       const mx::Dtype dt = w[1].dtype();
       const int code = dt == mx::float32 ? 0 : dt == mx::float16 ? 1 : 2;  // check_proj admits only these
       AffineRows r = affine_view(w[0].data<uint32_t>(), w[1].data<void>(), w[2].data<void>(), code, (size_t)e * N, K,
@@ -220,13 +220,13 @@ std::pair<int, int> check_proj(const char* which, const GateUpFormat& f, const s
     if (a.dtype() != dt) fail(std::string(which) + " " + what + " has the wrong dtype");
   };
   switch (f.kind) {
-    case 'c':
+    case WeightFormat::codebook:
       if (K % 32 != 0) fail("K = " + std::to_string(K) + " is not a multiple of 32 (the codebook block)");
       expect("codes", w[0], K / 8, mx::uint8);
       expect("qh", w[1], K / 32, mx::uint16);
       expect("scales", w[2], codebook_super_blocks(K), mx::float16);
       break;
-    case 'a':
+    case WeightFormat::affine:
       if (f.group <= 0 || K % f.group != 0) fail("group size " + std::to_string(f.group) + " does not divide K = " + std::to_string(K));
       expect("weight", w[0], K * f.bits / 32, mx::uint32);
       if (w[1].shape() != mx::Shape{E, N, K / f.group} || w[2].shape() != w[1].shape()) {
@@ -270,12 +270,14 @@ mx::array gather_gate_up_situ(GateUpFormat f, const mx::array& x_in, const std::
   if (!rhs_in) fail("the expert indices (rhs) are required");
   const int K = x_in.shape(-1), M = x_in.shape(-2);
   const bool fast = s.device == mx::Device::cpu && x_in.dtype() == mx::float32 &&
-                    (f.kind == 'c' || (cpu_has_simd() && (f.kind == 'm' || ((affine_has_simd(f.bits)) &&
-                                                                                   f.group % 32 == 0))));
+                    (f.kind == WeightFormat::codebook ||
+                     (cpu_has_simd() && (f.kind == WeightFormat::mxfp4 ||
+                                         ((affine_has_simd(f.bits)) && f.group % 32 == 0))));
   if (!fast) {
-    if (f.kind == 'c') fail("the codebook format has CPU kernels only (and f32 activations)");
+    if (f.kind == WeightFormat::codebook) fail("the codebook format has CPU kernels only (and f32 activations)");
     auto mm = [&](const std::vector<mx::array>& w) {
-      return mx::gather_qmm(x_in, w[0], w[1], f.kind == 'a' ? std::optional<mx::array>(w[2]) : std::nullopt, lhs_in,
+      return mx::gather_qmm(x_in, w[0], w[1],
+                            f.kind == WeightFormat::affine ? std::optional<mx::array>(w[2]) : std::nullopt, lhs_in,
                             rhs_in, true, f.group, f.bits, mode, std::nullopt, false, s);
     };
     return situ_ops(mm(up_w), mm(gate_w), f, s);
@@ -309,12 +311,12 @@ extern "C" int k3_gather_gate_up_situ(k3_array* res, const k3_array x, const k3_
                                       const k3_stream s) {
   K3_TRY({
     std::string m = mode ? mode : "affine";
-    char kind;
+    kk::WeightFormat kind;
     if (m == "affine") {
       if (!gate_biases.ctx || !up_biases.ctx) throw std::invalid_argument("[gather_gate_up_situ] affine needs biases");
-      kind = 'a';
+      kind = kk::WeightFormat::affine;
     } else if (m == "mxfp4") {
-      kind = 'm';
+      kind = kk::WeightFormat::mxfp4;
     } else {
       throw std::invalid_argument("[gather_gate_up_situ] mode must be affine or mxfp4, got " + m);
     }
@@ -322,7 +324,7 @@ extern "C" int k3_gather_gate_up_situ(k3_array* res, const k3_array x, const k3_
     const bool q8 = kk::act_q8() && kk::q8_supported(kind, bits, group_size);
     kk::GateUpFormat f{kind, bits, group_size, kk::cpu_has_simd(), beta, has_linear_beta, linear_beta, q8};
     std::vector<mx::array> g{k3::arr(gate_w), k3::arr(gate_scales)}, u{k3::arr(up_w), k3::arr(up_scales)};
-    if (kind == 'a') {
+    if (kind == kk::WeightFormat::affine) {
       g.push_back(k3::arr(gate_biases));
       u.push_back(k3::arr(up_biases));
     }
@@ -337,7 +339,7 @@ extern "C" int k3_gather_codebook_gate_up_situ(k3_array* res, const k3_array x, 
                                                float linear_beta, const k3_stream s) {
   K3_TRY({
     kk::check_avx512_env();
-    kk::GateUpFormat f{'c', 0, 256, kk::cpu_has_simd(), beta, has_linear_beta, linear_beta, kk::act_q8()};
+    kk::GateUpFormat f{kk::WeightFormat::codebook, 0, 256, kk::cpu_has_simd(), beta, has_linear_beta, linear_beta, kk::act_q8()};
     k3::put(res, kk::gather_gate_up_situ(f, k3::arr(x), {k3::arr(gate_codes), k3::arr(gate_qh), k3::arr(gate_scales)},
                                          {k3::arr(up_codes), k3::arr(up_qh), k3::arr(up_scales)}, k3::opt(lhs),
                                          k3::opt(rhs), "codebook", k3::stream(s)));

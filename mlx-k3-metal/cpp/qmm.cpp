@@ -29,7 +29,7 @@ namespace k3::kernels {
 namespace {
 
 struct Format {
-  char kind;  // 'c' codebook, 'a' affine, 'm' mxfp4
+  WeightFormat kind;
   int bits;
   int group;
   bool simd;  // SIMD kernels chosen when the op was built
@@ -38,15 +38,15 @@ struct Format {
 };
 
 // The format with the activation precision chosen now.
-Format format_now(char kind, int bits, int group, bool simd) {
+Format format_now(WeightFormat kind, int bits, int group, bool simd) {
   check_avx512_env();
   return Format{kind, bits, group, simd, act_q8() && q8_supported(kind, bits, group)};
 }
 
-const char* op_name(char kind, bool gather) {
+const char* op_name(WeightFormat kind, bool gather) {
   switch (kind) {
-    case 'c': return gather ? "gather_codebook_qmm" : "codebook_qmm";
-    case 'a': return gather ? "gather_affine_qmm" : "affine_qmm";
+    case WeightFormat::codebook: return gather ? "gather_codebook_qmm" : "codebook_qmm";
+    case WeightFormat::affine: return gather ? "gather_affine_qmm" : "affine_qmm";
     default: return gather ? "gather_mxfp4_qmm" : "mxfp4_qmm";
   }
 }
@@ -64,13 +64,13 @@ struct Weights {
 
   void rows(int e, const Activations& a, int n0, int n1, float* out, int ldo) const {
     switch (f.kind) {
-      case 'c': {
+      case WeightFormat::codebook: {
         CodebookRows r{w[0]->data<uint8_t>() + (size_t)e * N * (K / 8),
                        w[1]->data<uint16_t>() + (size_t)e * N * (K / 32),
                        reinterpret_cast<const uint16_t*>(w[2]->data<mx::float16_t>()) + (size_t)e * N * codebook_super_blocks(K), K};
         return codebook_rows(r, a, n0, n1, out, ldo, f.simd);
       }
-      case 'a': {
+      case WeightFormat::affine: {
         AffineRows r = affine_view(w[0]->data<uint32_t>(), w[1]->data<void>(), w[2]->data<void>(),
                                    scale_dtype(w[1]->dtype()), (size_t)e * N, K, f.group, f.bits);
         return affine_rows(r, a, n0, n1, out, ldo, f.simd);
@@ -94,13 +94,13 @@ constexpr int kMinRowsPerTask = 64;
 // Tier ids of a mixed expert stack, as the checkpoint's `tier` tensor records them.
 constexpr int kTierCodebook = 0, kTierMxfp4 = 1, kTierAffine = 2, kTiers = 3;
 
-int n_arrays(char kind) {
-  return kind == 'm' ? 2 : 3;
+int n_arrays(WeightFormat kind) {
+  return kind == WeightFormat::mxfp4 ? 2 : 3;
 }
 
 // The weight formats of one op: a single format, or (tiered) up to one format per tier id.
 struct Layout {
-  std::vector<Format> formats;  // plain: 1; tiered: kTiers entries, kind 0 for absent tiers
+  std::vector<Format> formats;  // plain: 1; tiered: kTiers entries, kind WeightFormat::none for absent tiers
   bool tiered = false;
   bool operator==(const Layout&) const = default;
 };
@@ -167,7 +167,7 @@ class PackedQmm : public mx::UnaryPrimitive {
     std::vector<int> sub_of(layout.formats.size(), -1);
     for (size_t t = 0; t < layout.formats.size(); ++t) {
       const Format& f = layout.formats[t];
-      if (f.kind == 0) continue;
+      if (f.kind == WeightFormat::none) continue;
       Weights w{f, in[next].shape(-2), K, {nullptr, nullptr, nullptr}};
       for (int i = 0; i < n_arrays(f.kind); ++i) w.w[i] = &in[next + i];
       next += n_arrays(f.kind);
@@ -301,7 +301,7 @@ class PackedQmmMulti : public mx::Primitive {
 
   const char* name() const override {
     for (auto& f : formats_) {
-      if (f.kind != 'a') return "packed_qmm_multi";
+      if (f.kind != WeightFormat::affine) return "packed_qmm_multi";
     }
     return "affine_qmm_multi";
   }
@@ -376,13 +376,13 @@ int check_weights(const char* op, Format f, const std::vector<mx::array>& w, int
     return s;
   };
   switch (f.kind) {
-    case 'c':
+    case WeightFormat::codebook:
       if (K % 32 != 0) fail(op, "K = " + std::to_string(K) + " is not a multiple of 32 (the codebook block)");
       expect(op, "codes", w[0], with(K / 8), mx::uint8);
       expect(op, "qh", w[1], with(K / 32), mx::uint16);
       expect(op, "scales", w[2], with(codebook_super_blocks(K)), mx::float16);
       break;
-    case 'a':
+    case WeightFormat::affine:
       if (f.group <= 0 || K % f.group != 0) fail(op, "group size " + std::to_string(f.group) + " does not divide K = " + std::to_string(K));
       expect(op, "weight", w[0], with(K * f.bits / 32), mx::uint32);
       if (w[1].dtype() != mx::float32 && w[1].dtype() != mx::float16 && w[1].dtype() != mx::bfloat16) {
@@ -503,7 +503,7 @@ mx::array packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::arra
   int K = x_in.shape(-1);
   int N = check_weights(op, f, w, K, false);
   if (K == 0) fail(op, "x has K = 0");
-  if (f.kind == 'c' && gpu_branch(s)) {  // one pair (expert 0 of a one-expert stack), all of x's rows as M
+  if (f.kind == WeightFormat::codebook && gpu_branch(s)) {  // one pair (expert 0 of a one-expert stack), all of x's rows as M
     const size_t rows = x_in.size() / K;
     if (rows > (size_t)std::numeric_limits<int>::max()) fail(op, "more than 2^31 rows of x in one call");
     GpuStacks st;
@@ -558,7 +558,7 @@ mx::array gather_packed_qmm(Format f, const mx::array& x_in, const std::vector<m
   int N = check_weights(op, f, w, K, true);
   if (K == 0 || M == 0) fail(op, "x has an empty M or K axis");
   auto g = gather_index_inputs(op, x_in, w[0].shape(0), lhs_in, rhs_in, s);
-  if (f.kind == 'c' && gpu_branch(s)) {
+  if (f.kind == WeightFormat::codebook && gpu_branch(s)) {
     GpuStacks st;
     st.cb = w;
     return gather_packed_qmm_gpu(op, x_in, g, w[0].shape(0), nullptr, nullptr, st, N, s);
@@ -588,14 +588,15 @@ mx::array gather_tiered_qmm(const mx::array& x_in, const mx::array& tier, const 
   if (slot.shape() != tier.shape() || slot.dtype() != mx::uint32) fail(op, "slot must be uint32 shaped like tier");
   int K = x_in.shape(-1), M = x_in.shape(-2);
   bool simd = cpu_has_simd();
-  Layout layout{{Format{0, 0, 0, false}, Format{0, 0, 0, false}, Format{0, 0, 0, false}}, true};
+  const Format absent{WeightFormat::none, 0, 0, false};
+  Layout layout{{absent, absent, absent}, true};
   int N = -1;
   std::vector<mx::array> arrays;
   for (int t = 0; t < kTiers; ++t) {
     if (stacks[t].empty()) continue;
-    Format f = t == kTierCodebook ? format_now('c', 0, 256, simd)
-               : t == kTierMxfp4  ? format_now('m', 4, 32, simd)
-                                  : format_now('a', aff_bits, aff_group, simd);
+    Format f = t == kTierCodebook ? format_now(WeightFormat::codebook, 0, 256, simd)
+               : t == kTierMxfp4  ? format_now(WeightFormat::mxfp4, 4, 32, simd)
+                                  : format_now(WeightFormat::affine, aff_bits, aff_group, simd);
     std::vector<mx::array> w = stacks[t];
     int n = check_weights(op, f, w, K, true);
     if (N >= 0 && n != N) fail(op, "the tiers' stacks have different output sizes");
@@ -645,7 +646,7 @@ extern "C" int k3_codebook_qmm(k3_array* res, const k3_array x, const k3_array c
                                const k3_array scales, const k3_stream s) {
   K3_TRY({
     auto st = k3::to_stream(s);
-    k3::put(res, kk::packed_qmm(kk::format_now('c', 0, 256, kk::cpu_has_simd()), arr(x), {arr(codes), arr(qh), arr(scales)}, st));
+    k3::put(res, kk::packed_qmm(kk::format_now(kk::WeightFormat::codebook, 0, 256, kk::cpu_has_simd()), arr(x), {arr(codes), arr(qh), arr(scales)}, st));
   })
 }
 
@@ -654,7 +655,7 @@ extern "C" int k3_gather_codebook_qmm(k3_array* res, const k3_array x, const k3_
                                       const k3_stream s) {
   K3_TRY({
     auto st = k3::to_stream(s);
-    k3::put(res, kk::gather_packed_qmm(kk::format_now('c', 0, 256, kk::cpu_has_simd()), arr(x), {arr(codes), arr(qh), arr(scales)}, opt(lhs), opt(rhs), st));
+    k3::put(res, kk::gather_packed_qmm(kk::format_now(kk::WeightFormat::codebook, 0, 256, kk::cpu_has_simd()), arr(x), {arr(codes), arr(qh), arr(scales)}, opt(lhs), opt(rhs), st));
   })
 }
 
@@ -666,15 +667,15 @@ const char* mode_or_affine(const char* mode) {
 // The project kernel's format for a (gathered) quantized matmul of x, or nothing where MLX's op runs it.
 std::optional<kk::Format> fast_format(const mx::array& x, bool has_biases, int group_size, int bits,
                                       const std::string& m, const mx::Stream& st) {
-  if (m == "affine" && has_biases && kk::fast_affine(x, bits, group_size, st)) return kk::format_now('a', bits, group_size, true);
-  if (m == "mxfp4" && kk::fast_cpu(x, st)) return kk::format_now('m', 4, 32, true);
+  if (m == "affine" && has_biases && kk::fast_affine(x, bits, group_size, st)) return kk::format_now(kk::WeightFormat::affine, bits, group_size, true);
+  if (m == "mxfp4" && kk::fast_cpu(x, st)) return kk::format_now(kk::WeightFormat::mxfp4, 4, 32, true);
   return std::nullopt;
 }
 
 // The weight arrays format f's kernels take: affine adds the biases.
 std::vector<mx::array> weight_arrays(const kk::Format& f, const mx::array& w, const mx::array& scales,
                                      const std::optional<mx::array>& biases) {
-  if (f.kind == 'a') return {w, scales, *biases};
+  if (f.kind == kk::WeightFormat::affine) return {w, scales, *biases};
   return {w, scales};
 }
 

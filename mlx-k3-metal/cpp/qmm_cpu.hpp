@@ -11,6 +11,12 @@
 // affine/mxfp4 ops use MLX's kernels where there is no SIMD path (`cpu_has_simd`); only tiered expert stacks
 // (which MLX cannot run) take them. In q8 mode (act_q8) the activations are also prepared as int8 and
 // the codebook, affine 2/4/8-bit and mxfp4 kernels multiply in integers (`maddubs`), as llama.cpp's do.
+//
+// Files, split as ggml splits its CPU back-end: qmm_cpu.cpp holds the run-time ISA selection, the portable scalar
+// paths and the dispatch; qmm_cpu_act.cpp the activation preparation (orders, q8 quantization); one file per ISA
+// the SIMD kernels (qmm_cpu_x86_avx2.cpp, qmm_cpu_x86_avx512.cpp, qmm_cpu_arm_neon.cpp), each empty where its ISA
+// is absent. qmm_cpu_impl.hpp (shared decoding helpers, the ISA files' entry points) and qmm_cpu_x86.hpp (x86-64
+// helpers) are private to them.
 #pragma once
 
 #include <cstddef>
@@ -21,6 +27,23 @@ namespace k3::kernels {
 
 // Activation rows processed together per weight row.
 constexpr int kMaxRows = 4;
+
+// The packed weight formats (layouts below).
+enum class WeightFormat : uint8_t {
+  none,      // no weights (an absent tier of a tiered stack); no kernel takes it
+  codebook,  // the ternary IQ1_S codebook (CodebookRows)
+  affine,    // MLX affine, with a bit width and group size (AffineRows)
+  mxfp4,     // MLX mxfp4 (Mxfp4Rows)
+};
+
+// How `Activations::permuted` holds each row: the order in which a format's SIMD decoder emits codes, so that the
+// tiles read activations with plain loads.
+enum class ActOrder : uint8_t {
+  natural,    // as given (`permuted` is x)
+  bits4,      // per 32-block the even elements, then the odd (x86-64: 4-bit affine, mxfp4; permute_for_bits(4))
+  bits2,      // 2-bit affine, AVX2 tile: 128-chunks interleaved by shift (interleave_2bit_f32)
+  bits2_256,  // 2-bit affine, AVX-512 tile: 256-chunks interleaved by shift (interleave_2bit_f32_256; K % 256 == 0)
+};
 
 // Whether the CPU supports AVX2 and FMA (checked once) and the SIMD paths are enabled.
 bool cpu_has_avx2_fma();
@@ -56,7 +79,7 @@ void set_act_q8(int mode);
 
 // Formats with q8 kernels: the codebook, mxfp4, affine 2/4/8-bit with group 32/64/128 (a group within one
 // 256-chunk). Other affine widths keep f32 activations in q8 mode.
-bool q8_supported(char format, int bits, int group);
+bool q8_supported(WeightFormat format, int bits, int group);
 
 // The IQ1_S grid: 2048 entries of 8 int8 values in {-1, 0, 1} (byte j of entry i = value j).
 const uint64_t* iq1s_grid();
@@ -75,19 +98,17 @@ struct Activations {
   const int8_t* q8 = nullptr;         // [rows, K]
   const float* q8_d = nullptr;        // [rows, ceil(K / 256)]
   const int16_t* q8_bsums = nullptr;  // [rows, K / 32 + 8] (8 zero entries of padding after the last row)
-  // `permuted` holds 2-bit activations in the AVX-512 kernel's 256-value order (kOrder2Bit256), not the AVX2 one.
-  bool order256 = false;
+  // The order `permuted` holds (for 2-bit rows it tells the AVX-512 kernel's 256-value order from the AVX2 one).
+  ActOrder order = ActOrder::natural;
 };
 
-// Bit width whose decoder order `permuted` must follow for this format (0 = natural order), or kOrder2Bit256.
-// Formats: 'c' codebook, 'a' affine (with bits), 'm' mxfp4. `simd` is the path choice made when the op was built
-// (cpu_has_simd() then), passed to the kernels too so a later toggle cannot split one op's decisions.
-int activation_order(char format, int bits, bool simd, int K);
-// The order for 2-bit affine rows where the AVX-512 2-bit kernel runs (AVX-512 and K % 256 == 0).
-constexpr int kOrder2Bit256 = 256;
+// The order `permuted` must follow for this format (bits: the affine width). `simd` is the path choice made when the
+// op was built (cpu_has_simd() then), passed to the kernels too so a later toggle cannot split one op's decisions.
+// bits2_256 where the AVX-512 2-bit kernel runs (AVX-512 and K % 256 == 0).
+ActOrder activation_order(WeightFormat format, int bits, bool simd, int K);
 
-// Fills `permuted` (when order != 0) and `sums` for x.
-void prepare_activations(const float* x, int rows, int K, int order, float* permuted, float* sums);
+// Fills `permuted` (unless order is natural) and `sums` for x.
+void prepare_activations(const float* x, int rows, int K, ActOrder order, float* permuted, float* sums);
 
 // Int8 activations for the codebook's q8 mode (the scheme of llama.cpp's q8_K, which its IQ1_S dot uses):
 // each row's 256-chunks (the last may be short) get d = max|x| / 127 and q = round_half_even(x * (127 /
@@ -99,7 +120,7 @@ void quantize_activations_q8(const float* x, int rows, int K, int8_t* q, float* 
 struct PreparedActivations {
   Activations a;
   // For format/bits (as in activation_order) and the op's SIMD choice; q8 adds the int8 rows.
-  PreparedActivations(const float* x, int rows, int K, char format, int bits, bool simd, bool q8);
+  PreparedActivations(const float* x, int rows, int K, WeightFormat format, int bits, bool simd, bool q8);
   PreparedActivations(const PreparedActivations&) = delete;
   PreparedActivations& operator=(const PreparedActivations&) = delete;
 

@@ -19,7 +19,19 @@ fn kernel_sources() -> (Vec<PathBuf>, Vec<PathBuf>) {
     assert_eq!(includes.len(), 4, "include paths from build.rs");
     let cpp = &includes[0];
     let harness = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kernel_check/simd_vs_scalar.cpp");
-    let sources = vec![harness, cpp.join("qmm_cpu.cpp"), cpp.join("parallel.cpp")];
+    // The packed-weight kernels (qmm_cpu.cpp and its per-concern files qmm_cpu_*.cpp) and the thread pool.
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(cpp)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_string_lossy();
+            name.starts_with("qmm_cpu") && name.ends_with(".cpp")
+        })
+        .collect();
+    sources.sort();
+    assert!(sources.len() >= 2, "the qmm_cpu sources not found in {}", cpp.display());
+    sources.insert(0, harness);
+    sources.push(cpp.join("parallel.cpp"));
     // The kernel sources, the generated grid table and the C ABI header; not MLX's headers (not needed, and
     // there are none for AArch64 here).
     (sources, includes[..3].to_vec())

@@ -1,4 +1,4 @@
-// The packed-weight kernels' SIMD paths against their scalar paths, without MLX: qmm_cpu.cpp and parallel.cpp
+// The packed-weight kernels' SIMD paths against their scalar paths, without MLX: qmm_cpu*.cpp and parallel.cpp
 // compiled with this file for the machine it runs on. tests/simd_kernels.rs builds it natively and for AArch64
 // (cross compiler + qemu user emulation), which is how the NEON paths are checked on an x86-64 machine.
 //
@@ -129,7 +129,7 @@ void affine_case(Rng& r, int bits, int group, int rows, int N, int K, int scale_
                            dt[scale_dtype] + " scales, " + std::to_string(rows) + " x " + std::to_string(K) +
                            " @ " + std::to_string(N) + (q8 ? ", q8" : "");
   compare(name, rows, N, K, x, wmax, [&](bool simd, int n0, int n1, float* out) {
-    kk::PreparedActivations p(x.data(), rows, K, 'a', bits, simd, q8);
+    kk::PreparedActivations p(x.data(), rows, K, kk::WeightFormat::affine, bits, simd, q8);
     kk::affine_rows(w, p.a, n0, n1, out, N, simd);
   });
 }
@@ -148,7 +148,7 @@ void mxfp4_case(Rng& r, int rows, int N, int K, bool q8 = false) {
   auto x = activations(r, rows, K);
   compare("mxfp4 " + std::to_string(rows) + " x " + std::to_string(K) + " @ " + std::to_string(N) + (q8 ? ", q8" : ""),
           rows, N, K, x, wmax, [&](bool simd, int n0, int n1, float* out) {
-            kk::PreparedActivations p(x.data(), rows, K, 'm', 4, simd, q8);
+            kk::PreparedActivations p(x.data(), rows, K, kk::WeightFormat::mxfp4, 4, simd, q8);
             kk::mxfp4_rows(w, p.a, n0, n1, out, N, simd);
           });
 }
@@ -169,7 +169,7 @@ void codebook_case(Rng& r, int rows, int N, int K, bool q8 = false) {
   auto x = activations(r, rows, K);
   compare("codebook " + std::to_string(rows) + " x " + std::to_string(K) + " @ " + std::to_string(N) + (q8 ? ", q8" : ""),
           rows, N, K, x, wmax, [&](bool simd, int n0, int n1, float* out) {
-            kk::PreparedActivations p(x.data(), rows, K, 'c', 0, simd, q8);
+            kk::PreparedActivations p(x.data(), rows, K, kk::WeightFormat::codebook, 0, simd, q8);
             kk::codebook_rows(w, p.a, n0, n1, out, N, simd);
           });
 }
