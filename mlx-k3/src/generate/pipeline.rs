@@ -115,11 +115,13 @@ impl PromptEncoder {
     /// The tokenizer and chat encoding of the checkpoint folder `dir`.
     pub fn load(dir: &Path) -> Result<PromptEncoder> {
         let (tokenizer, tokenizer_config) = Tokenizer::load(dir)?;
-        let chat = ChatEncoder::new(
+        let model_type = crate::chat::model_type_of(dir);
+        let chat = ChatEncoder::for_model(
             &tokenizer,
             tokenizer_config.chat_template.as_deref(),
             tokenizer_config.bos_token.clone(),
             tokenizer_config.eos_token.clone(),
+            model_type.as_deref(),
         )?;
         let mut eos = tokenizer_config.eos_token_ids.clone();
         // Chat turns end with the format's end-of-message token even when generation_config omits it.
