@@ -97,6 +97,10 @@ OUTPUTS = [
     sec(call("f", "{'n': 1e400, 'm': -1e400}")),
     sec(call("f", '{"n": 1e400}')),
     sec(call("f", "{'a': None,\n 'b': 'x'}\n\n")),
+    sec(call("f", "-True")),
+    sec(call("f", "{'a': 1}\r\n")),
+    sec(call("f", "'a'\n'b'")),
+    sec(call("f", "rb'x'")),
     # Malformed sections.
     sec(CB + 'functions.f:0{"a": 1}' + CE),
     sec(CB + "functions.f" + CA + '{"a": 1}' + CE),
@@ -124,6 +128,8 @@ OUTPUTS = [
     sec(call("f", "{'s': {1, 2}}")),
     sec(call("f", "{'c': 1+2j}")),
     sec(call("f", "{'b': b'bytes'}")),
+    sec(call("f", "set()")),
+    sec(call("f", "[...]")),
 ]
 
 # Single section texts for parse_tool_call alone.

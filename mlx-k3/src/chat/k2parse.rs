@@ -13,8 +13,8 @@
 //!
 //! Where mlx-lm's server fails the request (a literal `json.dumps` cannot write: sets, bytes, complex
 //! numbers, tuple keys) and for the literal forms this reader does not evaluate (`\N{...}` escapes,
-//! `set()`, `...`, strings with lone surrogates, unary signs on `True`), the arguments are kept as a
-//! string instead.
+//! `set()`, `...`, strings with lone surrogates, integers of more than 4,300 digits, nesting deeper than
+//! 200), the arguments are kept as a string instead.
 
 use std::sync::OnceLock;
 

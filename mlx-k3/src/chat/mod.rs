@@ -9,9 +9,15 @@
 //!   `chat_template`, as mlx-vlm does.
 //! - **A Jinja `chat_template`** ([`JinjaTemplate`]) from `tokenizer_config.json` or `chat_template.jinja`,
 //!   rendered as transformers renders it, under fuel and output limits.
+//! - **Kimi K2** ([`k2`]), for Kimi K2-family model types ([`K2_MODEL_TYPES`]) with K2's `<|im_*|>` tokens
+//!   and no template: Kimi-K2-Instruct's chat template written out (default system message, tool
+//!   declaration).
 //! - **Kimi K2-style** tokens (`<|im_user|>`, `<|im_assistant|>`, `<|im_middle|>`, `<|im_end|>`, such as
 //!   this project's k3-nano has): `<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>` per message and
 //!   `<|im_assistant|>assistant<|im_middle|>` as the generation prompt.
+//!
+//! Replies are read for tool calls by the syntax mlx-lm would infer ([`ToolSyntax`]): Kimi K3's XTML, or
+//! Kimi K2's tool sections ([`k2parse`]) for the K2 encodings and templates that write them.
 //! - Otherwise `role: content` lines.
 //!
 //! Every format produces [`Segment`]s: text the format itself wrote, which may be encoded as special tokens,
