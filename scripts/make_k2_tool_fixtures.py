@@ -47,6 +47,8 @@ OUTPUTS = [
     "Let me check." + sec(call("get_weather", '{"city": "Paris", "days": 3}')),
     "Two at once:" + sec(call("search", '{"q": "umbrella"}', 0), call("search", '{"q": "raincoat"}', 1)),
     sec(call("a", "{}", 0)) + " between " + sec(call("b", "[1, 2]", 1)) + " after",
+    # The reply the server test forces (mlx-k3-cli/tests/server_api.rs).
+    "Checking." + sec(call("get_weather", "{'city': 'Paris', 'days': 2}", 0), call("get_time", "{}", 1)),
     # Spacing.
     B + "\n" + CB + "\n functions.get_weather:0 \n" + CA + '\n  {"city" :  "Oslo"}  \n' + CE + "\n" + E + "\n",
     sec(CB + "functions.f:12" + CA + '{"x":1.0,"y":1e5,"z":-0,"w":12345678901234567890123,"v":1E-7}' + CE),
