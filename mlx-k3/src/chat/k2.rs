@@ -4,10 +4,10 @@
 //! transformers and encoding the text with Kimi's tokenizer (fixtures by `scripts/make_k2_chat_fixtures.py`),
 //! except that text from the conversation is never read as special tokens.
 //!
-//! The prompt: with tools, `<|im_system|>tool_declare<|im_middle|>` + the tools as `json.dumps` writes them
-//! + `<|im_end|>`; unless the first message is a system message, `<|im_system|>system<|im_middle|>You are a
-//! helpful assistant<|im_end|>`; per message a role header (`<|im_system|>system`, `<|im_user|>user`,
-//! `<|im_assistant|>assistant`, `<|im_system|>tool`, then `<|im_middle|>`), its text and `<|im_end|>`; and
+//! The prompt: with tools, `<|im_system|>tool_declare<|im_middle|>`, then the tools as `json.dumps` writes
+//! them, then `<|im_end|>`; unless the first message is a system message, `<|im_system|>system<|im_middle|>You
+//! are a helpful assistant<|im_end|>`; per message a role header (`<|im_system|>system`, `<|im_user|>user`,
+//! `<|im_assistant|>assistant` or `<|im_system|>tool`, then `<|im_middle|>`), its text and `<|im_end|>`; and
 //! `<|im_assistant|>assistant<|im_middle|>` as the generation prompt. Assistant tool calls and tool-call ids
 //! are not part of this template; a tool result is its content under the `tool` header.
 
