@@ -69,6 +69,34 @@ CASES = [
 ]
 
 
+# A template written for this project in the shape of Kimi K2's later templates, which stop a loop with
+# `{% break %}` (Jinja's loop-controls extension, on in transformers): checks that a checkpoint's own template
+# of that kind compiles and renders as transformers renders it.
+LOOP_CONTROLS = """{%- set ns = namespace(last=-1) -%}
+{%- for i in range(messages|length - 1, -1, -1) -%}
+  {%- if messages[i]['role'] == 'assistant' -%}
+    {%- set ns.last = i -%}
+    {%- break -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- for m in messages -%}
+  {%- if m['role'] == 'system' and not loop.first -%}{%- continue -%}{%- endif -%}
+  {%- if m['role'] == 'user' -%}<|im_user|>{%- elif m['role'] == 'assistant' -%}<|im_assistant|>
+  {%- else -%}<|im_system|>{%- endif -%}
+  {{ m.get('name') or m['role'] }}<|im_middle|>
+  {%- if m['role'] == 'assistant' and loop.index0 <= ns.last -%}<think></think>{%- endif -%}
+  {{ m['content'] }}<|im_end|>
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"""
+
+LOOP_CASES = [
+    ("loop_one_user", [{"role": "user", "content": "Hi"}], True),
+    ("loop_history", [{"role": "system", "content": "S"}, {"role": "user", "content": "a", "name": "ana"},
+                      {"role": "assistant", "content": "b"}, {"role": "system", "content": "skipped"},
+                      {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}], False),
+]
+
+
 def write_tokenizer() -> int:
     TOKENIZER_DIR.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(NANO / "tiktoken.model", TOKENIZER_DIR / "tiktoken.model")
@@ -128,9 +156,16 @@ def main() -> None:
         assert tk.decode(ids) == text
         cases.append({"name": name, "messages": messages, "tools": tools, "add_generation_prompt": gen,
                       "text": text, "ids": ids})
+    loop = _compile_jinja_template(LOOP_CONTROLS)
+    loop_cases = []
+    for name, messages, gen in LOOP_CASES:
+        text = loop.render(messages=messages, add_generation_prompt=gen, bos_token="[BOS]", eos_token="[EOS]")
+        loop_cases.append({"name": name, "messages": messages, "add_generation_prompt": gen, "text": text,
+                           "ids": tk.encode(text, allowed_special="all")})
     doc = {"reference": f"Kimi-K2-Instruct chat_template (sha256 {sha}) rendered by transformers {TRANSFORMERS}, "
                         f"encoded by tiktoken {TIKTOKEN} with every special token allowed",
-           "cases": cases}
+           "cases": cases,
+           "loop_controls": {"template": LOOP_CONTROLS, "cases": loop_cases}}
     OUT.write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n")
     print(f"wrote {OUT}: {len(cases)} cases")
 

@@ -161,3 +161,28 @@ fn k2_refuses_what_its_template_cannot_show() {
     let e = enc.prompt(&[json!({"role": "user", "content": "x"})], None, &json_mode).unwrap_err().to_string();
     assert!(e.contains("response_format"), "{e}");
 }
+
+#[test]
+fn checkpoint_templates_that_break_out_of_loops_render_as_transformers_does() {
+    // Kimi K2's later templates (K2-Thinking's, for one) stop a loop with `{% break %}`, which transformers
+    // allows; such a checkpoint's own template must compile and render the same text and ids.
+    let dir = fixtures().join("k2_tokenizer");
+    let (tok, cfg) = Tokenizer::load(&dir).unwrap();
+    let doc = load("k2_encoding.json");
+    let lc = &doc["loop_controls"];
+    let template = lc["template"].as_str().unwrap();
+    assert!(template.contains("{%- break -%}") && template.contains("{%- continue -%}"));
+    let enc = ChatEncoder::for_model(&tok, Some(template), cfg.bos_token, cfg.eos_token, Some("kimi_k2")).unwrap();
+    assert_eq!(enc.format().name(), "chat_template");
+    for case in lc["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let opts = ChatOptions {
+            add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
+            ..Default::default()
+        };
+        let p = enc.prompt(case["messages"].as_array().unwrap(), None, &opts).unwrap();
+        assert_eq!(p.text(), case["text"].as_str().unwrap(), "{name}: text");
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        assert_eq!(p.encode(&tok).unwrap(), want, "{name}: ids");
+    }
+}
