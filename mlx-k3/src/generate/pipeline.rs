@@ -33,9 +33,10 @@ impl Pipeline {
         Ok(Pipeline { model, tokenizer, tokenizer_config, chat, dir: dir.to_path_buf() })
     }
 
-    /// Whether prompts should go through the chat encoding by default (a template, or Kimi K3's XTML tokens).
+    /// Whether prompts should go through the chat encoding by default (a template, Kimi K3's XTML tokens, or
+    /// Kimi K2's built-in encoding).
     pub fn chat_by_default(&self) -> bool {
-        matches!(self.chat.format(), ChatFormat::Template(_) | ChatFormat::KimiXtml)
+        matches!(self.chat.format(), ChatFormat::Template(_) | ChatFormat::KimiXtml | ChatFormat::KimiK2)
     }
 
     /// Token ids of a raw prompt (BOS added when the tokenizer config asks for it).
