@@ -526,6 +526,65 @@ fn kimi_k3_requests_carry_names_tool_choice_and_response_format() {
 }
 
 #[test]
+fn kimi_k2_tool_calls_come_back_as_openai_tool_calls() {
+    let _g = serial();
+    // k3-nano reads replies as Kimi K2's (its tokens are K2's). No model here writes a tool call on its own, so
+    // a reserved special token is named with a whole reply - answer text, then a K2 tool section - and forced
+    // by logit_bias: the one generated token decodes to exactly that text, which the server parses.
+    let reply = "Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0\
+                 <|tool_call_argument_begin|>{'city': 'Paris', 'days': 2}<|tool_call_end|>\
+                 <|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>\
+                 <|tool_calls_section_end|>";
+    let (model, ids) = server_support::special_variant(&server_support::model_dir(), &[(30, reply)]);
+    let s = Server::start_with(model.path(), &[]);
+    let body = json!({
+        "messages": user("Weather in Paris?"),
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+        "max_tokens": 1, "temperature": 0, "logit_bias": {ids[0].to_string(): 100}
+    });
+    // What mlx-lm 0.32.2's server returns for this reply (its kimi_k2 parser's ids and names, the arguments as
+    // json.dumps writes what it parsed), from the fixture of scripts/make_k2_tool_fixtures.py.
+    let fixture: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/chat/k2_tool_calls.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let case = fixture["outputs"].as_array().unwrap().iter().find(|c| c["text"] == reply).expect("the fixture case");
+    let want: Value = case["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| json!({"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}))
+        .collect();
+    assert_eq!(want.as_array().unwrap().len(), 2);
+    let (code, full) = s.post("/v1/chat/completions", &body);
+    assert_eq!(code, 200, "{full}");
+    let choice = &full["choices"][0];
+    assert_eq!(choice["message"]["tool_calls"], want, "{full}");
+    assert_eq!(choice["message"]["content"], case["content"], "{full}");
+    assert_eq!(choice["finish_reason"], "tool_calls", "{full}");
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = s.stream_all("/v1/chat/completions", &streamed);
+    let (_, content, finish, _) = collect_chat_chunks(&events);
+    assert_eq!(content, case["content"].as_str().unwrap(), "no tool-call text streams");
+    assert_eq!(finish.as_deref(), Some("tool_calls"));
+    let calls: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .filter_map(|e| e.json()["choices"][0]["delta"].get("tool_calls").cloned())
+        .flat_map(|v| v.as_array().unwrap().clone())
+        .collect();
+    let mut indexed = want.clone();
+    for (i, c) in indexed.as_array_mut().unwrap().iter_mut().enumerate() {
+        c["index"] = json!(i);
+    }
+    assert_eq!(Value::Array(calls), indexed);
+}
+
+#[test]
 fn sse_reader_handles_split_lines() {
     let body = b"event: a\ndata: {\"x\":1}\n\n: comment\n\ndata: [DONE]\n\n".to_vec();
     let mut got = Vec::new();

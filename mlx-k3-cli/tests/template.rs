@@ -1,7 +1,8 @@
 //! `mlx-k3 template` end to end: the prompt text and token ids it prints equal the references' for Kimi K3's
 //! encoding (mlx-vlm's `encoding_k3.py`, fixtures of scripts/make_k3_chat_fixtures.py) and for chat templates
 //! (transformers' `apply_chat_template` with `sanitize_control_tokens=True`, scripts/make_chat_fixtures.py);
-//! k3-nano's Kimi K2-style encoding; bad input is a one-line error naming what is wrong.
+//! Kimi K2's built-in encoding (Kimi-K2-Instruct's template, scripts/make_k2_chat_fixtures.py); k3-nano's
+//! Kimi K2-style encoding; bad input is a one-line error naming what is wrong.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -32,6 +33,35 @@ fn ids_of(stdout: &str) -> Vec<u32> {
         return Vec::new();
     }
     line.split(',').map(|t| t.parse().unwrap()).collect()
+}
+
+#[test]
+fn kimi_k2_prompts_are_kimi_k2_instructs_template() {
+    // The K2 fixture checkpoint: Kimi K2's tokens, model_type kimi_k2 in config.json, no chat_template.
+    let model = chat_fixtures().join("k2_tokenizer");
+    let tmp = tempfile::tempdir().unwrap();
+    let doc = load(&chat_fixtures().join("k2_encoding.json"));
+    for case in doc["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let mut body = json!({"messages": case["messages"]});
+        if !case["tools"].is_null() {
+            body["tools"] = case["tools"].clone();
+        }
+        let file = tmp.path().join(format!("{name}.json"));
+        std::fs::write(&file, body.to_string()).unwrap();
+        let mut args = vec!["template", "--model", model.to_str().unwrap(), "--messages", file.to_str().unwrap()];
+        if case["add_generation_prompt"] == json!(false) {
+            args.push("--no-generation-prompt");
+        }
+        let (ok, text, stderr) = mlx_k3(&args);
+        assert!(ok, "{name}: {stderr}");
+        assert_eq!(text, format!("{}\n", case["text"].as_str().unwrap()), "{name}: text");
+        args.push("--ids");
+        let (ok, out, stderr) = mlx_k3(&args);
+        assert!(ok, "{name}: {stderr}");
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        assert_eq!(ids_of(&out), want, "{name}: ids");
+    }
 }
 
 #[test]

@@ -62,7 +62,7 @@ enum Command {
     /// Serve the model over HTTP: OpenAI-compatible API, /api/chat (SSE, sessions), metrics, web chat page.
     Serve(serve::Args),
     /// Print the prompt a conversation renders to with the checkpoint's chat encoding (Kimi K3's, its
-    /// chat_template, or Kimi K2-style tokens), or its token ids, as the engine would encode it.
+    /// chat_template, Kimi K2's, or Kimi K2-style tokens), or its token ids, as the engine would encode it.
     Template(template::Args),
 }
 

@@ -1,6 +1,7 @@
 //! `mlx-k3 template`: the prompt a conversation renders to with a checkpoint's chat encoding (Kimi K3's
-//! built-in encoding, its Jinja `chat_template`, or Kimi K2-style tokens), or its token ids: what the engine
-//! would feed the model, as Hugging Face's `apply_chat_template` shows it. Reads only the tokenizer files.
+//! built-in encoding, its Jinja `chat_template`, Kimi K2's built-in encoding, or Kimi K2-style tokens), or its
+//! token ids: what the engine would feed the model, as Hugging Face's `apply_chat_template` shows it. Reads
+//! only the tokenizer files and config.json's `model_type`.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -15,7 +16,8 @@ use mlx_k3::{Error, Result};
 /// Options of `template`.
 #[derive(ClapArgs, Debug)]
 pub(super) struct Args {
-    /// Checkpoint folder (only tokenizer_config.json and tiktoken.model or tokenizer.json are read).
+    /// Checkpoint folder (only tokenizer_config.json, tiktoken.model or tokenizer.json, and config.json's
+    /// model_type are read).
     #[arg(long)]
     model: PathBuf,
     /// JSON file (`-`: standard input): a list of messages, or an object with `messages` and optionally
@@ -53,7 +55,14 @@ fn read_json(path: &Path) -> Result<Value> {
 
 pub(super) fn run(args: Args) -> Result<()> {
     let (tok, cfg) = Tokenizer::load(&args.model)?;
-    let enc = ChatEncoder::new(&tok, cfg.chat_template.as_deref(), cfg.bos_token.clone(), cfg.eos_token.clone())?;
+    let model_type = mlx_k3::chat::model_type_of(&args.model);
+    let enc = ChatEncoder::for_model(
+        &tok,
+        cfg.chat_template.as_deref(),
+        cfg.bos_token.clone(),
+        cfg.eos_token.clone(),
+        model_type.as_deref(),
+    )?;
     let doc = read_json(&args.messages)?;
     let bad = |m: &str| Error::Format { path: args.messages.clone(), message: m.to_string() };
     let (messages, mut tools, tool_choice, response_format) = match doc {

@@ -2,7 +2,8 @@
 //!
 //! Reasoning and answer are only separable by the chat format's markers (Kimi K3's XTML:
 //! `...<|close|>think<|sep|><|open|>response<|sep|>...<|close|>response<|sep|>`, tool calls after
-//! `<|open|>tools<|sep|>`), which arrive as several tokens. The splitter follows the same rules as
+//! `<|open|>tools<|sep|>`; Kimi K2's tool sections `<|tool_calls_section_begin|>...<|tool_calls_section_end|>`),
+//! which arrive as several tokens. The splitter follows the same rules as
 //! [`mlx_k3::chat::ChatEncoder::parse`] as a state machine and holds back only a tail that could still grow
 //! into a marker, so text reaches the client token by token and a marker never leaks half-written. The final
 //! reply (the engine's parse of the whole text) stays authoritative for the tool calls; in odd outputs (text
@@ -14,6 +15,8 @@ const SEP: &str = "<|sep|>";
 const TOOLS_OPEN: &str = "<|open|>tools<|sep|>";
 const RESPONSE_OPEN: &str = "<|open|>response<|sep|>";
 const RESPONSE_CLOSE: &str = "<|close|>response<|sep|>";
+const K2_TOOLS_OPEN: &str = "<|tool_calls_section_begin|>";
+const K2_TOOLS_CLOSE: &str = "<|tool_calls_section_end|>";
 // Removed from the answer wherever they appear.
 const DROPPED: [&str; 2] = ["<|close|>message<|sep|>", "<|im_end|>"];
 
@@ -27,6 +30,8 @@ enum Part {
     AfterAnswer,
     /// The tool section (its calls come from the final parse).
     Tools,
+    /// A Kimi K2 tool section: held back until it closes, then the answer goes on.
+    K2Tools,
 }
 
 /// New reasoning and answer text.
@@ -88,7 +93,7 @@ impl ReplySplitter {
                 },
                 Part::Answer => {
                     let close_ends = self.saw_response_open;
-                    let mut markers = vec![THINK_OPEN, TOOLS_OPEN, RESPONSE_OPEN, RESPONSE_CLOSE];
+                    let mut markers = vec![THINK_OPEN, TOOLS_OPEN, RESPONSE_OPEN, RESPONSE_CLOSE, K2_TOOLS_OPEN];
                     markers.extend(DROPPED);
                     let first = markers.iter().filter_map(|m| self.pending.find(m).map(|i| (i, *m))).min();
                     match first {
@@ -98,6 +103,7 @@ impl ReplySplitter {
                             self.part = match m {
                                 THINK_OPEN => Part::ThinkHeader,
                                 TOOLS_OPEN => Part::Tools,
+                                K2_TOOLS_OPEN => Part::K2Tools,
                                 RESPONSE_CLOSE if close_ends => Part::AfterAnswer,
                                 _ => Part::Answer,
                             };
@@ -129,6 +135,17 @@ impl ReplySplitter {
                     self.pending.clear();
                     break;
                 }
+                Part::K2Tools => match self.pending.find(K2_TOOLS_CLOSE) {
+                    Some(i) => {
+                        self.pending.drain(..i + K2_TOOLS_CLOSE.len());
+                        self.part = Part::Answer;
+                    }
+                    None => {
+                        let keep = partial_marker_len(&self.pending, &[K2_TOOLS_CLOSE]);
+                        self.pending.drain(..self.pending.len() - keep);
+                        break;
+                    }
+                },
             }
         }
         out
@@ -167,6 +184,49 @@ mod tests {
         }});
         let tok = Tokenizer::Tiktoken(TiktokenTokenizer::from_ranks(ranks, &cfg, KIMI_PATTERN).unwrap());
         ChatEncoder::new(&tok, None, None, None).unwrap()
+    }
+
+    /// k3-nano's tokens (Kimi K2's `<|im_*|>` and tool-section tokens): replies are read as Kimi K2's.
+    fn k2_encoder() -> ChatEncoder {
+        let ranks: HashMap<Vec<u8>, u32> = (0..=255u8).map(|b| (vec![b], b as u32)).collect();
+        let cfg = serde_json::json!({"added_tokens_decoder": {
+            "256": {"content": "<|im_user|>"}, "257": {"content": "<|im_assistant|>"},
+            "258": {"content": "<|im_middle|>"}, "259": {"content": "<|im_end|>"},
+            "260": {"content": "<|tool_calls_section_begin|>"}, "261": {"content": "<|tool_calls_section_end|>"}
+        }});
+        let tok = Tokenizer::Tiktoken(TiktokenTokenizer::from_ranks(ranks, &cfg, KIMI_PATTERN).unwrap());
+        ChatEncoder::new(&tok, None, None, None).unwrap()
+    }
+
+    #[test]
+    fn kimi_k2_tool_sections_never_stream_as_answer() {
+        let enc = k2_encoder();
+        assert_eq!(enc.tool_syntax(), mlx_k3::chat::ToolSyntax::KimiK2);
+        let call = "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": 1}<|tool_call_end|>";
+        let texts = [
+            format!("Sure.<|tool_calls_section_begin|>{call}<|tool_calls_section_end|> Done.<|im_end|>"),
+            format!("a<|tool_calls_section_begin|>{call}<|tool_calls_section_end|>b<|tool_calls_section_begin|>{call}"),
+            "almost <|tool_calls_sec".to_string(),
+            "stray <|tool_calls_section_end|> end".to_string(),
+        ];
+        for text in &texts {
+            let want = enc.parse(text, ThinkingEffort::Off);
+            if text.contains(K2_TOOLS_OPEN) {
+                assert!(!want.content.contains("tool_call"), "{text}: {want:?}");
+            }
+            for cut in 0..=text.len() {
+                if !text.is_char_boundary(cut) {
+                    continue;
+                }
+                for cut2 in [cut, (cut + 5).min(text.len()), (cut + 17).min(text.len())] {
+                    let got = stream(text, false, &[cut, cut2]);
+                    assert_eq!(got.content, want.content, "answer of {text:?} cut at {cut}/{cut2}");
+                    assert_eq!(got.reasoning, "");
+                }
+            }
+        }
+        assert_eq!(enc.parse(&texts[0], ThinkingEffort::Off).tool_calls.len(), 1);
+        assert_eq!(enc.parse(&texts[1], ThinkingEffort::Off).tool_calls.len(), 2);
     }
 
     fn stream(text: &str, starts_in_thinking: bool, cuts: &[usize]) -> Delta {

@@ -54,6 +54,37 @@ pub fn xtml_variant(model: &std::path::Path) -> tempfile::TempDir {
     dir
 }
 
+/// A copy of `model` (weights linked) whose tokenizer names reserved special tokens by `(offset after the
+/// regular vocabulary, text)`; the texts may be whole strings of markup, so that one forced token makes the
+/// model write them.
+pub fn special_variant(model: &std::path::Path, names: &[(usize, &str)]) -> (tempfile::TempDir, Vec<u32>) {
+    let dir = tempfile::Builder::new().prefix("special-").tempdir().unwrap();
+    for entry in std::fs::read_dir(model).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap() != "tokenizer_config.json" {
+            std::os::unix::fs::symlink(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let text = std::fs::read_to_string(model.join("tokenizer_config.json")).unwrap();
+    let mut cfg: Value = serde_json::from_str(&text).unwrap();
+    let base =
+        std::fs::read_to_string(model.join("tiktoken.model")).unwrap().lines().filter(|l| !l.trim().is_empty()).count();
+    let added = cfg["added_tokens_decoder"].as_object_mut().unwrap();
+    let mut ids = Vec::new();
+    for (offset, name) in names {
+        let id = base + offset;
+        let taken = added
+            .get(&id.to_string())
+            .and_then(|t| t["content"].as_str())
+            .filter(|c| !c.starts_with("<|reserved_token_"));
+        assert!(taken.is_none(), "special id {id} is already named {taken:?}");
+        added.insert(id.to_string(), serde_json::json!({"content": name, "special": true}));
+        ids.push(id as u32);
+    }
+    std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    (dir, ids)
+}
+
 /// A running `mlx-k3 serve`, killed on drop.
 pub struct Server {
     child: Child,

@@ -9,9 +9,15 @@
 //!   `chat_template`, as mlx-vlm does.
 //! - **A Jinja `chat_template`** ([`JinjaTemplate`]) from `tokenizer_config.json` or `chat_template.jinja`,
 //!   rendered as transformers renders it, under fuel and output limits.
+//! - **Kimi K2** ([`k2`]), for Kimi K2-family model types ([`K2_MODEL_TYPES`]) with K2's `<|im_*|>` tokens
+//!   and no template: Kimi-K2-Instruct's chat template written out (default system message, tool
+//!   declaration).
 //! - **Kimi K2-style** tokens (`<|im_user|>`, `<|im_assistant|>`, `<|im_middle|>`, `<|im_end|>`, such as
 //!   this project's k3-nano has): `<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>` per message and
 //!   `<|im_assistant|>assistant<|im_middle|>` as the generation prompt.
+//!
+//! Replies are read for tool calls by the syntax mlx-lm would infer ([`ToolSyntax`]): Kimi K3's XTML, or
+//! Kimi K2's tool sections ([`k2parse`]) for the K2 encodings and templates that write them.
 //! - Otherwise `role: content` lines.
 //!
 //! Every format produces [`Segment`]s: text the format itself wrote, which may be encoded as special tokens,
@@ -19,6 +25,8 @@
 //! message can forge a role boundary or an end-of-turn token.
 
 pub mod jinja;
+pub mod k2;
+pub mod k2parse;
 pub mod k3;
 mod parse;
 mod pyjson;
@@ -27,6 +35,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub use jinja::JinjaTemplate;
+pub use k2parse::{parse_k2_section, parse_k2_tool_calls};
 pub use parse::{parse_xtml_tool_calls, ParsedOutput};
 pub use pyjson::{python_float_repr, python_json, python_json_compact};
 
@@ -225,20 +234,46 @@ pub enum ChatFormat {
     Template(Box<JinjaTemplate>),
     /// The built-in Kimi K3 XTML encoding.
     KimiXtml,
-    /// The built-in Kimi K2-style `<|im_*|>` encoding.
+    /// The built-in Kimi K2-style `<|im_*|>` encoding (k3-nano's).
     KimiIm,
+    /// The built-in Kimi K2 encoding: Kimi-K2-Instruct's chat template, for Kimi K2-family checkpoints
+    /// (model_type `kimi_k2`, `kimi_k25`, `deepseek_v3`) that ship no template.
+    KimiK2,
     /// `role: content` lines.
     Plain,
 }
 
 impl ChatFormat {
-    /// A short name: `kimi_k3`, `chat_template`, `kimi_k2`, `plain`.
+    /// A short name: `kimi_k3`, `chat_template`, `kimi_k2`, `kimi_im`, `plain`.
     pub fn name(&self) -> &'static str {
         match self {
             ChatFormat::Template(_) => "chat_template",
             ChatFormat::KimiXtml => "kimi_k3",
-            ChatFormat::KimiIm => "kimi_k2",
+            ChatFormat::KimiK2 => "kimi_k2",
+            ChatFormat::KimiIm => "kimi_im",
             ChatFormat::Plain => "plain",
+        }
+    }
+}
+
+/// How tool calls in a reply are written, and so read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolSyntax {
+    /// Kimi K3's XTML tools section (mlx-lm's `kimi_k3` parser).
+    KimiXtml,
+    /// Kimi K2's `<|tool_calls_section_begin|>` sections (mlx-lm's `kimi_k2` parser).
+    KimiK2,
+    /// No tool calls are read.
+    None,
+}
+
+impl ToolSyntax {
+    /// `kimi_k3`, `kimi_k2` or `none`, as mlx-lm names its parsers.
+    pub fn name(self) -> &'static str {
+        match self {
+            ToolSyntax::KimiXtml => "kimi_k3",
+            ToolSyntax::KimiK2 => "kimi_k2",
+            ToolSyntax::None => "none",
         }
     }
 }
@@ -246,6 +281,7 @@ impl ChatFormat {
 /// Renders conversations and parses replies for one checkpoint.
 pub struct ChatEncoder {
     format: ChatFormat,
+    tools: ToolSyntax,
     bos_token: Option<String>,
     eos_token: Option<String>,
     marker: jinja::Marker,
@@ -255,13 +291,38 @@ fn has(tok: &Tokenizer, names: &[&str]) -> bool {
     names.iter().all(|n| tok.token_to_id(n).is_some_and(|id| tok.is_special(id)))
 }
 
+/// The `model_type`s of the Kimi K2 family (mlx-lm maps `kimi_k2` to its `deepseek_v3` model; Kimi K2.5 is
+/// `kimi_k25`).
+pub const K2_MODEL_TYPES: [&str; 3] = ["kimi_k2", "kimi_k25", "deepseek_v3"];
+
+/// A checkpoint folder's `model_type` from its config.json, if it has one (no file or no field: `None`).
+pub fn model_type_of(dir: &std::path::Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let v: Value = serde_json::from_str(&text).ok()?;
+    v.get("model_type").and_then(Value::as_str).map(str::to_string)
+}
+
 /// The Kimi K3 vocabulary test (mlx-lm's `_is_xtml_vocab`).
 const XTML: [&str; 4] = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"];
 
 impl ChatEncoder {
     /// The encoding for a checkpoint: Kimi K3's when its vocabulary has the XTML tokens, else its template
-    /// when it has one, else the built-in format its vocabulary supports.
+    /// when it has one, else the built-in format its vocabulary supports. Without a model type a vocabulary
+    /// with Kimi K2's `<|im_*|>` tokens gets the K2-style encoding; see [`for_model`](Self::for_model).
     pub fn new(tok: &Tokenizer, chat_template: Option<&str>, bos: Option<String>, eos: Option<String>) -> Result<Self> {
+        Self::for_model(tok, chat_template, bos, eos, None)
+    }
+
+    /// [`new`](Self::new) knowing the checkpoint's `model_type` (config.json's): a Kimi K2-family model
+    /// ([`K2_MODEL_TYPES`]) with Kimi K2's `<|im_*|>` tokens and no template gets the built-in Kimi K2
+    /// encoding (Kimi-K2-Instruct's template); other models with those tokens (k3-nano) the K2-style one.
+    pub fn for_model(
+        tok: &Tokenizer,
+        chat_template: Option<&str>,
+        bos: Option<String>,
+        eos: Option<String>,
+        model_type: Option<&str>,
+    ) -> Result<Self> {
         let specials = tok.special_tokens();
         let marker = jinja::Marker::new(specials.keys().map(String::as_str))?;
         let format = if has(tok, &XTML) {
@@ -272,12 +333,30 @@ impl ChatEncoder {
                 marker.check_trusted("tokenizer_config", t)?;
             }
             ChatFormat::Template(Box::new(JinjaTemplate::new(src)?))
+        } else if has(tok, &["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"])
+            && model_type.is_some_and(|m| K2_MODEL_TYPES.contains(&m))
+        {
+            ChatFormat::KimiK2
         } else if has(tok, &["<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"]) {
             ChatFormat::KimiIm
         } else {
             ChatFormat::Plain
         };
-        Ok(ChatEncoder { format, bos_token: bos, eos_token: eos, marker })
+        // As mlx-lm infers a tool parser: a template that writes K2's tool sections gets the K2 parser.
+        let tools = match &format {
+            ChatFormat::KimiXtml => ToolSyntax::KimiXtml,
+            ChatFormat::KimiIm | ChatFormat::KimiK2 => ToolSyntax::KimiK2,
+            ChatFormat::Template(_) if chat_template.is_some_and(|t| t.contains(k2parse::SECTION_BEGIN)) => {
+                ToolSyntax::KimiK2
+            }
+            _ => ToolSyntax::None,
+        };
+        Ok(ChatEncoder { format, tools, bos_token: bos, eos_token: eos, marker })
+    }
+
+    /// How tool calls in replies are read.
+    pub fn tool_syntax(&self) -> ToolSyntax {
+        self.tools
     }
 
     /// Which encoding is in use.
@@ -294,6 +373,23 @@ impl ChatEncoder {
     /// Renders `messages` (JSON objects in OpenAI / Hugging Face shape, as a client sent them) and `tools`
     /// (a list of OpenAI tool definitions) into segments.
     pub fn prompt(&self, messages: &[Value], tools: Option<&Value>, opts: &ChatOptions) -> Result<RenderedPrompt> {
+        if let ChatFormat::KimiK2 = self.format {
+            if let Some(rf) = &opts.response_format {
+                let ty = rf.get("type").and_then(Value::as_str).or(rf.as_str());
+                if ty != Some("text") {
+                    return Err(Error::invalid(
+                        "chat",
+                        "response_format: Kimi K2's chat encoding cannot ask for JSON output; any other value than \
+                         {\"type\": \"text\"} is refused",
+                    ));
+                }
+            }
+            let tools = tools.filter(|_| opts.tool_choice.as_ref().and_then(Value::as_str) != Some("none"));
+            return Ok(RenderedPrompt {
+                segments: k2::segments(messages, tools, opts.add_generation_prompt)?,
+                after_newline: false,
+            });
+        }
         if let ChatFormat::KimiXtml = self.format {
             let o = k3::K3Options {
                 add_generation_prompt: opts.add_generation_prompt,
@@ -379,7 +475,13 @@ impl ChatEncoder {
 
     /// Splits generated text (what followed the generation prompt) into reasoning, answer and tool calls.
     pub fn parse(&self, text: &str, thinking: ThinkingEffort) -> ParsedOutput {
-        parse::parse_output(text, self.starts_in_thinking(thinking))
+        match self.tools {
+            ToolSyntax::KimiK2 => {
+                let (content, tool_calls) = parse_k2_tool_calls(text);
+                ParsedOutput { reasoning: String::new(), content: content.replace("<|im_end|>", ""), tool_calls }
+            }
+            _ => parse::parse_output(text, self.starts_in_thinking(thinking)),
+        }
     }
 }
 

@@ -22,7 +22,8 @@ pub fn python_json_compact(v: &Value) -> String {
     out
 }
 
-fn write_str(s: &str, out: &mut String) {
+/// A JSON string as Python's `json.dumps(s, ensure_ascii=False)` writes it.
+pub(crate) fn write_json_str(s: &str, out: &mut String) {
     out.push('"');
     for c in s.chars() {
         match c {
@@ -49,7 +50,7 @@ fn write_json(v: &Value, indent: Option<usize>, level: usize, item_sep: &str, ke
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
         Value::Number(n) => out.push_str(&python_number(n)),
-        Value::String(s) => write_str(s, out),
+        Value::String(s) => write_json_str(s, out),
         Value::Array(a) if a.is_empty() => out.push_str("[]"),
         Value::Object(o) if o.is_empty() => out.push_str("{}"),
         Value::Array(a) => {
@@ -74,7 +75,7 @@ fn write_json(v: &Value, indent: Option<usize>, level: usize, item_sep: &str, ke
                 }
                 out.push_str(nl);
                 out.push_str(&pad_in);
-                write_str(k, out);
+                write_json_str(k, out);
                 out.push_str(key_sep);
                 write_json(x, indent, level + 1, item_sep, key_sep, out);
             }

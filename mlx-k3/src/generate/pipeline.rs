@@ -33,9 +33,10 @@ impl Pipeline {
         Ok(Pipeline { model, tokenizer, tokenizer_config, chat, dir: dir.to_path_buf() })
     }
 
-    /// Whether prompts should go through the chat encoding by default (a template, or Kimi K3's XTML tokens).
+    /// Whether prompts should go through the chat encoding by default (a template, Kimi K3's XTML tokens, or
+    /// Kimi K2's built-in encoding).
     pub fn chat_by_default(&self) -> bool {
-        matches!(self.chat.format(), ChatFormat::Template(_) | ChatFormat::KimiXtml)
+        matches!(self.chat.format(), ChatFormat::Template(_) | ChatFormat::KimiXtml | ChatFormat::KimiK2)
     }
 
     /// Token ids of a raw prompt (BOS added when the tokenizer config asks for it).
@@ -115,11 +116,13 @@ impl PromptEncoder {
     /// The tokenizer and chat encoding of the checkpoint folder `dir`.
     pub fn load(dir: &Path) -> Result<PromptEncoder> {
         let (tokenizer, tokenizer_config) = Tokenizer::load(dir)?;
-        let chat = ChatEncoder::new(
+        let model_type = crate::chat::model_type_of(dir);
+        let chat = ChatEncoder::for_model(
             &tokenizer,
             tokenizer_config.chat_template.as_deref(),
             tokenizer_config.bos_token.clone(),
             tokenizer_config.eos_token.clone(),
+            model_type.as_deref(),
         )?;
         let mut eos = tokenizer_config.eos_token_ids.clone();
         // Chat turns end with the format's end-of-message token even when generation_config omits it.

@@ -457,6 +457,21 @@ mod tests {
     }
 
     #[test]
+    fn kimi_k2_tool_calls_keep_mlx_lms_ids_and_argument_text() {
+        // The K2 parser gives mlx-lm's id and the arguments as mlx-lm's server writes them; they go out as is.
+        let (content, calls) = mlx_k3::chat::parse_k2_tool_calls(
+            "On it.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0\
+             <|tool_call_argument_begin|>{'city': 'Paris', 'days': 2.0}<|tool_call_end|><|tool_calls_section_end|>",
+        );
+        assert_eq!(content, "On it.");
+        assert_eq!(
+            tool_calls_json(&calls, false),
+            json!([{"id": "functions.get_weather:0", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 2.0}"}}])
+        );
+    }
+
+    #[test]
     fn openai_messages_convert_for_the_chat_encoding() {
         let messages: Vec<ApiMessage> = serde_json::from_value(json!([
             {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
