@@ -38,7 +38,7 @@ pub mod kernels;
 pub mod memory;
 pub mod model;
 pub mod ops;
-
+pub mod optim;
 pub mod quality;
 pub mod quant;
 pub mod random;
