@@ -293,13 +293,14 @@ int k3_arrays_len(size_t* res, const k3_arrays v);
 int k3_arrays_get(k3_array* res, const k3_arrays v, size_t i);
 int k3_arrays_push(k3_arrays v, const k3_array a);
 /* MLX's vjp: `outputs` <- f(primals), `vjps` <- one array per primal (the cotangents, one per output, pulled
- * back). Both vectors are replaced. */
+ * back). Both vectors are replaced. `s` is MLX's default stream (and its device the default device) while the
+ * transform runs: where MLX itself places work, such as its copies of the primals. */
 int k3_vjp(k3_arrays outputs, k3_arrays vjps, k3_function f, void* payload, const k3_array* primals,
-           size_t n_primals, const k3_array* cotangents, size_t n_cotangents);
+           size_t n_primals, const k3_array* cotangents, size_t n_cotangents, const k3_stream s);
 /* MLX's value_and_grad: `values` <- f(primals), whose first output must be a scalar; `grads` <- its gradient
- * with respect to primals[argnums[i]], one per argnum. Both vectors are replaced. */
+ * with respect to primals[argnums[i]], one per argnum. Both vectors are replaced. `s` as for k3_vjp. */
 int k3_value_and_grad(k3_arrays values, k3_arrays grads, k3_function f, void* payload, const k3_array* primals,
-                      size_t n_primals, const int32_t* argnums, size_t n_argnums);
+                      size_t n_primals, const int32_t* argnums, size_t n_argnums, const k3_stream s);
 
 #ifdef __cplusplus
 }

@@ -5,11 +5,13 @@
 // a non-zero status from the callback becomes a C++ exception thrown from inside MLX's transform (so MLX unwinds
 // its tracing state as it does for its own errors), and K3_TRY turns it back into a status at this boundary.
 // The callback itself must keep its own language's unwinding on its side (the Rust side catches panics).
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "k3_internal.hpp"
+#include "mlx/utils.h"
 
 namespace mx = mlx::core;
 using k3::arr;
@@ -69,9 +71,12 @@ extern "C" int k3_arrays_push(k3_arrays v, const k3_array a) {
 }
 
 extern "C" int k3_vjp(k3_arrays outputs, k3_arrays vjps, k3_function f, void* payload, const k3_array* primals,
-                      size_t n_primals, const k3_array* cotangents, size_t n_cotangents) {
+                      size_t n_primals, const k3_array* cotangents, size_t n_cotangents, const k3_stream s) {
   K3_TRY({
     if (f == nullptr) throw std::invalid_argument("[vjp] no function given");
+    // MLX's default stream and device are `s` during the transform (restored on return or unwind).
+    std::optional<mx::StreamContext> ctx;
+    if (s.device_type >= 0) ctx.emplace(k3::to_stream(s));
     auto& outs = vec(outputs);
     auto& grads = vec(vjps);
     auto [o, g] = mx::vjp(wrap(f, payload), k3::arrays(primals, n_primals), k3::arrays(cotangents, n_cotangents));
@@ -82,9 +87,12 @@ extern "C" int k3_vjp(k3_arrays outputs, k3_arrays vjps, k3_function f, void* pa
 
 extern "C" int k3_value_and_grad(k3_arrays values, k3_arrays grads, k3_function f, void* payload,
                                  const k3_array* primals, size_t n_primals, const int32_t* argnums,
-                                 size_t n_argnums) {
+                                 size_t n_argnums, const k3_stream s) {
   K3_TRY({
     if (f == nullptr) throw std::invalid_argument("[value_and_grad] no function given");
+    // MLX's default stream and device are `s` during the transform (restored on return or unwind).
+    std::optional<mx::StreamContext> ctx;
+    if (s.device_type >= 0) ctx.emplace(k3::to_stream(s));
     auto& vals = vec(values);
     auto& gs = vec(grads);
     // MLX would report a non-scalar loss as a cotangent shape mismatch; say what is wrong instead.

@@ -1243,6 +1243,7 @@ unsafe extern "C" {
         n_primals: usize,
         cotangents: *const k3_array,
         n_cotangents: usize,
+        s: k3_stream,
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
@@ -1255,5 +1256,6 @@ unsafe extern "C" {
         n_primals: usize,
         argnums: *const i32,
         n_argnums: usize,
+        s: k3_stream,
     ) -> ::std::os::raw::c_int;
 }

@@ -30,6 +30,7 @@ use std::ptr;
 
 use mlx_k3_sys as sys;
 
+use crate::array::s;
 use crate::error::check;
 use crate::{Array, Error, Result};
 
@@ -134,6 +135,9 @@ fn raw(arrays: &[Array]) -> Vec<sys::k3_array> {
     arrays.iter().map(Array::as_raw).collect()
 }
 
+/// The transforms run on this thread's current stream ([`crate::with_stream`], [`crate::with_device`]): the
+/// closure's ops as always, and MLX's own work (its copies of the primals) there too.
+///
 /// The outputs of `f(primals)` and the vector-Jacobian product: for each primal, the cotangents (one per
 /// output of `f`, shaped like it) pulled back through `f`.
 #[track_caller]
@@ -147,9 +151,10 @@ where
     }
     let (outputs, vjps) = (Arrays::new(OP)?, Arrays::new(OP)?);
     let (p, c) = (raw(primals), raw(cotangents));
+    let st = s();
     run(OP, &f, |cb, payload| {
         // SAFETY: live handles; the callback and payload live through the call.
-        unsafe { sys::k3_vjp(outputs.0, vjps.0, cb, payload, p.as_ptr(), p.len(), c.as_ptr(), c.len()) }
+        unsafe { sys::k3_vjp(outputs.0, vjps.0, cb, payload, p.as_ptr(), p.len(), c.as_ptr(), c.len(), st) }
     })?;
     Ok((outputs.into_vec(OP)?, vjps.into_vec(OP)?))
 }
@@ -172,10 +177,11 @@ where
     let args: Vec<i32> = argnums.iter().map(|&i| i as i32).collect();
     let (values, grads) = (Arrays::new(OP)?, Arrays::new(OP)?);
     let p = raw(primals);
+    let st = s();
     run(OP, &f, |cb, payload| {
         // SAFETY: live handles; the callback and payload live through the call.
         unsafe {
-            sys::k3_value_and_grad(values.0, grads.0, cb, payload, p.as_ptr(), p.len(), args.as_ptr(), args.len())
+            sys::k3_value_and_grad(values.0, grads.0, cb, payload, p.as_ptr(), p.len(), args.as_ptr(), args.len(), st)
         }
     })?;
     Ok((values.into_vec(OP)?, grads.into_vec(OP)?))

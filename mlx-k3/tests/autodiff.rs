@@ -15,9 +15,14 @@
 mod common;
 
 use mlx_k3::fast::{self, AttentionMask};
-use mlx_k3::{kernels, ops, random, transforms, Array, Dtype, Error, Result};
+use mlx_k3::{kernels, ops, random, transforms, with_device, Array, Device, Dtype, Error, Result};
 
 /// A deterministic array of normal values in `dtype`.
+/// Runs a test on the CPU: f64 and the finite differences.
+fn cpu(f: impl FnOnce()) {
+    with_device(Device::Cpu, f).unwrap()
+}
+
 fn randn(shape: &[i32], seed: u64, dtype: Dtype) -> Array {
     let key = random::key(seed).unwrap();
     random::normal(shape, Dtype::F32, 0.0, 1.0, Some(&key)).unwrap().astype(dtype).unwrap()
@@ -86,36 +91,44 @@ fn weights(shape: &[i32], seed: u64) -> Array {
 
 #[test]
 fn matmul_both_operands() {
-    let c = weights(&[3, 5], 9);
-    let f = move |a: &[Array]| Ok(vec![a[0].matmul(&a[1])?.multiply(&c)?.sum_all(false)?]);
-    check_grads(f, &[randn(&[3, 4], 1, F64), randn(&[4, 5], 2, F64)], &[0, 1], H, TOL);
+    cpu(|| {
+        let c = weights(&[3, 5], 9);
+        let f = move |a: &[Array]| Ok(vec![a[0].matmul(&a[1])?.multiply(&c)?.sum_all(false)?]);
+        check_grads(f, &[randn(&[3, 4], 1, F64), randn(&[4, 5], 2, F64)], &[0, 1], H, TOL);
+    });
 }
 
 #[test]
 fn rms_norm_input_and_weight() {
-    let c = weights(&[2, 3, 8], 11);
-    let f = move |a: &[Array]| Ok(vec![fast::rms_norm(&a[0], Some(&a[1]), 1e-5)?.multiply(&c)?.sum_all(false)?]);
-    check_grads(f, &[randn(&[2, 3, 8], 3, F64), randn(&[8], 4, F64)], &[0, 1], H_APPROX, TOL_APPROX);
+    cpu(|| {
+        let c = weights(&[2, 3, 8], 11);
+        let f = move |a: &[Array]| Ok(vec![fast::rms_norm(&a[0], Some(&a[1]), 1e-5)?.multiply(&c)?.sum_all(false)?]);
+        check_grads(f, &[randn(&[2, 3, 8], 3, F64), randn(&[8], 4, F64)], &[0, 1], H_APPROX, TOL_APPROX);
+    });
 }
 
 #[test]
 fn softmax_and_logsumexp() {
-    let c = weights(&[4, 6], 12);
-    let f = move |a: &[Array]| {
-        let p = a[0].softmax(&[-1], true)?.multiply(&c)?.sum_all(false)?;
-        Ok(vec![p.add(&a[0].logsumexp(&[-1], false)?.sum_all(false)?)?])
-    };
-    check_grads(f, &[randn(&[4, 6], 5, F64)], &[0], H_APPROX, TOL_APPROX);
+    cpu(|| {
+        let c = weights(&[4, 6], 12);
+        let f = move |a: &[Array]| {
+            let p = a[0].softmax(&[-1], true)?.multiply(&c)?.sum_all(false)?;
+            Ok(vec![p.add(&a[0].logsumexp(&[-1], false)?.sum_all(false)?)?])
+        };
+        check_grads(f, &[randn(&[4, 6], 5, F64)], &[0], H_APPROX, TOL_APPROX);
+    });
 }
 
 #[test]
 fn silu_sigmoid_tanh() {
-    let c = weights(&[3, 7], 13);
-    let f = move |a: &[Array]| {
-        let x = &a[0];
-        Ok(vec![x.silu()?.add(&x.tanh()?.multiply(&x.sigmoid()?)?)?.multiply(&c)?.sum_all(false)?])
-    };
-    check_grads(f, &[randn(&[3, 7], 6, F64)], &[0], H_APPROX, TOL_APPROX);
+    cpu(|| {
+        let c = weights(&[3, 7], 13);
+        let f = move |a: &[Array]| {
+            let x = &a[0];
+            Ok(vec![x.silu()?.add(&x.tanh()?.multiply(&x.sigmoid()?)?)?.multiply(&c)?.sum_all(false)?])
+        };
+        check_grads(f, &[randn(&[3, 7], 6, F64)], &[0], H_APPROX, TOL_APPROX);
+    });
 }
 
 /// SiTU, the experts' activation, through the plain-ops reference the model's fallback uses (f32 inside).
@@ -124,95 +137,107 @@ fn silu_sigmoid_tanh() {
 /// a margin of ~10 over both and is still far below a wrong gradient's O(1) error.
 #[test]
 fn situ_reference() {
-    let c = weights(&[2, 16], 14).astype(Dtype::F32).unwrap();
-    let f = move |a: &[Array]| {
-        let y = kernels::situ_reference(&a[0], &a[1], 3.0, Some(4.0))?;
-        Ok(vec![y.multiply(&c)?.sum_all(false)?])
-    };
-    let up = randn(&[2, 16], 7, Dtype::F32).multiply(2.0f32).unwrap();
-    let gate = randn(&[2, 16], 8, Dtype::F32).multiply(2.0f32).unwrap();
-    check_grads(f, &[up, gate], &[0, 1], H_F32, TOL_F32);
+    cpu(|| {
+        let c = weights(&[2, 16], 14).astype(Dtype::F32).unwrap();
+        let f = move |a: &[Array]| {
+            let y = kernels::situ_reference(&a[0], &a[1], 3.0, Some(4.0))?;
+            Ok(vec![y.multiply(&c)?.sum_all(false)?])
+        };
+        let up = randn(&[2, 16], 7, Dtype::F32).multiply(2.0f32).unwrap();
+        let gate = randn(&[2, 16], 8, Dtype::F32).multiply(2.0f32).unwrap();
+        check_grads(f, &[up, gate], &[0, 1], H_F32, TOL_F32);
+    });
 }
 
 #[test]
 fn rope_and_attention() {
-    // q, k, v [1, 2, 4, 8]: RoPE on q and k, causal attention, a weighted sum of the output.
-    let c = weights(&[1, 2, 4, 8], 15);
-    let f = move |a: &[Array]| {
-        let q = fast::rope(&a[0], 8, false, Some(10000.0), 1.0, 3)?;
-        let k = fast::rope(&a[1], 8, false, Some(10000.0), 1.0, 3)?;
-        let o = fast::scaled_dot_product_attention(&q, &k, &a[2], 0.35, AttentionMask::Causal, None)?;
-        Ok(vec![o.multiply(&c)?.sum_all(false)?])
-    };
-    let p = [randn(&[1, 2, 4, 8], 16, F64), randn(&[1, 2, 4, 8], 17, F64), randn(&[1, 2, 4, 8], 18, F64)];
-    check_grads(f, &p, &[0, 1, 2], H_APPROX, TOL_APPROX);
+    cpu(|| {
+        // q, k, v [1, 2, 4, 8]: RoPE on q and k, causal attention, a weighted sum of the output.
+        let c = weights(&[1, 2, 4, 8], 15);
+        let f = move |a: &[Array]| {
+            let q = fast::rope(&a[0], 8, false, Some(10000.0), 1.0, 3)?;
+            let k = fast::rope(&a[1], 8, false, Some(10000.0), 1.0, 3)?;
+            let o = fast::scaled_dot_product_attention(&q, &k, &a[2], 0.35, AttentionMask::Causal, None)?;
+            Ok(vec![o.multiply(&c)?.sum_all(false)?])
+        };
+        let p = [randn(&[1, 2, 4, 8], 16, F64), randn(&[1, 2, 4, 8], 17, F64), randn(&[1, 2, 4, 8], 18, F64)];
+        check_grads(f, &p, &[0, 1, 2], H_APPROX, TOL_APPROX);
+    });
 }
 
 #[test]
 fn embedding_gather_and_expert_gather_mm() {
-    // An embedding lookup (take) and an expert-gathered matmul (gather_mm by expert index), as the MoE's
-    // fallback computes it. MLX's GatherMM runs in f32 only.
-    let ids = Array::from_slice(&[2u32, 0, 2, 1], &[4]).unwrap();
-    let experts = Array::from_slice(&[1u32, 0, 1, 1], &[4]).unwrap();
-    let c = weights(&[4, 1, 3], 19).astype(Dtype::F32).unwrap();
-    let f = move |a: &[Array]| {
-        let x = a[0].take(&ids, 0)?.expand_dims(&[1])?; // [4, 1, 5]
-        let y = ops::gather_mm(&x, &a[1], None, Some(&experts), false)?; // [4, 1, 3]
-        Ok(vec![y.multiply(&c)?.sum_all(false)?])
-    };
-    check_grads(f, &[randn(&[3, 5], 20, Dtype::F32), randn(&[2, 5, 3], 21, Dtype::F32)], &[0, 1], H_F32, TOL_F32);
+    cpu(|| {
+        // An embedding lookup (take) and an expert-gathered matmul (gather_mm by expert index), as the MoE's
+        // fallback computes it. MLX's GatherMM runs in f32 only.
+        let ids = Array::from_slice(&[2u32, 0, 2, 1], &[4]).unwrap();
+        let experts = Array::from_slice(&[1u32, 0, 1, 1], &[4]).unwrap();
+        let c = weights(&[4, 1, 3], 19).astype(Dtype::F32).unwrap();
+        let f = move |a: &[Array]| {
+            let x = a[0].take(&ids, 0)?.expand_dims(&[1])?; // [4, 1, 5]
+            let y = ops::gather_mm(&x, &a[1], None, Some(&experts), false)?; // [4, 1, 3]
+            Ok(vec![y.multiply(&c)?.sum_all(false)?])
+        };
+        check_grads(f, &[randn(&[3, 5], 20, Dtype::F32), randn(&[2, 5, 3], 21, Dtype::F32)], &[0, 1], H_F32, TOL_F32);
+    });
 }
 
 #[test]
 fn vjp_with_several_outputs_and_cotangents() {
-    // f(x, y) = (x * y, sin(x)): the vjp with cotangents (u, w) is (u*y + w*cos(x), u*x).
-    let x = randn(&[5], 30, F64);
-    let y = randn(&[5], 31, F64);
-    let u = randn(&[5], 32, F64);
-    let w = randn(&[5], 33, F64);
-    let (outs, vjps) = transforms::vjp(
-        |a: &[Array]| Ok(vec![a[0].multiply(&a[1])?, a[0].sin()?]),
-        &[x.clone(), y.clone()],
-        &[u.clone(), w.clone()],
-    )
-    .unwrap();
-    assert_eq!((outs.len(), vjps.len()), (2, 2));
-    let want_x = u.multiply(&y).unwrap().add(&w.multiply(&x.cos().unwrap()).unwrap()).unwrap();
-    let want_y = u.multiply(&x).unwrap();
-    for (got, want) in [(&vjps[0], &want_x), (&vjps[1], &want_y), (&outs[0], &x.multiply(&y).unwrap())] {
-        let (g, w) = (got.to_vec::<f64>().unwrap(), want.to_vec::<f64>().unwrap());
-        for (a, b) in g.iter().zip(&w) {
-            assert!((a - b).abs() <= 1e-12, "{a} vs {b}");
+    cpu(|| {
+        // f(x, y) = (x * y, sin(x)): the vjp with cotangents (u, w) is (u*y + w*cos(x), u*x).
+        let x = randn(&[5], 30, F64);
+        let y = randn(&[5], 31, F64);
+        let u = randn(&[5], 32, F64);
+        let w = randn(&[5], 33, F64);
+        let (outs, vjps) = transforms::vjp(
+            |a: &[Array]| Ok(vec![a[0].multiply(&a[1])?, a[0].sin()?]),
+            &[x.clone(), y.clone()],
+            &[u.clone(), w.clone()],
+        )
+        .unwrap();
+        assert_eq!((outs.len(), vjps.len()), (2, 2));
+        let want_x = u.multiply(&y).unwrap().add(&w.multiply(&x.cos().unwrap()).unwrap()).unwrap();
+        let want_y = u.multiply(&x).unwrap();
+        for (got, want) in [(&vjps[0], &want_x), (&vjps[1], &want_y), (&outs[0], &x.multiply(&y).unwrap())] {
+            let (g, w) = (got.to_vec::<f64>().unwrap(), want.to_vec::<f64>().unwrap());
+            for (a, b) in g.iter().zip(&w) {
+                assert!((a - b).abs() <= 1e-12, "{a} vs {b}");
+            }
         }
-    }
+    });
 }
 
 #[test]
 fn grad_of_grad() {
-    // Nested transforms (the callback re-enters the shim): d²/dx² x³ = 6x.
-    let x = Array::from_slice(&[0.5f64, -2.0, 3.0], &[3]).unwrap();
-    let g2 = transforms::grad(
-        |a: &[Array]| {
-            let g = transforms::grad(|b: &[Array]| Ok(vec![b[0].power(3.0f64)?.sum_all(false)?]), a, &[0])?;
-            Ok(vec![g[0].sum_all(false)?])
-        },
-        &[x],
-        &[0],
-    )
-    .unwrap();
-    assert_eq!(g2[0].to_vec::<f64>().unwrap(), vec![3.0, -12.0, 18.0]);
+    cpu(|| {
+        // Nested transforms (the callback re-enters the shim): d²/dx² x³ = 6x.
+        let x = Array::from_slice(&[0.5f64, -2.0, 3.0], &[3]).unwrap();
+        let g2 = transforms::grad(
+            |a: &[Array]| {
+                let g = transforms::grad(|b: &[Array]| Ok(vec![b[0].power(3.0f64)?.sum_all(false)?]), a, &[0])?;
+                Ok(vec![g[0].sum_all(false)?])
+            },
+            &[x],
+            &[0],
+        )
+        .unwrap();
+        assert_eq!(g2[0].to_vec::<f64>().unwrap(), vec![3.0, -12.0, 18.0]);
+    });
 }
 
 #[test]
 fn extra_outputs_pass_through() {
-    // value_and_grad: outputs after the loss are returned, not differentiated.
-    let x = Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap();
-    let (vals, grads) =
-        transforms::value_and_grad(|a: &[Array]| Ok(vec![a[0].square()?.sum_all(false)?, a[0].exp()?]), &[x], &[0])
-            .unwrap();
-    assert_eq!(vals.len(), 2);
-    assert_eq!(vals[0].item::<f32>().unwrap(), 5.0);
-    assert_eq!(grads[0].to_vec::<f32>().unwrap(), vec![2.0, 4.0]);
+    cpu(|| {
+        // value_and_grad: outputs after the loss are returned, not differentiated.
+        let x = Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap();
+        let (vals, grads) =
+            transforms::value_and_grad(|a: &[Array]| Ok(vec![a[0].square()?.sum_all(false)?, a[0].exp()?]), &[x], &[0])
+                .unwrap();
+        assert_eq!(vals.len(), 2);
+        assert_eq!(vals[0].item::<f32>().unwrap(), 5.0);
+        assert_eq!(grads[0].to_vec::<f32>().unwrap(), vec![2.0, 4.0]);
+    });
 }
 
 // ------------------------------------------------------------------ errors and panics
@@ -230,104 +255,115 @@ fn still_works() {
 
 #[test]
 fn closure_error_comes_back_unchanged() {
-    let x = Array::from_slice(&[1.0f32], &[1]).unwrap();
-    let err = transforms::value_and_grad(
-        |_: &[Array]| -> Result<Vec<Array>> { Err(Error::invalid("my_loss", "tensor `blk.3.scales` is missing")) },
-        &[x.clone()],
-        &[0],
-    )
-    .unwrap_err();
-    match &err {
-        Error::InvalidArgument { op, message } => {
-            assert_eq!(*op, "my_loss");
-            assert_eq!(message, "tensor `blk.3.scales` is missing");
+    cpu(|| {
+        let x = Array::from_slice(&[1.0f32], &[1]).unwrap();
+        let err = transforms::value_and_grad(
+            |_: &[Array]| -> Result<Vec<Array>> { Err(Error::invalid("my_loss", "tensor `blk.3.scales` is missing")) },
+            &[x.clone()],
+            &[0],
+        )
+        .unwrap_err();
+        match &err {
+            Error::InvalidArgument { op, message } => {
+                assert_eq!(*op, "my_loss");
+                assert_eq!(message, "tensor `blk.3.scales` is missing");
+            }
+            other => panic!("expected the closure's own error, got {other:?}"),
         }
-        other => panic!("expected the closure's own error, got {other:?}"),
-    }
-    // The same through vjp.
-    let err = transforms::vjp(|_: &[Array]| Err(Error::invalid("my_fn", "boom")), &[x.clone()], &[x]).unwrap_err();
-    assert!(err.to_string().contains("boom"), "{err}");
-    still_works();
+        // The same through vjp.
+        let err = transforms::vjp(|_: &[Array]| Err(Error::invalid("my_fn", "boom")), &[x.clone()], &[x]).unwrap_err();
+        assert!(err.to_string().contains("boom"), "{err}");
+        still_works();
+    });
 }
 
 #[test]
 fn mlx_error_inside_the_closure() {
-    // A shape error raised by MLX inside the traced function: the closure sees Err (from the shim), passes it on.
-    let x = Array::from_slice(&[1.0f32, 2.0, 3.0], &[1, 3]).unwrap();
-    let err = transforms::grad(|a: &[Array]| Ok(vec![a[0].matmul(&a[0])?.sum_all(false)?]), &[x], &[0]).unwrap_err();
-    match &err {
-        Error::Mlx { op, message, .. } => {
-            assert_eq!(*op, "matmul");
-            assert!(message.contains("matmul"), "{message}");
+    cpu(|| {
+        // A shape error raised by MLX inside the traced function: the closure sees Err (from the shim), passes it on.
+        let x = Array::from_slice(&[1.0f32, 2.0, 3.0], &[1, 3]).unwrap();
+        let err =
+            transforms::grad(|a: &[Array]| Ok(vec![a[0].matmul(&a[0])?.sum_all(false)?]), &[x], &[0]).unwrap_err();
+        match &err {
+            Error::Mlx { op, message, .. } => {
+                assert_eq!(*op, "matmul");
+                assert!(message.contains("matmul"), "{message}");
+            }
+            other => panic!("expected an MLX error from matmul, got {other:?}"),
         }
-        other => panic!("expected an MLX error from matmul, got {other:?}"),
-    }
-    still_works();
+        still_works();
+    });
 }
 
 #[test]
 fn panic_inside_the_closure_is_contained() {
-    let x = Array::from_slice(&[1.0f32], &[1]).unwrap();
-    let err = transforms::grad(
-        |_: &[Array]| -> Result<Vec<Array>> { panic!("scale table has {} rows", 7) },
-        &[x.clone()],
-        &[0],
-    )
-    .unwrap_err();
-    let text = err.to_string();
-    assert!(text.contains("panicked") && text.contains("scale table has 7 rows"), "{text}");
-    // A panic in a nested transform is contained by the inner callback and surfaces as the outer's error.
-    let err = transforms::grad(
-        |a: &[Array]| {
-            let g = transforms::grad(|_: &[Array]| -> Result<Vec<Array>> { panic!("inner") }, a, &[0])?;
-            Ok(vec![g[0].sum_all(false)?])
-        },
-        &[x],
-        &[0],
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("inner"), "{err}");
-    still_works();
+    cpu(|| {
+        let x = Array::from_slice(&[1.0f32], &[1]).unwrap();
+        let err = transforms::grad(
+            |_: &[Array]| -> Result<Vec<Array>> { panic!("scale table has {} rows", 7) },
+            &[x.clone()],
+            &[0],
+        )
+        .unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("panicked") && text.contains("scale table has 7 rows"), "{text}");
+        // A panic in a nested transform is contained by the inner callback and surfaces as the outer's error.
+        let err = transforms::grad(
+            |a: &[Array]| {
+                let g = transforms::grad(|_: &[Array]| -> Result<Vec<Array>> { panic!("inner") }, a, &[0])?;
+                Ok(vec![g[0].sum_all(false)?])
+            },
+            &[x],
+            &[0],
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("inner"), "{err}");
+        still_works();
+    });
 }
 
 #[test]
 fn op_without_a_gradient_fails_in_the_backward_pass() {
-    // The fused SiTU kernel is inference-only: its primitive throws from vjp, during the transform's backward
-    // pass (after the closure returned). The shim catches it; the caller gets MLX's message.
-    let up = randn(&[2, 8], 40, Dtype::F32);
-    let gate = randn(&[2, 8], 41, Dtype::F32);
-    let err = transforms::grad(
-        |a: &[Array]| Ok(vec![kernels::situ(&a[0], &a[1], 3.0, None)?.sum_all(false)?]),
-        &[up, gate],
-        &[0],
-    )
-    .unwrap_err();
-    match &err {
-        Error::Mlx { op, message, .. } => {
-            assert_eq!(*op, "value_and_grad");
-            assert!(message.contains("[situ] gradients are not implemented"), "{message}");
+    cpu(|| {
+        // The fused SiTU kernel is inference-only: its primitive throws from vjp, during the transform's backward
+        // pass (after the closure returned). The shim catches it; the caller gets MLX's message.
+        let up = randn(&[2, 8], 40, Dtype::F32);
+        let gate = randn(&[2, 8], 41, Dtype::F32);
+        let err = transforms::grad(
+            |a: &[Array]| Ok(vec![kernels::situ(&a[0], &a[1], 3.0, None)?.sum_all(false)?]),
+            &[up, gate],
+            &[0],
+        )
+        .unwrap_err();
+        match &err {
+            Error::Mlx { op, message, .. } => {
+                assert_eq!(*op, "value_and_grad");
+                assert!(message.contains("[situ] gradients are not implemented"), "{message}");
+            }
+            other => panic!("expected an MLX error, got {other:?}"),
         }
-        other => panic!("expected an MLX error, got {other:?}"),
-    }
-    still_works();
+        still_works();
+    });
 }
 
 #[test]
 fn bad_arguments_are_errors() {
-    let x = Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap();
-    // The loss is not a scalar.
-    let err = transforms::grad(|a: &[Array]| Ok(vec![a[0].square()?]), &[x.clone()], &[0]).unwrap_err();
-    assert!(err.to_string().contains("must be a scalar, got shape (2)"), "{err}");
-    // No outputs.
-    let err = transforms::grad(|_: &[Array]| Ok(vec![]), &[x.clone()], &[0]).unwrap_err();
-    assert!(err.to_string().contains("returned no arrays"), "{err}");
-    // argnums out of range, or none.
-    let err = transforms::grad(scalar_loss, &[x.clone()], &[1]).unwrap_err();
-    assert!(err.to_string().contains("argnum 1 is out of range"), "{err}");
-    let err = transforms::grad(scalar_loss, &[x.clone()], &[]).unwrap_err();
-    assert!(err.to_string().contains("no argnums"), "{err}");
-    // vjp: cotangents that do not match the outputs.
-    let err = transforms::vjp(|a: &[Array]| Ok(vec![a[0].exp()?]), &[x.clone()], &[]).unwrap_err();
-    assert!(matches!(err, Error::Mlx { .. }), "{err:?}");
-    still_works();
+    cpu(|| {
+        let x = Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap();
+        // The loss is not a scalar.
+        let err = transforms::grad(|a: &[Array]| Ok(vec![a[0].square()?]), &[x.clone()], &[0]).unwrap_err();
+        assert!(err.to_string().contains("must be a scalar, got shape (2)"), "{err}");
+        // No outputs.
+        let err = transforms::grad(|_: &[Array]| Ok(vec![]), &[x.clone()], &[0]).unwrap_err();
+        assert!(err.to_string().contains("returned no arrays"), "{err}");
+        // argnums out of range, or none.
+        let err = transforms::grad(scalar_loss, &[x.clone()], &[1]).unwrap_err();
+        assert!(err.to_string().contains("argnum 1 is out of range"), "{err}");
+        let err = transforms::grad(scalar_loss, &[x.clone()], &[]).unwrap_err();
+        assert!(err.to_string().contains("no argnums"), "{err}");
+        // vjp: cotangents that do not match the outputs.
+        let err = transforms::vjp(|a: &[Array]| Ok(vec![a[0].exp()?]), &[x.clone()], &[]).unwrap_err();
+        assert!(matches!(err, Error::Mlx { .. }), "{err:?}");
+        still_works();
+    });
 }

@@ -15,7 +15,12 @@ mod common;
 use mlx_k3::codebook::{self, Codebook};
 use mlx_k3::quant::{self, QuantMode, QuantSpec, Quantized};
 use mlx_k3::tiered::{self, Tier, TieredExperts};
-use mlx_k3::{graph_nodes, kernels, ops, random, transforms, Array, Dtype, Result};
+use mlx_k3::{graph_nodes, kernels, ops, random, transforms, with_device, Array, Device, Dtype, Result};
+
+/// Runs a test on the CPU: the project's CPU primitives (the codebook and tiered ops' GPU branches are inference-only kernels).
+fn cpu(f: impl FnOnce()) {
+    with_device(Device::Cpu, f).unwrap()
+}
 
 fn randn(shape: &[i32], seed: u64) -> Array {
     let key = random::key(seed).unwrap();
@@ -93,34 +98,38 @@ const K: usize = 320;
 
 #[test]
 fn codebook_qmm_x_and_scales() {
-    let cb = codebook_weights(0, 24, K, 1);
-    let x = randn(&[2, 3, K as i32], 2);
-    compare(
-        "codebook_qmm",
-        |a| codebook::codebook_qmm(&a[0], &with_scales(&cb, &a[1])),
-        |a| a[0].matmul(&codebook::dequantize_reference(&with_scales(&cb, &a[1]))?.swapaxes(-1, -2)?),
-        &[x, cb.scales.clone()],
-        &[0, 1],
-    );
+    cpu(|| {
+        let cb = codebook_weights(0, 24, K, 1);
+        let x = randn(&[2, 3, K as i32], 2);
+        compare(
+            "codebook_qmm",
+            |a| codebook::codebook_qmm(&a[0], &with_scales(&cb, &a[1])),
+            |a| a[0].matmul(&codebook::dequantize_reference(&with_scales(&cb, &a[1]))?.swapaxes(-1, -2)?),
+            &[x, cb.scales.clone()],
+            &[0, 1],
+        );
+    });
 }
 
 #[test]
 fn gather_codebook_qmm_x_and_scales() {
-    let cb = codebook_weights(4, 16, K, 3);
-    let x = randn(&[3, 1, K as i32], 4);
-    // Six (token, expert) pairs over three tokens: x's gradient sums over the pairs of each token.
-    let lhs = Array::from_slice(&[0u32, 0, 1, 2, 2, 1], &[6]).unwrap();
-    let rhs = Array::from_slice(&[1u32, 0, 2, 1, 3, 1], &[6]).unwrap();
-    compare(
-        "gather_codebook_qmm",
-        |a| codebook::gather_codebook_qmm(&a[0], &with_scales(&cb, &a[1]), Some(&lhs), Some(&rhs)),
-        |a| {
-            let w = codebook::dequantize_reference(&with_scales(&cb, &a[1]))?.swapaxes(-1, -2)?;
-            ops::gather_mm(&a[0], &w, Some(&lhs), Some(&rhs), false)
-        },
-        &[x, cb.scales.clone()],
-        &[0, 1],
-    );
+    cpu(|| {
+        let cb = codebook_weights(4, 16, K, 3);
+        let x = randn(&[3, 1, K as i32], 4);
+        // Six (token, expert) pairs over three tokens: x's gradient sums over the pairs of each token.
+        let lhs = Array::from_slice(&[0u32, 0, 1, 2, 2, 1], &[6]).unwrap();
+        let rhs = Array::from_slice(&[1u32, 0, 2, 1, 3, 1], &[6]).unwrap();
+        compare(
+            "gather_codebook_qmm",
+            |a| codebook::gather_codebook_qmm(&a[0], &with_scales(&cb, &a[1]), Some(&lhs), Some(&rhs)),
+            |a| {
+                let w = codebook::dequantize_reference(&with_scales(&cb, &a[1]))?.swapaxes(-1, -2)?;
+                ops::gather_mm(&a[0], &w, Some(&lhs), Some(&rhs), false)
+            },
+            &[x, cb.scales.clone()],
+            &[0, 1],
+        );
+    });
 }
 
 fn affine(q: &Quantized, scales: &Array, biases: &Array) -> Quantized {
@@ -129,129 +138,139 @@ fn affine(q: &Quantized, scales: &Array, biases: &Array) -> Quantized {
 
 #[test]
 fn affine_fast_path_x_scales_and_biases() {
-    for (bits, group) in [(4, 64), (2, 32), (8, 64)] {
-        let spec = QuantSpec::affine(group, bits);
-        let q = quant::quantize(&randn(&[24, K as i32], 5), spec, None).unwrap();
-        let x = randn(&[4, K as i32], 6);
-        compare(
-            "affine_qmm",
-            |a| kernels::fast_quantized_matmul(&a[0], &affine(&q, &a[1], &a[2]), spec),
-            |a| {
-                let w = quant::dequantize(&affine(&q, &a[1], &a[2]), spec, None, Some(Dtype::F32))?;
-                a[0].matmul(&w.swapaxes(-1, -2)?)
-            },
-            &[x, q.scales.clone(), q.biases.clone().unwrap()],
-            &[0, 1, 2],
-        );
-    }
+    cpu(|| {
+        for (bits, group) in [(4, 64), (2, 32), (8, 64)] {
+            let spec = QuantSpec::affine(group, bits);
+            let q = quant::quantize(&randn(&[24, K as i32], 5), spec, None).unwrap();
+            let x = randn(&[4, K as i32], 6);
+            compare(
+                "affine_qmm",
+                |a| kernels::fast_quantized_matmul(&a[0], &affine(&q, &a[1], &a[2]), spec),
+                |a| {
+                    let w = quant::dequantize(&affine(&q, &a[1], &a[2]), spec, None, Some(Dtype::F32))?;
+                    a[0].matmul(&w.swapaxes(-1, -2)?)
+                },
+                &[x, q.scales.clone(), q.biases.clone().unwrap()],
+                &[0, 1, 2],
+            );
+        }
+    });
 }
 
 #[test]
 fn affine_fast_path_gathered_and_multi() {
-    let spec = QuantSpec::affine(64, 4);
-    let q = quant::quantize(&randn(&[3, 16, K as i32], 7), spec, None).unwrap();
-    let x = randn(&[4, 1, K as i32], 8);
-    let rhs = Array::from_slice(&[2u32, 0, 2, 1], &[4]).unwrap();
-    compare(
-        "gather_affine_qmm",
-        |a| kernels::gather_qmm(&a[0], &affine(&q, &a[1], &a[2]), spec, None, Some(&rhs), false),
-        |a| {
-            let w = quant::dequantize(&affine(&q, &a[1], &a[2]), spec, None, Some(Dtype::F32))?;
-            ops::gather_mm(&a[0], &w.swapaxes(-1, -2)?, None, Some(&rhs), false)
-        },
-        &[x, q.scales.clone(), q.biases.clone().unwrap()],
-        &[0, 1, 2],
-    );
-    // Two projections of the same x as one node (a KDA layer's projections): x's gradient sums both.
-    let q1 = quant::quantize(&randn(&[16, K as i32], 9), spec, None).unwrap();
-    let q2 = quant::quantize(&randn(&[8, K as i32], 10), spec, None).unwrap();
-    let x = randn(&[3, K as i32], 11);
-    let both = |a: &[Array], f: &dyn Fn(&Quantized, &Array) -> Result<Array>| -> Result<Array> {
-        let y1 = f(&affine(&q1, &a[1], &a[2]), &a[0])?;
-        let y2 = f(&affine(&q2, &a[3], &a[4]), &a[0])?;
-        ops::concatenate(&[&y1, &y2], -1)
-    };
-    compare(
-        "affine_qmm_multi",
-        |a| {
-            let ys = kernels::fast_quantized_matmul_many(
-                &a[0],
-                &[(&affine(&q1, &a[1], &a[2]), spec), (&affine(&q2, &a[3], &a[4]), spec)],
-            )?;
-            ops::concatenate(&[&ys[0], &ys[1]], -1)
-        },
-        |a| both(a, &|q, x| x.matmul(&quant::dequantize(q, spec, None, Some(Dtype::F32))?.swapaxes(-1, -2)?)),
-        &[x, q1.scales.clone(), q1.biases.clone().unwrap(), q2.scales.clone(), q2.biases.clone().unwrap()],
-        &[0, 1, 2, 3, 4],
-    );
+    cpu(|| {
+        let spec = QuantSpec::affine(64, 4);
+        let q = quant::quantize(&randn(&[3, 16, K as i32], 7), spec, None).unwrap();
+        let x = randn(&[4, 1, K as i32], 8);
+        let rhs = Array::from_slice(&[2u32, 0, 2, 1], &[4]).unwrap();
+        compare(
+            "gather_affine_qmm",
+            |a| kernels::gather_qmm(&a[0], &affine(&q, &a[1], &a[2]), spec, None, Some(&rhs), false),
+            |a| {
+                let w = quant::dequantize(&affine(&q, &a[1], &a[2]), spec, None, Some(Dtype::F32))?;
+                ops::gather_mm(&a[0], &w.swapaxes(-1, -2)?, None, Some(&rhs), false)
+            },
+            &[x, q.scales.clone(), q.biases.clone().unwrap()],
+            &[0, 1, 2],
+        );
+        // Two projections of the same x as one node (a KDA layer's projections): x's gradient sums both.
+        let q1 = quant::quantize(&randn(&[16, K as i32], 9), spec, None).unwrap();
+        let q2 = quant::quantize(&randn(&[8, K as i32], 10), spec, None).unwrap();
+        let x = randn(&[3, K as i32], 11);
+        let both = |a: &[Array], f: &dyn Fn(&Quantized, &Array) -> Result<Array>| -> Result<Array> {
+            let y1 = f(&affine(&q1, &a[1], &a[2]), &a[0])?;
+            let y2 = f(&affine(&q2, &a[3], &a[4]), &a[0])?;
+            ops::concatenate(&[&y1, &y2], -1)
+        };
+        compare(
+            "affine_qmm_multi",
+            |a| {
+                let ys = kernels::fast_quantized_matmul_many(
+                    &a[0],
+                    &[(&affine(&q1, &a[1], &a[2]), spec), (&affine(&q2, &a[3], &a[4]), spec)],
+                )?;
+                ops::concatenate(&[&ys[0], &ys[1]], -1)
+            },
+            |a| both(a, &|q, x| x.matmul(&quant::dequantize(q, spec, None, Some(Dtype::F32))?.swapaxes(-1, -2)?)),
+            &[x, q1.scales.clone(), q1.biases.clone().unwrap(), q2.scales.clone(), q2.biases.clone().unwrap()],
+            &[0, 1, 2, 3, 4],
+        );
+    });
 }
 
 #[test]
 fn mxfp4_fast_path_x() {
-    let spec = QuantSpec::default_for(QuantMode::Mxfp4);
-    let q = quant::quantize(&randn(&[24, K as i32], 12), spec, None).unwrap();
-    let w = quant::dequantize(&q, spec, None, Some(Dtype::F32)).unwrap();
-    compare(
-        "mxfp4_qmm",
-        |a| kernels::fast_quantized_matmul(&a[0], &q, spec),
-        |a| a[0].matmul(&w.swapaxes(-1, -2)?),
-        &[randn(&[2, K as i32], 13)],
-        &[0],
-    );
+    cpu(|| {
+        let spec = QuantSpec::default_for(QuantMode::Mxfp4);
+        let q = quant::quantize(&randn(&[24, K as i32], 12), spec, None).unwrap();
+        let w = quant::dequantize(&q, spec, None, Some(Dtype::F32)).unwrap();
+        compare(
+            "mxfp4_qmm",
+            |a| kernels::fast_quantized_matmul(&a[0], &q, spec),
+            |a| a[0].matmul(&w.swapaxes(-1, -2)?),
+            &[randn(&[2, K as i32], 13)],
+            &[0],
+        );
+    });
 }
 
 #[test]
 fn gather_tiered_qmm_x_codebook_scales_and_affine_scales_biases() {
-    // Six experts: two codebook, two MXFP4, two affine, interleaved so slots differ from expert ids.
-    let tiers = [Tier::Affine, Tier::Codebook, Tier::Mxfp4, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
-    let spec = QuantSpec::affine(64, 4);
-    let (t, _) = tiered::build_tiered(&randn(&[6, 16, K as i32], 14), &tiers, spec, None).unwrap();
-    let cb = t.codebook.clone().unwrap();
-    let (aq, _) = t.affine.clone().unwrap();
-    let with = |a: &[Array]| TieredExperts {
-        tier: t.tier.clone(),
-        slot: t.slot.clone(),
-        codebook: Some(with_scales(&cb, &a[1])),
-        mxfp4: t.mxfp4.clone(),
-        affine: Some((affine(&aq, &a[2], &a[3]), spec)),
-    };
-    let x = randn(&[4, 1, K as i32], 15);
-    let lhs = Array::from_slice(&[0u32, 1, 1, 2, 3, 3, 0], &[7]).unwrap();
-    let rhs = Array::from_slice(&[1u32, 0, 5, 3, 4, 2, 0], &[7]).unwrap();
-    compare(
-        "gather_tiered_qmm",
-        |a| tiered::gather_tiered_qmm(&a[0], &with(a), Some(&lhs), Some(&rhs)),
-        |a| {
-            let w = tiered::dequantize_tiered(&with(a))?.swapaxes(-1, -2)?;
-            ops::gather_mm(&a[0], &w, Some(&lhs), Some(&rhs), false)
-        },
-        &[x, cb.scales.clone(), aq.scales.clone(), aq.biases.clone().unwrap()],
-        &[0, 1, 2, 3],
-    );
+    cpu(|| {
+        // Six experts: two codebook, two MXFP4, two affine, interleaved so slots differ from expert ids.
+        let tiers = [Tier::Affine, Tier::Codebook, Tier::Mxfp4, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
+        let spec = QuantSpec::affine(64, 4);
+        let (t, _) = tiered::build_tiered(&randn(&[6, 16, K as i32], 14), &tiers, spec, None).unwrap();
+        let cb = t.codebook.clone().unwrap();
+        let (aq, _) = t.affine.clone().unwrap();
+        let with = |a: &[Array]| TieredExperts {
+            tier: t.tier.clone(),
+            slot: t.slot.clone(),
+            codebook: Some(with_scales(&cb, &a[1])),
+            mxfp4: t.mxfp4.clone(),
+            affine: Some((affine(&aq, &a[2], &a[3]), spec)),
+        };
+        let x = randn(&[4, 1, K as i32], 15);
+        let lhs = Array::from_slice(&[0u32, 1, 1, 2, 3, 3, 0], &[7]).unwrap();
+        let rhs = Array::from_slice(&[1u32, 0, 5, 3, 4, 2, 0], &[7]).unwrap();
+        compare(
+            "gather_tiered_qmm",
+            |a| tiered::gather_tiered_qmm(&a[0], &with(a), Some(&lhs), Some(&rhs)),
+            |a| {
+                let w = tiered::dequantize_tiered(&with(a))?.swapaxes(-1, -2)?;
+                ops::gather_mm(&a[0], &w, Some(&lhs), Some(&rhs), false)
+            },
+            &[x, cb.scales.clone(), aq.scales.clone(), aq.biases.clone().unwrap()],
+            &[0, 1, 2, 3],
+        );
+    });
 }
 
 #[test]
 fn no_gradient_for_packed_bits_and_zero_for_indices() {
-    let cb = codebook_weights(2, 8, 64, 16);
-    let x = randn(&[2, 1, 64], 17);
-    let rhs = Array::from_slice(&[1u32, 0], &[2]).unwrap();
-    // The packed codes: a named error, not a wrong gradient.
-    let err = transforms::grad(
-        |a: &[Array]| {
-            let c = Codebook { codes: a[1].clone(), qh: cb.qh.clone(), scales: cb.scales.clone() };
-            Ok(vec![codebook::gather_codebook_qmm(&a[0], &c, None, Some(&rhs))?.sum_all(false)?])
-        },
-        &[x.clone(), cb.codes.clone()],
-        &[1],
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("not to the packed weight bits"), "{err}");
-    // The expert indices: zeros (they select, they do not scale).
-    let g = transforms::grad(
-        |a: &[Array]| Ok(vec![codebook::gather_codebook_qmm(&a[0], &cb, None, Some(&a[1]))?.sum_all(false)?]),
-        &[x, rhs],
-        &[1],
-    )
-    .unwrap();
-    assert_eq!(g[0].to_vec::<u32>().unwrap(), vec![0, 0]);
+    cpu(|| {
+        let cb = codebook_weights(2, 8, 64, 16);
+        let x = randn(&[2, 1, 64], 17);
+        let rhs = Array::from_slice(&[1u32, 0], &[2]).unwrap();
+        // The packed codes: a named error, not a wrong gradient.
+        let err = transforms::grad(
+            |a: &[Array]| {
+                let c = Codebook { codes: a[1].clone(), qh: cb.qh.clone(), scales: cb.scales.clone() };
+                Ok(vec![codebook::gather_codebook_qmm(&a[0], &c, None, Some(&rhs))?.sum_all(false)?])
+            },
+            &[x.clone(), cb.codes.clone()],
+            &[1],
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("not to the packed weight bits"), "{err}");
+        // The expert indices: zeros (they select, they do not scale).
+        let g = transforms::grad(
+            |a: &[Array]| Ok(vec![codebook::gather_codebook_qmm(&a[0], &cb, None, Some(&a[1]))?.sum_all(false)?]),
+            &[x, rhs],
+            &[1],
+        )
+        .unwrap();
+        assert_eq!(g[0].to_vec::<u32>().unwrap(), vec![0, 0]);
+    });
 }
