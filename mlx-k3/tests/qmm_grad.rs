@@ -274,3 +274,33 @@ fn no_gradient_for_packed_bits_and_zero_for_indices() {
         assert_eq!(g[0].to_vec::<u32>().unwrap(), vec![0, 0]);
     });
 }
+
+/// Items 1 and 2 together, as DWQ uses them: the codebook's f16 super-block scales trained by Adam (f32 master
+/// copies) to match a float teacher's outputs on fixed activations, gradients through `codebook_qmm`'s vjp.
+/// The distillation loss must fall at every one of the first ten steps and end well below where it started
+/// (measured: 165.5 -> 126.5 over 30 steps at lr 1e-3, falling at every step; the bound is 0.85x).
+#[test]
+fn adam_on_codebook_scales_lowers_the_distillation_loss() {
+    cpu(|| {
+        let (n, k) = (32usize, 512usize);
+        let w = randn(&[n as i32, k as i32], 20);
+        let (h, _) = codebook::quantize(&w.to_vec_f32().unwrap(), n, k, None).unwrap();
+        let cb = h.to_arrays().unwrap();
+        let x = randn(&[16, k as i32], 21);
+        let teacher = x.matmul(&w.swapaxes(-1, -2).unwrap()).unwrap();
+        let loss = |a: &[Array]| -> Result<Vec<Array>> {
+            let y = codebook::codebook_qmm(&x, &with_scales(&cb, &a[0]))?;
+            Ok(vec![y.subtract(&teacher)?.square()?.mean_all(false)?])
+        };
+        let mut opt = mlx_k3::optim::Adam::new(1e-3).unwrap();
+        opt.add("scales", &cb.scales).unwrap();
+        let mut losses = Vec::new();
+        for _ in 0..30 {
+            let (v, g) = transforms::value_and_grad(loss, &[opt.param("scales").unwrap()], &[0]).unwrap();
+            losses.push(v[0].item::<f32>().unwrap());
+            opt.update(&[("scales", &g[0])]).unwrap();
+        }
+        assert!(losses.windows(2).take(10).all(|p| p[1] < p[0]), "{losses:?}");
+        assert!(losses[29] < 0.85 * losses[0], "{losses:?}");
+    });
+}
