@@ -20,7 +20,8 @@ use std::time::{Duration, SystemTime};
 /// The MLX version the project is built against: the one place Rust code defines it (exported to the crates
 /// as `mlx_k3_sys::MLX_PIN`).
 const PIN_STR: &str = "0.32.4";
-const SHIM_SOURCES: &[&str] = &["shim/array.cpp", "shim/ops.cpp", "shim/nn.cpp", "shim/system.cpp"];
+const SHIM_SOURCES: &[&str] =
+    &["shim/array.cpp", "shim/ops.cpp", "shim/nn.cpp", "shim/system.cpp", "shim/transforms.cpp"];
 
 struct Mlx {
     /// The wheel's `mlx/` package folder.

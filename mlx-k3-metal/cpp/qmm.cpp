@@ -9,6 +9,7 @@
 // broadcast together; out (*broadcast, M, N). The kernel groups the (token, expert) pairs by expert so each
 // expert's weights stream once per run of rows, whether or not the caller sorted them.
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -112,6 +113,149 @@ struct Gather {
   size_t first_weight() const { return 1 + (on ? (size_t)lhs + (size_t)rhs : 0); }
 };
 
+// ---------------------------------------------------------------- gradients
+// The primitives' vjps compose MLX ops that compute the same outputs from the same inputs (the reference
+// below) and take MLX's own vjp of that: the codebook planes are dequantized with MLX ops (differentiable in
+// the f16 super-block scales), affine and MXFP4 weights go through MLX's quantized_matmul / gather_qmm /
+// dequantize (whose vjps give the scales' and biases' gradients), and the products are matmul or gather_mm.
+// Gradients flow to x and to the floating-point weight arrays (scales, biases); index, tier and slot arrays get
+// zeros (piecewise-constant selectors); the packed weight bits have no gradient and asking for one is an error.
+
+// The codebook planes as f32 [.., N, K] with MLX ops (docs/formats.md: w = d · (2L + 1) · (grid[idx] + δ)).
+mx::array codebook_dequantize(const mx::array& codes, const mx::array& qh, const mx::array& scales, mx::Stream s) {
+  const int K8 = codes.shape(-1), nb = K8 / 4;
+  std::vector<float> g(2048 * 8);
+  const uint64_t* grid = iq1s_grid();
+  for (int i = 0; i < 2048; ++i) {
+    for (int j = 0; j < 8; ++j) g[8 * i + j] = (float)(int8_t)((grid[i] >> (8 * j)) & 0xff);
+  }
+  const mx::array table(g.data(), {2048, 8}, mx::float32);
+  const auto u32 = [](uint32_t v) { return mx::array(v, mx::uint32); };
+  auto q = mx::astype(qh, mx::uint32, s);  // [.., N, nb]
+  // Group l of block b (code byte 4b + l) takes index bits 8..10 from qh bits 3l..3l+2.
+  std::vector<uint32_t> sh(K8);
+  for (int i = 0; i < K8; ++i) sh[i] = 3 * (i % 4);
+  auto high = mx::repeat(q, 4, -1, s);
+  high = mx::left_shift(mx::bitwise_and(mx::right_shift(high, mx::array(sh.data(), {K8}, mx::uint32), s), u32(7), s),
+                        u32(8), s);
+  auto idx = mx::bitwise_or(mx::astype(codes, mx::uint32, s), high, s);
+  auto vals = mx::take(table, idx, 0, s);  // [.., N, K/8, 8]
+  mx::Shape blocks(codes.shape().begin(), codes.shape().end() - 1);
+  blocks.push_back(nb);
+  blocks.push_back(32);
+  vals = mx::reshape(vals, blocks, s);  // [.., N, nb, 32]
+  auto L = mx::astype(mx::bitwise_and(mx::right_shift(q, u32(12), s), u32(7), s), mx::float32, s);
+  auto neg = mx::not_equal(mx::bitwise_and(q, u32(0x8000), s), u32(0), s);
+  auto delta = mx::where(neg, mx::array(-0.125f), mx::array(0.125f), s);
+  auto d = mx::repeat(mx::astype(scales, mx::float32, s), 8, -1, s);  // [.., N, 8 * super-blocks]
+  if (d.shape(-1) != nb) {
+    mx::Shape start(d.ndim(), 0), stop = d.shape();
+    stop.back() = nb;
+    d = mx::slice(d, start, stop, s);
+  }
+  auto dl = mx::multiply(d, mx::add(mx::multiply(L, mx::array(2.0f), s), mx::array(1.0f), s), s);
+  auto w = mx::multiply(mx::add(vals, mx::expand_dims(delta, -1, s), s), mx::expand_dims(dl, -1, s), s);
+  mx::Shape out(codes.shape().begin(), codes.shape().end() - 1);
+  out.push_back(8 * K8);
+  return mx::reshape(w, out, s);
+}
+
+// Format f's weight arrays dequantized to f32 [.., N, K].
+mx::array dequantize_format(const Format& f, const mx::array* w, mx::Stream s) {
+  switch (f.kind) {
+    case WeightFormat::codebook: return codebook_dequantize(w[0], w[1], w[2], s);
+    case WeightFormat::affine:
+      return mx::dequantize(w[0], w[1], w[2], f.group, f.bits, "affine", std::nullopt, mx::float32, s);
+    default: return mx::dequantize(w[0], w[1], std::nullopt, 32, 4, "mxfp4", std::nullopt, mx::float32, s);
+  }
+}
+
+// x @ W^T for format f's arrays: MLX's quantized matmuls for its own formats, dequantize-then-matmul for the
+// codebook. x f32 [..., K] (plain) or [..., M, K] with optional lhs / rhs (gathered).
+mx::array product(const Format& f, const mx::array& x, const mx::array* w, bool gathered,
+                  const std::optional<mx::array>& lhs, const std::optional<mx::array>& rhs, mx::Stream s) {
+  if (f.kind != WeightFormat::codebook) {
+    const bool aff = f.kind == WeightFormat::affine;
+    const std::optional<mx::array> b = aff ? std::optional<mx::array>(w[2]) : std::nullopt;
+    const char* mode = aff ? "affine" : "mxfp4";
+    if (!gathered) return mx::quantized_matmul(x, w[0], w[1], b, true, f.group, f.bits, mode, s);
+    return mx::gather_qmm(x, w[0], w[1], b, lhs, rhs, true, f.group, f.bits, mode, std::nullopt, false, s);
+  }
+  auto W = mx::swapaxes(codebook_dequantize(w[0], w[1], w[2], s), -1, -2, s);
+  if (!gathered) return mx::matmul(x, W, s);
+  return mx::gather_mm(x, W, lhs, rhs, false, s);
+}
+
+// PackedQmm's output from its inputs (the layout of PackedQmm::eval_cpu) with MLX ops.
+mx::array packed_reference(const std::vector<mx::array>& in, const Layout& layout, Gather gather, mx::Stream s) {
+  const auto& x = in[0];
+  std::optional<mx::array> lhs, rhs;
+  if (gather.lhs) lhs = in[1];
+  if (gather.rhs) rhs = in[1 + gather.lhs];
+  size_t next = gather.first_weight();
+  if (!layout.tiered) return product(layout.formats[0], x, &in[next], gather.on, lhs, rhs, s);
+  // Tiered: every tier's stack dequantized and concatenated, then reordered into expert order by tier and slot.
+  const auto& tier = in[next];
+  const auto& slot = in[next + 1];
+  next += 2;
+  std::vector<mx::array> parts;
+  std::vector<uint32_t> offset(layout.formats.size(), 0);
+  uint32_t total = 0;
+  for (size_t t = 0; t < layout.formats.size(); ++t) {
+    const Format& f = layout.formats[t];
+    if (f.kind == WeightFormat::none) continue;
+    parts.push_back(dequantize_format(f, &in[next], s));
+    next += n_arrays(f.kind);
+    offset[t] = total;
+    total += (uint32_t)parts.back().shape(0);
+  }
+  auto stack = mx::concatenate(parts, 0, s);
+  auto off = mx::array(offset.data(), {(int)offset.size()}, mx::uint32);
+  auto row = mx::add(mx::take(off, mx::astype(tier, mx::uint32, s), 0, s), slot, s);  // [E]
+  auto W = mx::swapaxes(mx::take(stack, row, 0, s), -1, -2, s);                      // [E, K, N]
+  return mx::gather_mm(x, W, lhs, rhs, false, s);
+}
+
+// The vjp of a packed primitive through `reference` (outputs from inputs with MLX ops). Inputs before
+// `first_weight`, and the `selectors` after it, are index arrays.
+std::vector<mx::array> vjp_through(const char* op, const std::vector<mx::array>& primals,
+                                   const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                                   size_t first_weight, size_t selectors,
+                                   const std::function<std::vector<mx::array>(const std::vector<mx::array>&)>& reference,
+                                   mx::Stream s) {
+  std::vector<int> diff;
+  for (int a : argnums) {
+    const bool index = (a > 0 && (size_t)a < first_weight) || ((size_t)a >= first_weight && (size_t)a < first_weight + selectors);
+    if (index) continue;
+    if (!mx::issubdtype(primals[a].dtype(), mx::floating)) {
+      throw std::invalid_argument(std::string("[") + op + "] gradients flow to x, scales and biases, not to the packed weight bits (input " +
+                                  std::to_string(a) + ")");
+    }
+    diff.push_back(a);
+  }
+  std::vector<mx::array> grads;
+  if (!diff.empty()) {
+    std::vector<mx::array> dprimals;
+    for (int a : diff) dprimals.push_back(primals[a]);
+    auto fn = [&](const std::vector<mx::array>& d) {
+      std::vector<mx::array> in = primals;
+      for (size_t i = 0; i < diff.size(); ++i) in[diff[i]] = d[i];
+      return reference(in);
+    };
+    grads = mx::vjp(fn, dprimals, cotangents).second;
+  }
+  std::vector<mx::array> res;
+  size_t j = 0;
+  for (int a : argnums) {
+    if (j < diff.size() && diff[j] == a) {
+      res.push_back(grads[j++]);
+    } else {
+      res.push_back(mx::zeros_like(primals[a], s));
+    }
+  }
+  return res;
+}
+
 class PackedQmm : public mx::UnaryPrimitive {
  public:
   PackedQmm(mx::Stream s, Layout layout, Gather gather) : mx::UnaryPrimitive(s), layout_(std::move(layout)), gather_(gather) {}
@@ -146,6 +290,18 @@ class PackedQmm : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const PackedQmm&>(other);
     return layout_ == o.layout_ && gather_ == o.gather_;
+  }
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    auto s = stream();
+    auto layout = layout_;
+    auto gather = gather_;
+    return vjp_through(name(), primals, cotangents, argnums, gather.first_weight(), layout.tiered ? 2 : 0,
+                       [&](const std::vector<mx::array>& in) {
+                         return std::vector<mx::array>{packed_reference(in, layout, gather, s)};
+                       },
+                       s);
   }
 
  private:
@@ -308,6 +464,23 @@ class PackedQmmMulti : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     return formats_ == static_cast<const PackedQmmMulti&>(other).formats_;
+  }
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    auto s = stream();
+    const auto& formats = formats_;
+    return vjp_through(name(), primals, cotangents, argnums, 1, 0,
+                       [&](const std::vector<mx::array>& in) {
+                         std::vector<mx::array> ys;
+                         size_t next = 1;
+                         for (const Format& f : formats) {
+                           ys.push_back(product(f, in[0], &in[next], false, std::nullopt, std::nullopt, s));
+                           next += n_arrays(f.kind);
+                         }
+                         return ys;
+                       },
+                       s);
   }
 
  private:

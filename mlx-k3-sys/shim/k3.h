@@ -279,6 +279,29 @@ int k3_recv(k3_array* res, const int32_t* shape, size_t ndim, k3_dtype dtype, in
             const k3_stream s);
 int k3_recv_like(k3_array* res, const k3_array x, int src, const k3_group g, const k3_stream s);
 
+/* ---------------------------------------------------------------- function transforms
+ * k3_arrays is a vector of arrays (free with k3_arrays_free). A k3_function computes `outputs` from `inputs`:
+ * it reads its inputs (borrowed: k3_arrays_len, k3_arrays_get), appends at least one output with
+ * k3_arrays_push, and returns 0; on failure it calls k3_set_error and returns non-zero, and the transform
+ * fails with that message. It is called on the calling thread, during the transform, and must not let an
+ * exception or an unwind escape. `payload` is passed through untouched. */
+typedef struct k3_arrays_ { void* ctx; } k3_arrays;
+typedef int (*k3_function)(k3_arrays outputs, const k3_arrays inputs, void* payload);
+int k3_arrays_new(k3_arrays* res);
+int k3_arrays_free(k3_arrays v);
+int k3_arrays_len(size_t* res, const k3_arrays v);
+int k3_arrays_get(k3_array* res, const k3_arrays v, size_t i);
+int k3_arrays_push(k3_arrays v, const k3_array a);
+/* MLX's vjp: `outputs` <- f(primals), `vjps` <- one array per primal (the cotangents, one per output, pulled
+ * back). Both vectors are replaced. `s` is MLX's default stream (and its device the default device) while the
+ * transform runs: where MLX itself places work, such as its copies of the primals. */
+int k3_vjp(k3_arrays outputs, k3_arrays vjps, k3_function f, void* payload, const k3_array* primals,
+           size_t n_primals, const k3_array* cotangents, size_t n_cotangents, const k3_stream s);
+/* MLX's value_and_grad: `values` <- f(primals), whose first output must be a scalar; `grads` <- its gradient
+ * with respect to primals[argnums[i]], one per argnum. Both vectors are replaced. `s` as for k3_vjp. */
+int k3_value_and_grad(k3_arrays values, k3_arrays grads, k3_function f, void* payload, const k3_array* primals,
+                      size_t n_primals, const int32_t* argnums, size_t n_argnums, const k3_stream s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1196,3 +1196,66 @@ unsafe extern "C" {
         s: k3_stream,
     ) -> ::std::os::raw::c_int;
 }
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct k3_arrays_ {
+    pub ctx: *mut ::std::os::raw::c_void,
+}
+impl Default for k3_arrays_ {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type k3_arrays = k3_arrays_;
+pub type k3_function = ::std::option::Option<
+    unsafe extern "C" fn(
+        outputs: k3_arrays,
+        inputs: k3_arrays,
+        payload: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int,
+>;
+unsafe extern "C" {
+    pub fn k3_arrays_new(res: *mut k3_arrays) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_arrays_free(v: k3_arrays) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_arrays_len(res: *mut usize, v: k3_arrays) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_arrays_get(res: *mut k3_array, v: k3_arrays, i: usize) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_arrays_push(v: k3_arrays, a: k3_array) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_vjp(
+        outputs: k3_arrays,
+        vjps: k3_arrays,
+        f: k3_function,
+        payload: *mut ::std::os::raw::c_void,
+        primals: *const k3_array,
+        n_primals: usize,
+        cotangents: *const k3_array,
+        n_cotangents: usize,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    pub fn k3_value_and_grad(
+        values: k3_arrays,
+        grads: k3_arrays,
+        f: k3_function,
+        payload: *mut ::std::os::raw::c_void,
+        primals: *const k3_array,
+        n_primals: usize,
+        argnums: *const i32,
+        n_argnums: usize,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}

@@ -38,17 +38,20 @@ pub mod kernels;
 pub mod memory;
 pub mod model;
 pub mod ops;
+pub mod optim;
 pub mod quality;
 pub mod quant;
 pub mod random;
 pub mod sync_trace;
 pub mod tiered;
 pub mod tokenizer;
+pub mod transforms;
 
 pub use array::{async_eval, eval, graph_census, graph_nodes, Array, GraphCensusRow};
 pub use device::{current_stream, synchronize, with_device, with_stream, Device, Stream};
 pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};
+pub use transforms::{grad, value_and_grad, vjp};
 
 /// The MLX version this process runs (the wheel's `libmlx`).
 pub fn mlx_version() -> String {
