@@ -5,6 +5,7 @@
 pub mod attn_res;
 pub mod cache;
 pub mod config;
+pub mod deepseek_v3;
 pub mod kda;
 pub mod linear;
 pub mod loader;
