@@ -30,6 +30,10 @@ Fixtures:
                          down_proj bits per layer), other routed expert projections 2-bit, embedding/head
                          8-bit, 4-bit elsewhere
     a_yarn_grouped_mxfp4 routed experts MXFP4 (group 32), everything else affine 8-bit
+    c_kimi_k25_hf        c_kimi_k25 under Hugging Face names (experts.E.*_proj, kv_b_proj, a vision-tower
+                         tensor), checked to sanitize in mlx-lm to bit-identical weights and logits; then a
+                         multi-token-prediction layer model.layers.2.* is added (see mtp_layer) and
+                         expected.safetensors is c_kimi_k25's
 
 Every fixture is checked before it is written (make_k3_fixtures.py's rules): at least 6 distinct greedy
 tokens, every greedy top-1/top-2 gap >= 2e-3 and every router selection gap (top-k and group) >= 2e-4, far
@@ -316,6 +320,82 @@ def features(t: dict, model_type: str) -> dict:
     }
 
 
+def to_hf(sanitized: dict, t: dict, prefix: str) -> dict:
+    """Inverse of mlx-lm's deepseek_v3 `sanitize`: per-expert `mlp.experts.E.{gate,up,down}_proj` and one
+    `kv_b_proj` per layer (rows per head: the nope key projection, then the value projection), as the
+    Hugging Face checkpoints of DeepSeek-V3 and Kimi K2 name them (float, no fp8)."""
+    out = {}
+    dn = t["qk_nope_head_dim"]
+    for k, v in sanitized.items():
+        name = k[len(prefix):] if k.startswith(prefix) else k
+        if ".mlp.switch_mlp." in name:
+            stem, rest = name.split(".switch_mlp.")
+            for e in range(v.shape[0]):
+                out[f"{prefix}{stem}.experts.{e}.{rest}"] = v[e]
+        elif name.endswith("self_attn.embed_q.weight"):
+            wk = v.swapaxes(-1, -2)  # (H, dn, r)
+            wv = sanitized[k.replace("embed_q", "unembed_out")]  # (H, dv, r)
+            heads = wk.shape[0]
+            assert wk.shape[1] == dn
+            kv_b = mx.concatenate([wk, wv], axis=1).reshape(heads * (dn + wv.shape[1]), -1)
+            out[k.replace("embed_q.weight", "kv_b_proj.weight")] = mx.contiguous(kv_b)
+        elif name.endswith("self_attn.unembed_out.weight"):
+            continue
+        else:
+            out[k] = v
+    return out
+
+
+def mtp_layer(hf: dict, t: dict, prefix: str) -> dict:
+    """A multi-token-prediction layer as the releases store it: `model.layers.{num_hidden_layers}` (a copy of
+    the last layer's tensors plus enorm/hnorm/eh_proj/shared_head). mlx-lm's sanitize drops
+    `model.layers.61.*` (DeepSeek-V3's and Kimi K2's layer count hard-coded), so mlx-lm cannot load this
+    tiny copy with it; mlx-k3 drops every layer at or past num_hidden_layers, the same tensors on those
+    checkpoints."""
+    n = t["num_hidden_layers"]
+    last = f"{prefix}model.layers.{n - 1}."
+    extra = {k.replace(last, f"{prefix}model.layers.{n}."): v for k, v in hf.items() if k.startswith(last)}
+    d = t["hidden_size"]
+    for name, shape in [("enorm.weight", (d,)), ("hnorm.weight", (d,)), ("eh_proj.weight", (d, 2 * d)),
+                        ("shared_head.norm.weight", (d,)), ("shared_head.head.weight", (t["vocab_size"], d))]:
+        extra[f"{prefix}model.layers.{n}.{name}"] = mx.ones(shape, dtype=mx.float32)
+    return extra
+
+
+def build_hf_copy(out: Path, base: str) -> dict:
+    """`{base}_hf`: the base fixture under Hugging Face names; mlx-lm must sanitize it back to the same
+    weights and logits. An MTP layer and a vision-tower tensor are added after that check."""
+    bdir = out / base
+    rdir = out / f"{base}_hf"
+    if rdir.exists():
+        shutil.rmtree(rdir)
+    rdir.mkdir()
+    shutil.copyfile(bdir / "config.json", rdir / "config.json")
+    config = json.loads((bdir / "config.json").read_text())
+    t = text_of(config)
+    prefix = "language_model." if config["model_type"] == "kimi_k25" else ""
+    hf = to_hf(mx.load(str(bdir / "model.safetensors")), t, prefix)
+    if prefix:
+        hf["vision_tower.patch_embed.weight"] = mx.zeros((4, 4), dtype=mx.float32)
+    mx.save_safetensors(str(rdir / "model.safetensors"), hf, metadata={"format": "pt"})
+    ref, _ = load_model(bdir)
+    got, _ = load_model(rdir)
+    a = dict(tree_flatten(ref.parameters()))
+    b = dict(tree_flatten(got.parameters()))
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    for k in a:
+        assert np.array_equal(np.array(a[k]), np.array(b[k])), k
+    exp = mx.load(str(bdir / "expected.safetensors"))
+    logits = got(exp["prompt"][None])[0]
+    assert np.array_equal(np.array(logits), np.array(exp["prefill_logits"])), "HF copy's logits differ"
+    hf.update(mtp_layer(hf, t, prefix))
+    mx.save_safetensors(str(rdir / "model.safetensors"), hf, metadata={"format": "pt"})
+    shutil.copyfile(bdir / "expected.safetensors", rdir / "expected.safetensors")
+    print(f"{rdir.name}: mlx-lm sanitizes the HF names to {base}'s weights and logits (bit-identical)")
+    return {"name": rdir.name, "dir": rdir.name, "derived_from": base, "quantized": False, "names": "hf",
+            "features": features(t, config["model_type"]), "checks": None}
+
+
 def build_all(out: Path) -> list:
     out.mkdir(parents=True, exist_ok=True)
     entries = []
@@ -352,6 +432,9 @@ def build_all(out: Path) -> list:
                         "quantization": k3.quant_summary(loaded),
                         "features": features(text_of(loaded), base_fx["model_type"]), "checks": stats})
         print(f"{q['name']}: {stats}")
+    hf = build_hf_copy(out, "c_kimi_k25")
+    hf["checks"] = next(e["checks"] for e in entries if e["name"] == "c_kimi_k25")
+    entries.append(hf)
     return entries
 
 

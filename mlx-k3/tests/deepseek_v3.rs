@@ -263,3 +263,26 @@ fn kimi_k2_config_parses_with_mlx_lm_defaults() {
     let c = ModelConfig::parse(r#"{"model_type": "deepseek_v3"}"#, Path::new("c")).unwrap();
     assert_eq!(c.text.q_lora_rank, Some(1536));
 }
+
+#[test]
+fn hugging_face_names_and_mtp_layer_load_to_identical_logits() {
+    // c_kimi_k25_hf: per-expert tensors, kv_b_proj, a vision-tower tensor and an MTP layer
+    // (model.layers.{num_hidden_layers}.*), which the loader drops as mlx-lm's sanitize does.
+    let m = manifest();
+    let hf = m.iter().find(|f| f["names"] == "hf").expect("a Hugging Face-named fixture");
+    let hf_dir = fixtures_dir().join(hf["dir"].as_str().unwrap());
+    let base_dir = fixtures_dir().join(hf["derived_from"].as_str().unwrap());
+    let cfg = ModelConfig::load(&hf_dir).unwrap();
+    let n = cfg.text.num_hidden_layers;
+    let keys = Safetensors::load(hf_dir.join("model.safetensors")).unwrap().keys();
+    let has = |needle: &str| keys.iter().any(|k| k.contains(needle));
+    assert!(has(&format!("model.layers.{n}.eh_proj")) && has(".experts.0.gate_proj") && has("kv_b_proj"));
+    assert!(has("vision_tower."));
+    let a = load(&hf_dir, Dtype::F32);
+    let b = load(&base_dir, Dtype::F32);
+    let exp = expected(&base_dir);
+    let la = a.forward(&ids(&exp.prompt), None).unwrap().to_vec::<f32>().unwrap();
+    let lb = b.forward(&ids(&exp.prompt), None).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(la, lb, "Hugging Face-named and mlx-lm-saved checkpoints must give identical logits");
+    assert!(a.tensor_records().iter().all(|r| !r.path.contains(&format!("layers.{n}."))));
+}
