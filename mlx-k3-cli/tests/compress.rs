@@ -1296,3 +1296,62 @@ fn release_with_affine_modules_and_no_quantization_record_converts() {
     assert!(!ok && err.contains("'model.embed_tokens.scales' (3 scales a row)") && err.contains("64 inputs"), "{err}");
     assert!(!to.exists());
 }
+
+fn ds3_fixture(name: &str) -> PathBuf {
+    root().join("mlx-k3/tests/fixtures/deepseek_v3").join(name)
+}
+
+fn tensor_names(dir: &Path) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        let file = p.file_name().unwrap().to_string_lossy().into_owned();
+        if file.starts_with("model") && file.ends_with(".safetensors") {
+            names.extend(Safetensors::load(&p).unwrap().keys());
+        }
+    }
+    names
+}
+
+#[test]
+fn deepseek_v3_conversions_use_mlx_lm_names() {
+    // The Hugging Face-named kimi_k25 copy (per-expert tensors, kv_b_proj, an MTP layer, a vision tower)
+    // converted losslessly (float32) must come out under exactly the names mlx-lm's save_model wrote for the
+    // same model (c_kimi_k25), router bias under mlp.gate, and compute mlx-lm's logits (the bound of
+    // mlx-k3/tests/deepseek_v3.rs). A flat deepseek_v3 one converted to 8 bits keeps mlx-lm's unprefixed
+    // names and a float router (mlx-lm's MoEGate is not quantizable); its logits are compared with the float
+    // model's loosely (8-bit weights on a tiny random model: measured 9e-2 of the largest logit, mlx-lm's own
+    // logits on the same converted checkpoint agree with ours to 1e-5).
+    let tmp = tempfile::tempdir().unwrap();
+    let f32_recipe = write_recipe(tmp.path(), "f32.toml", "dtype = \"float32\"\n[default]\nformat = \"float\"\n");
+    let out = tmp.path().join("k25");
+    let from = ds3_fixture("c_kimi_k25_hf");
+    run_ok(&["convert", "--from", from.to_str().unwrap(), "--to", out.to_str().unwrap(), "--recipe", &f32_recipe]);
+    assert_eq!(tensor_names(&out), tensor_names(&ds3_fixture("c_kimi_k25")));
+    let st = Safetensors::load(ds3_fixture("c_kimi_k25").join("expected.safetensors")).unwrap();
+    let prompt = st.get("prompt").unwrap().to_vec::<i32>().unwrap();
+    let want = st.get("prefill_logits").unwrap().to_vec::<f32>().unwrap();
+    let e = rel(&logits(&load(&out), &prompt), &want);
+    assert!(e <= 1e-4, "lossless conversion: rel err {e} to mlx-lm");
+
+    let q8 = write_recipe(
+        tmp.path(),
+        "q8.toml",
+        "dtype = \"float32\"\n[default]\nformat = \"affine\"\nbits = 8\ngroup_size = 32\nfallback = { format = \"float\" }\n",
+    );
+    let out = tmp.path().join("q8");
+    let from = ds3_fixture("a_yarn_grouped");
+    run_ok(&["convert", "--from", from.to_str().unwrap(), "--to", out.to_str().unwrap(), "--recipe", &q8]);
+    let names = tensor_names(&out);
+    let base = tensor_names(&from);
+    assert!(base.iter().all(|n| names.contains(n)), "every mlx-lm name kept: {:?}", base.difference(&names));
+    assert!(names.contains("model.layers.1.mlp.gate.e_score_correction_bias"));
+    assert!(names.contains("model.layers.1.mlp.switch_mlp.gate_proj.scales"));
+    assert!(!names.iter().any(|n| n.starts_with("language_model.") || n == "model.layers.1.mlp.gate.scales"));
+    let st = Safetensors::load(from.join("expected.safetensors")).unwrap();
+    let prompt = st.get("prompt").unwrap().to_vec::<i32>().unwrap();
+    let want = st.get("prefill_logits").unwrap().to_vec::<f32>().unwrap();
+    let e = rel(&logits(&load(&out), &prompt), &want);
+    println!("deepseek_v3 8-bit conversion: rel err {e:.2e} to the float model");
+    assert!(e > 0.0 && e < 0.2, "8-bit conversion: rel err {e}");
+}

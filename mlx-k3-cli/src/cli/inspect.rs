@@ -79,8 +79,22 @@ pub(super) fn run(args: Args) -> Result<()> {
     }
     if kda < t.num_hidden_layers {
         let m = t.mla()?;
+        let rope = match &t.rope {
+            None => "NoPE".to_string(),
+            Some(r) => match &r.kind {
+                mlx_k3::model::deepseek_v3::RopeKind::Plain { base, scale } if *scale == 1.0 => {
+                    format!("RoPE base {base}")
+                }
+                mlx_k3::model::deepseek_v3::RopeKind::Plain { base, scale } => {
+                    format!("RoPE base {base}, scale {scale}")
+                }
+                mlx_k3::model::deepseek_v3::RopeKind::Yarn { mscale, .. } => {
+                    format!("YaRN RoPE, mscale {mscale}, softmax scale x{:.4}", r.softmax_scale_mult)
+                }
+            },
+        };
         println!(
-            "  MLA (NoPE): {} heads, q_lora {}, kv_lora {}, qk {}+{}, v {}, output gate {}",
+            "  MLA ({rope}): {} heads, q_lora {}, kv_lora {}, qk {}+{}, v {}, output gate {}",
             m.heads,
             m.q_lora_rank.map(|r| r.to_string()).unwrap_or_else(|| "none".into()),
             m.kv_lora_rank,
@@ -101,12 +115,19 @@ pub(super) fn run(args: Args) -> Result<()> {
             t.num_shared_experts
         );
     }
-    println!(
-        "  SiTU beta {}{}, attention residuals {}",
-        t.situ_beta(),
-        t.activation_situ_linear_beta.map(|b| format!(", linear beta {b}")).unwrap_or_default(),
-        t.attn_res_block_size.map(|b| format!("every {b} layers")).unwrap_or_else(|| "off".into())
-    );
+    match t.family {
+        mlx_k3::model::config::Family::DeepseekV3 => println!(
+            "  SwiGLU, routed scaling {}, {} top-k weights",
+            t.routed_scaling_factor,
+            if t.moe_renormalize { "normalized" } else { "unnormalized" }
+        ),
+        mlx_k3::model::config::Family::KimiK3 => println!(
+            "  SiTU beta {}{}, attention residuals {}",
+            t.situ_beta(),
+            t.activation_situ_linear_beta.map(|b| format!(", linear beta {b}")).unwrap_or_default(),
+            t.attn_res_block_size.map(|b| format!("every {b} layers")).unwrap_or_else(|| "off".into())
+        ),
+    }
 
     let mut classes: BTreeMap<TensorClass, (usize, u64, u64, BTreeMap<String, u64>)> = BTreeMap::new();
     for r in model.tensor_records() {

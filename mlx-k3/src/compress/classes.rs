@@ -1,7 +1,8 @@
 //! Tensor classes: which part of the model a tensor belongs to. The one classifier behind `inspect`'s and
 //! `plan`'s size tables, the recipes of `convert` (which format each class gets) and `eval`'s expert bytes.
 
-use crate::model::TextConfig;
+use crate::model::config::Family;
+use crate::model::{ModelConfig, TextConfig};
 
 /// The part of the model a tensor belongs to. The first ten are the quantizable classes a recipe names
 /// ([`TensorClass::QUANTIZABLE`]); the last three only appear in size tables.
@@ -160,10 +161,28 @@ pub fn classify_module(path: &str, cfg: &TextConfig) -> Option<TensorClass> {
     }
     match classify(path, cfg) {
         TensorClass::Router if !path.ends_with(".mlp.gate") => None,
+        // mlx-lm's deepseek_v3 router (`MoEGate`) is no quantizable module: a quantized one would not load there.
+        TensorClass::Router if cfg.family == Family::DeepseekV3 => None,
         TensorClass::DenseMlp if cfg.is_moe(layer) => None,
         TensorClass::AttnResiduals | TensorClass::Norms | TensorClass::Other | TensorClass::Embeddings => None,
         TensorClass::LmHead => None,
         c => Some(c),
+    }
+}
+
+/// The name a tool writes tensor `name` (a sanitized name, as the loader and [`classify`] use) under, so that
+/// mlx-lm loads the output: `language_model.` first for `kimi_k3` and `kimi_k25` (mlx-lm's nested text model),
+/// none for a flat `deepseek_v3`; and the DeepSeek-V3 family's router bias under `mlp.gate` as mlx-lm's
+/// `MoEGate` holds it (the loader reads it from either place).
+pub fn checkpoint_name(name: &str, config: &ModelConfig) -> String {
+    let name = match name.strip_suffix(".mlp.e_score_correction_bias") {
+        Some(stem) if config.text.family == Family::DeepseekV3 => format!("{stem}.mlp.gate.e_score_correction_bias"),
+        _ => name.to_string(),
+    };
+    if config.model_type == "deepseek_v3" {
+        name
+    } else {
+        format!("language_model.{name}")
     }
 }
 
