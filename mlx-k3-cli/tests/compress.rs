@@ -1354,4 +1354,42 @@ fn deepseek_v3_conversions_use_mlx_lm_names() {
     let e = rel(&logits(&load(&out), &prompt), &want);
     println!("deepseek_v3 8-bit conversion: rel err {e:.2e} to the float model");
     assert!(e > 0.0 && e < 0.2, "8-bit conversion: rel err {e}");
+
+    // Per-layer bits (Kimi K2.7 varies down_proj's): `[modules]` overrides the class's format for one path,
+    // recorded per path in config.json as mlx-lm records it; a path the checkpoint lacks is refused by name.
+    let per_layer = write_recipe(
+        tmp.path(),
+        "layers.toml",
+        "dtype = \"float32\"\n[default]\nformat = \"affine\"\nbits = 8\ngroup_size = 32\nfallback = { format = \"float\" }\n\
+         [modules]\n\"model.layers.1.mlp.switch_mlp.down_proj\" = { format = \"affine\", bits = 3, group_size = 32 }\n\
+         \"model.layers.0.mlp.down_proj\" = { format = \"affine\", bits = 6, group_size = 32 }\n",
+    );
+    let out = tmp.path().join("layers");
+    run_ok(&["convert", "--from", from.to_str().unwrap(), "--to", out.to_str().unwrap(), "--recipe", &per_layer]);
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let q = &config["quantization"];
+    assert_eq!(q["model.layers.1.mlp.switch_mlp.down_proj"]["bits"], 3, "{q}");
+    assert_eq!(q["model.layers.0.mlp.down_proj"]["bits"], 6, "{q}");
+    assert_eq!(q["model.layers.1.mlp.switch_mlp.up_proj"]["bits"], 8, "{q}");
+    let st = Safetensors::load(out.join("model-00002-of-00003.safetensors")).unwrap();
+    let packed = st.get("model.layers.1.mlp.switch_mlp.down_proj.weight").unwrap();
+    // [E, N, K * bits / 32]: 8 experts, 32 outputs, 32 inputs at 3 bits = 3 words.
+    assert_eq!(packed.shape(), vec![8, 32, 3]);
+    let e3 = rel(&logits(&load(&out), &prompt), &want);
+    assert!(e3.is_finite() && e3 < 0.5, "per-layer bits: rel err {e3}");
+    let bad = write_recipe(
+        tmp.path(),
+        "bad.toml",
+        "[default]\nformat = \"float\"\n[modules]\n\"model.layers.9.mlp.down_proj\" = { format = \"affine\", bits = 4 }\n",
+    );
+    let (ok, _, err) = run(&[
+        "convert",
+        "--from",
+        from.to_str().unwrap(),
+        "--to",
+        tmp.path().join("bad").to_str().unwrap(),
+        "--recipe",
+        &bad,
+    ]);
+    assert!(!ok && err.contains("modules.model.layers.9.mlp.down_proj"), "{err}");
 }

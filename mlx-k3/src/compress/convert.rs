@@ -235,6 +235,9 @@ fn fit(f: &Format, m: &Module, key: &str) -> Result<(Target, bool)> {
 /// Resolves a recipe format for one module, or explains why it cannot apply.
 fn resolve(recipe: &Recipe, m: &Module) -> Result<(Target, bool)> {
     let class = m.class.key();
+    if let Some(f) = recipe.modules.get(&m.path) {
+        return fit(f, m, &format!("modules.{}", m.path));
+    }
     match recipe.format(m.class) {
         Format::Tiered => {
             if m.class != TensorClass::RoutedExperts || m.shape.len() != 3 {
@@ -497,6 +500,14 @@ fn check(job: &ConvertJob) -> Result<(Source, Plan)> {
         for m in &u.modules {
             targets.insert(m.path.clone(), resolve(job.recipe, m)?);
         }
+    }
+    if let Some(p) = job.recipe.modules.keys().find(|p| !targets.contains_key(*p)) {
+        return Err(Error::invalid(
+            "recipe",
+            format!(
+                "modules.{p}: the checkpoint has no quantizable module '{p}' (names as mlx-lm's, no language_model.)"
+            ),
+        ));
     }
     let tiered = targets.values().any(|(t, _)| matches!(t, Target::Tiered { .. }));
     if tiered && job.calib.is_none() && job.profile.is_none() {
