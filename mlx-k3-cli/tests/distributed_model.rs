@@ -514,3 +514,48 @@ fn the_server_runs_over_two_ranks() {
     assert!(!status.success(), "rank 1 must exit non-zero: {err}");
     assert!(err.contains("mlx-k3: error:"), "rank 1 said: {err}");
 }
+
+/// A copy of the `deepseek_v3/a_yarn_grouped` fixture with a word-level `tokenizer.json` (token `i` is the
+/// word `w{i}`, no decoder: decoded tokens are concatenated), and (prompt text, mlx-lm's 32 greedy tokens as
+/// text). Each token's text starts with `w`, so the text determines the tokens.
+fn deepseek_v3_with_tokenizer(dir: &Path) -> (PathBuf, String, String) {
+    let src = fixture_dir("deepseek_v3/a_yarn_grouped");
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for f in ["config.json", "model.safetensors", "model.safetensors.index.json"] {
+        std::fs::copy(src.join(f), model.join(f)).unwrap();
+    }
+    let vocab: serde_json::Map<String, Value> = (0..128).map(|i| (format!("w{i}"), json!(i))).collect();
+    let tok = json!({"version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+                     "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null, "decoder": null,
+                     "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"}});
+    std::fs::write(model.join("tokenizer.json"), tok.to_string()).unwrap();
+    let f = fixture("deepseek_v3/a_yarn_grouped");
+    let prompt: Vec<String> = f.prompt.iter().map(|t| format!("w{t}")).collect();
+    let want: String = f.generated.iter().map(|t| format!("w{t}")).collect();
+    (model, prompt.join(" "), want)
+}
+
+#[test]
+fn deepseek_v3_generate_and_serve_give_mlx_lm_tokens() {
+    // `generate` on one rank and on two (expert + tensor parallel), and the server's completion, continue
+    // the fixture's prompt with mlx-lm's generate_step tokens (greedy, 32).
+    let dir = scratch("ds3-generate");
+    let (model, prompt, want) = deepseek_v3_with_tokenizer(&dir);
+    let args = strings(&["generate", "--model", &model.display().to_string(), "--prompt", &prompt, "--raw"]);
+    let args = [args, strings(&["--max-tokens", "32", "--dtype", "float32"])].concat();
+    let one = Command::new(bin()).args(&args).output().unwrap();
+    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
+    let out = String::from_utf8_lossy(&one.stdout).into_owned();
+    assert!(out.contains(&format!("{prompt}{want}")), "one rank printed {out:?}, mlx-lm's continuation {want:?}");
+
+    let two_args = [args.clone(), strings(&["--distributed", "ring", "--tp"])].concat();
+    let outs = wait_all(spawn_ranks(&dir, 2, &two_args), Duration::from_secs(120));
+    for (r, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r}: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    assert_eq!(String::from_utf8_lossy(&outs[0].stdout), out, "two ranks print what one rank prints");
+
+    let s = Server::start_with(&model, &[]);
+    assert_eq!(complete(&s, &prompt, 32), want, "the server's completion");
+}
