@@ -152,6 +152,27 @@ pub(super) fn run(args: Args) -> Result<()> {
         tn += n;
     }
     println!("{:<22} {tn:>7} {tp:>14} {:>12} {:>10.3}", "total", fmt_bytes(tb), tb as f64 * 8.0 / tp.max(1) as f64);
+    // Multi-token-prediction layers never reach the model (the loader drops them as mlx-lm's sanitize does);
+    // their size, from the headers.
+    let (mut mtp, mut mtp_bytes) = (0usize, 0u64);
+    for file in loader::weight_files(&args.dir)? {
+        let st = mlx_k3::io::Safetensors::load(&file)?;
+        for key in st.keys() {
+            let name = key.strip_prefix("language_model.").unwrap_or(&key);
+            if classify(name, t) == TensorClass::Mtp {
+                mtp += 1;
+                mtp_bytes += st.get(&key)?.nbytes() as u64;
+            }
+        }
+    }
+    if mtp > 0 {
+        println!(
+            "not loaded: {mtp} tensors ({}) of multi-token-prediction layers (model.layers.{}.* and later), \
+             dropped as mlx-lm drops them",
+            fmt_bytes(mtp_bytes),
+            t.num_hidden_layers
+        );
+    }
     if args.check {
         check_finite(&args.dir)?;
     }

@@ -34,6 +34,9 @@ pub enum TensorClass {
     Norms,
     /// Anything else.
     Other,
+    /// A multi-token-prediction layer (`model.layers.{n}.*` at or past `num_hidden_layers`, or `mtp.*`):
+    /// dropped at load, as mlx-lm's sanitize drops it, so it only appears where headers are read.
+    Mtp,
 }
 
 impl TensorClass {
@@ -67,6 +70,7 @@ impl TensorClass {
             TensorClass::AttnResiduals => "attention_residuals",
             TensorClass::Norms => "norms",
             TensorClass::Other => "other",
+            TensorClass::Mtp => "mtp",
         }
     }
 
@@ -86,6 +90,7 @@ impl TensorClass {
             TensorClass::AttnResiduals => "attention residuals",
             TensorClass::Norms => "norms",
             TensorClass::Other => "other",
+            TensorClass::Mtp => "MTP layer (not loaded)",
         }
     }
 
@@ -114,7 +119,12 @@ pub fn layer_of(name: &str) -> Option<usize> {
 /// The class of any tensor or module path (a module path such as `model.layers.3.mlp.switch_mlp.up_proj`, or
 /// a plain tensor's name such as `model.layers.3.input_layernorm.weight`).
 pub fn classify(path: &str, cfg: &TextConfig) -> TensorClass {
-    if path.contains("switch_mlp") {
+    if layer_of(path).is_some_and(|l| l >= cfg.num_hidden_layers)
+        || path.starts_with("mtp")
+        || path.starts_with("model.mtp")
+    {
+        TensorClass::Mtp
+    } else if path.contains("switch_mlp") {
         TensorClass::RoutedExperts
     } else if path.contains("shared_experts") {
         TensorClass::SharedExperts
@@ -165,6 +175,7 @@ pub fn classify_module(path: &str, cfg: &TextConfig) -> Option<TensorClass> {
         TensorClass::Router if cfg.family == Family::DeepseekV3 => None,
         TensorClass::DenseMlp if cfg.is_moe(layer) => None,
         TensorClass::AttnResiduals | TensorClass::Norms | TensorClass::Other | TensorClass::Embeddings => None,
+        TensorClass::Mtp => None,
         TensorClass::LmHead => None,
         c => Some(c),
     }
