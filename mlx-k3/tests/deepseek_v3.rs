@@ -286,3 +286,22 @@ fn hugging_face_names_and_mtp_layer_load_to_identical_logits() {
     assert_eq!(la, lb, "Hugging Face-named and mlx-lm-saved checkpoints must give identical logits");
     assert!(a.tensor_records().iter().all(|r| !r.path.contains(&format!("layers.{n}."))));
 }
+
+#[test]
+fn fp8_block_scales_are_refused_with_a_hint() {
+    // DeepSeek's original fp8 release stores `weight_scale_inv` beside each weight (mlx-lm dequantizes it in
+    // sanitize); mlx-k3 does not read it and must say what to do instead of loading a wrong model.
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixtures_dir().join("b_direct_q_plain_rope");
+    std::fs::copy(src.join("config.json"), tmp.path().join("config.json")).unwrap();
+    let st = Safetensors::load(src.join("model.safetensors")).unwrap();
+    let mut tensors: Vec<(String, Array)> = st.keys().into_iter().map(|k| (k.clone(), st.get(&k).unwrap())).collect();
+    let scale = Array::from_slice(&[1.0f32], &[1, 1]).unwrap();
+    tensors.push(("model.layers.0.self_attn.o_proj.weight_scale_inv".into(), scale));
+    let refs: Vec<(&str, &Array)> = tensors.iter().map(|(k, a)| (k.as_str(), a)).collect();
+    mlx_k3::io::save_safetensors(tmp.path().join("model.safetensors"), &refs, &[]).unwrap();
+    let e = KimiK3::load(tmp.path(), LoadOptions { dtype: Some(Dtype::F32), lazy: true, shard: None })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("o_proj.weight_scale_inv") && e.contains("mlx_lm.convert"), "{e}");
+}
