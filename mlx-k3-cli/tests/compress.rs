@@ -1393,3 +1393,49 @@ fn deepseek_v3_conversions_use_mlx_lm_names() {
     ]);
     assert!(!ok && err.contains("modules.model.layers.9.mlp.down_proj"), "{err}");
 }
+
+#[test]
+fn deepseek_v3_perplexity_equals_mlx_lm_logits() {
+    // `eval ppl` on one window (the fixture's prompt + greedy tokens, 28) against the perplexity computed
+    // here in f64 from mlx-lm's cache-less logits of the same sequence. The engine's logits are within ~1e-5
+    // of the largest logit (mlx-k3/tests/deepseek_v3.rs), which moves each log-probability by ~1e-4 at most;
+    // 1e-3 relative on the perplexity allows that with margin (measured 3e-7).
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = ds3_fixture("a_yarn_grouped");
+    let st = Safetensors::load(dir.join("expected.safetensors")).unwrap();
+    let prompt = st.get("prompt").unwrap().to_vec::<i32>().unwrap();
+    let fed = st.get("decode_tokens").unwrap().to_vec::<i32>().unwrap();
+    let seq: Vec<i32> = prompt.iter().chain(&fed).copied().collect();
+    let full = st.get("full_logits").unwrap();
+    let vocab = full.dim(-1).unwrap() as usize;
+    let full = full.to_vec::<f32>().unwrap();
+    let mut nll = 0f64;
+    for i in 0..seq.len() - 1 {
+        let row: Vec<f64> = full[i * vocab..(i + 1) * vocab].iter().map(|&v| v as f64).collect();
+        let m = row.iter().fold(f64::MIN, |a, &b| a.max(b));
+        let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        nll += lse - row[seq[i + 1] as usize];
+    }
+    let want = (nll / (seq.len() - 1) as f64).exp();
+    let data = tmp.path().join("tokens.safetensors");
+    let tokens = Array::from_slice(&seq, &[seq.len() as i32]).unwrap();
+    save_safetensors(&data, &[("tokens", &tokens)], &[]).unwrap();
+    let ctx = seq.len().to_string();
+    let out = run_ok(&[
+        "eval",
+        "ppl",
+        "--model",
+        dir.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--ctx",
+        &ctx,
+        "--windows",
+        "1",
+        "--json",
+        "--quiet",
+    ]);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let got = v["ppl"].as_f64().unwrap();
+    assert!((got - want).abs() <= 1e-3 * want, "ppl {got}, from mlx-lm's logits {want}");
+}
