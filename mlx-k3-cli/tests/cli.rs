@@ -168,6 +168,26 @@ fn inspect_summarizes_a_quantized_checkpoint() {
     assert!(stdout.lines().any(|l| l.starts_with("total")), "{stdout}");
 }
 
+#[test]
+fn inspect_summarizes_a_deepseek_v3_family_checkpoint() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/deepseek_v3");
+    let (ok, stdout, stderr) = mlx_k3(&["inspect", dir.join("a_yarn_grouped_mixed").to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains(": deepseek_v3") && stdout.contains("MLA (YaRN RoPE"), "{stdout}");
+    assert!(stdout.contains("SwiGLU, routed scaling 2.5"), "{stdout}");
+    // Per-layer down_proj bits: 6 in the dense layer 0, 3 in the routed experts of layer 1 (the fixture's
+    // mlx-lm quantization); the other expert projections 2-bit.
+    let experts = stdout.lines().find(|l| l.starts_with("routed experts")).expect("a routed experts row");
+    assert!(experts.contains("affine2/g32") && experts.contains("affine3/g32"), "{experts}");
+    let dense = stdout.lines().find(|l| l.starts_with("dense MLP")).expect("a dense MLP row");
+    assert!(dense.contains("affine6/g32"), "{dense}");
+    // The Hugging Face copy's MTP layer (model.layers.2.*, 43 tensors) is reported and not loaded.
+    let (ok, stdout, stderr) = mlx_k3(&["inspect", dir.join("c_kimi_k25_hf").to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains(": kimi_k25"), "{stdout}");
+    assert!(stdout.contains("not loaded: 43 tensors") && stdout.contains("model.layers.2.*"), "{stdout}");
+}
+
 /// A report piped into a reader that has gone (`mlx-k3 inspect DIR | head -0`) ends quietly: no panic
 /// message and backtrace from `println!` on a closed pipe.
 #[cfg(unix)]

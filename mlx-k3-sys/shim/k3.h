@@ -230,6 +230,9 @@ int k3_layer_norm(k3_array* res, const k3_array x, const k3_array weight, const 
                   const k3_stream s);
 int k3_rope(k3_array* res, const k3_array x, int dims, bool traditional, bool has_base, float base, float scale,
             int offset, const k3_stream s);
+/* RoPE with explicit inverse frequencies (dims / 2 of them) instead of a base (YaRN). */
+int k3_rope_freqs(k3_array* res, const k3_array x, int dims, bool traditional, float scale, int offset,
+                  const k3_array freqs, const k3_stream s);
 int k3_scaled_dot_product_attention(k3_array* res, const k3_array q, const k3_array k, const k3_array v,
                                     float scale, const char* mask_mode, const k3_array mask, const k3_array sinks,
                                     const k3_stream s);

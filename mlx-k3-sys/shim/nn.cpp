@@ -88,6 +88,11 @@ extern "C" int k3_rope(k3_array* res, const k3_array x, int dims, bool tradition
   })
 }
 
+extern "C" int k3_rope_freqs(k3_array* res, const k3_array x, int dims, bool traditional, float scale, int offset,
+                             const k3_array freqs, const k3_stream s) {
+  K3_TRY(put(res, mx::fast::rope(arr(x), dims, traditional, std::nullopt, scale, offset, arr(freqs), stream(s))))
+}
+
 extern "C" int k3_scaled_dot_product_attention(k3_array* res, const k3_array q, const k3_array k,
                                                const k3_array v, float scale, const char* mask_mode,
                                                const k3_array mask, const k3_array sinks, const k3_stream s) {

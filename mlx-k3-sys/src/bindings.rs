@@ -997,6 +997,18 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn k3_rope_freqs(
+        res: *mut k3_array,
+        x: k3_array,
+        dims: ::std::os::raw::c_int,
+        traditional: bool,
+        scale: f32,
+        offset: ::std::os::raw::c_int,
+        freqs: k3_array,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn k3_scaled_dot_product_attention(
         res: *mut k3_array,
         q: k3_array,

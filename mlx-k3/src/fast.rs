@@ -33,6 +33,17 @@ pub fn rope(x: &Array, dims: i32, traditional: bool, base: Option<f32>, scale: f
     })
 }
 
+/// Rotary position embedding with explicit frequencies `freqs [dims / 2]` (MLX's `freqs` argument: the
+/// per-pair wavelength factor that replaces `base^(2i/dims)`; YaRN computes its own), positions starting at `offset`.
+#[track_caller]
+pub fn rope_freqs(x: &Array, dims: i32, traditional: bool, scale: f32, offset: i32, freqs: &Array) -> Result<Array> {
+    let st = s();
+    // SAFETY: live handles in, new handle out.
+    Array::try_from_op("rope", |res| unsafe {
+        sys::k3_rope_freqs(res, x.as_raw(), dims, traditional, scale, offset, freqs.as_raw(), st)
+    })
+}
+
 /// The mask of [`scaled_dot_product_attention`].
 #[derive(Clone, Copy, Debug)]
 pub enum AttentionMask<'a> {

@@ -79,8 +79,22 @@ pub(super) fn run(args: Args) -> Result<()> {
     }
     if kda < t.num_hidden_layers {
         let m = t.mla()?;
+        let rope = match &t.rope {
+            None => "NoPE".to_string(),
+            Some(r) => match &r.kind {
+                mlx_k3::model::deepseek_v3::RopeKind::Plain { base, scale } if *scale == 1.0 => {
+                    format!("RoPE base {base}")
+                }
+                mlx_k3::model::deepseek_v3::RopeKind::Plain { base, scale } => {
+                    format!("RoPE base {base}, scale {scale}")
+                }
+                mlx_k3::model::deepseek_v3::RopeKind::Yarn { mscale, .. } => {
+                    format!("YaRN RoPE, mscale {mscale}, softmax scale x{:.4}", r.softmax_scale_mult)
+                }
+            },
+        };
         println!(
-            "  MLA (NoPE): {} heads, q_lora {}, kv_lora {}, qk {}+{}, v {}, output gate {}",
+            "  MLA ({rope}): {} heads, q_lora {}, kv_lora {}, qk {}+{}, v {}, output gate {}",
             m.heads,
             m.q_lora_rank.map(|r| r.to_string()).unwrap_or_else(|| "none".into()),
             m.kv_lora_rank,
@@ -101,12 +115,19 @@ pub(super) fn run(args: Args) -> Result<()> {
             t.num_shared_experts
         );
     }
-    println!(
-        "  SiTU beta {}{}, attention residuals {}",
-        t.situ_beta(),
-        t.activation_situ_linear_beta.map(|b| format!(", linear beta {b}")).unwrap_or_default(),
-        t.attn_res_block_size.map(|b| format!("every {b} layers")).unwrap_or_else(|| "off".into())
-    );
+    match t.family {
+        mlx_k3::model::config::Family::DeepseekV3 => println!(
+            "  SwiGLU, routed scaling {}, {} top-k weights",
+            t.routed_scaling_factor,
+            if t.moe_renormalize { "normalized" } else { "unnormalized" }
+        ),
+        mlx_k3::model::config::Family::KimiK3 => println!(
+            "  SiTU beta {}{}, attention residuals {}",
+            t.situ_beta(),
+            t.activation_situ_linear_beta.map(|b| format!(", linear beta {b}")).unwrap_or_default(),
+            t.attn_res_block_size.map(|b| format!("every {b} layers")).unwrap_or_else(|| "off".into())
+        ),
+    }
 
     let mut classes: BTreeMap<TensorClass, (usize, u64, u64, BTreeMap<String, u64>)> = BTreeMap::new();
     for r in model.tensor_records() {
@@ -131,6 +152,27 @@ pub(super) fn run(args: Args) -> Result<()> {
         tn += n;
     }
     println!("{:<22} {tn:>7} {tp:>14} {:>12} {:>10.3}", "total", fmt_bytes(tb), tb as f64 * 8.0 / tp.max(1) as f64);
+    // Multi-token-prediction layers never reach the model (the loader drops them as mlx-lm's sanitize does);
+    // their size, from the headers.
+    let (mut mtp, mut mtp_bytes) = (0usize, 0u64);
+    for file in loader::weight_files(&args.dir)? {
+        let st = mlx_k3::io::Safetensors::load(&file)?;
+        for key in st.keys() {
+            let name = key.strip_prefix("language_model.").unwrap_or(&key);
+            if classify(name, t) == TensorClass::Mtp {
+                mtp += 1;
+                mtp_bytes += st.get(&key)?.nbytes() as u64;
+            }
+        }
+    }
+    if mtp > 0 {
+        println!(
+            "not loaded: {mtp} tensors ({}) of multi-token-prediction layers (model.layers.{}.* and later), \
+             dropped as mlx-lm drops them",
+            fmt_bytes(mtp_bytes),
+            t.num_hidden_layers
+        );
+    }
     if args.check {
         check_finite(&args.dir)?;
     }

@@ -1,7 +1,8 @@
 //! Tensor classes: which part of the model a tensor belongs to. The one classifier behind `inspect`'s and
 //! `plan`'s size tables, the recipes of `convert` (which format each class gets) and `eval`'s expert bytes.
 
-use crate::model::TextConfig;
+use crate::model::config::Family;
+use crate::model::{ModelConfig, TextConfig};
 
 /// The part of the model a tensor belongs to. The first ten are the quantizable classes a recipe names
 /// ([`TensorClass::QUANTIZABLE`]); the last three only appear in size tables.
@@ -33,6 +34,9 @@ pub enum TensorClass {
     Norms,
     /// Anything else.
     Other,
+    /// A multi-token-prediction layer (`model.layers.{n}.*` at or past `num_hidden_layers`, or `mtp.*`):
+    /// dropped at load, as mlx-lm's sanitize drops it, so it only appears where headers are read.
+    Mtp,
 }
 
 impl TensorClass {
@@ -66,6 +70,7 @@ impl TensorClass {
             TensorClass::AttnResiduals => "attention_residuals",
             TensorClass::Norms => "norms",
             TensorClass::Other => "other",
+            TensorClass::Mtp => "mtp",
         }
     }
 
@@ -85,6 +90,7 @@ impl TensorClass {
             TensorClass::AttnResiduals => "attention residuals",
             TensorClass::Norms => "norms",
             TensorClass::Other => "other",
+            TensorClass::Mtp => "MTP layer (not loaded)",
         }
     }
 
@@ -113,7 +119,12 @@ pub fn layer_of(name: &str) -> Option<usize> {
 /// The class of any tensor or module path (a module path such as `model.layers.3.mlp.switch_mlp.up_proj`, or
 /// a plain tensor's name such as `model.layers.3.input_layernorm.weight`).
 pub fn classify(path: &str, cfg: &TextConfig) -> TensorClass {
-    if path.contains("switch_mlp") {
+    if layer_of(path).is_some_and(|l| l >= cfg.num_hidden_layers)
+        || path.starts_with("mtp")
+        || path.starts_with("model.mtp")
+    {
+        TensorClass::Mtp
+    } else if path.contains("switch_mlp") {
         TensorClass::RoutedExperts
     } else if path.contains("shared_experts") {
         TensorClass::SharedExperts
@@ -160,10 +171,29 @@ pub fn classify_module(path: &str, cfg: &TextConfig) -> Option<TensorClass> {
     }
     match classify(path, cfg) {
         TensorClass::Router if !path.ends_with(".mlp.gate") => None,
+        // mlx-lm's deepseek_v3 router (`MoEGate`) is no quantizable module: a quantized one would not load there.
+        TensorClass::Router if cfg.family == Family::DeepseekV3 => None,
         TensorClass::DenseMlp if cfg.is_moe(layer) => None,
         TensorClass::AttnResiduals | TensorClass::Norms | TensorClass::Other | TensorClass::Embeddings => None,
+        TensorClass::Mtp => None,
         TensorClass::LmHead => None,
         c => Some(c),
+    }
+}
+
+/// The name a tool writes tensor `name` (a sanitized name, as the loader and [`classify`] use) under, so that
+/// mlx-lm loads the output: `language_model.` first for `kimi_k3` and `kimi_k25` (mlx-lm's nested text model),
+/// none for a flat `deepseek_v3`; and the DeepSeek-V3 family's router bias under `mlp.gate` as mlx-lm's
+/// `MoEGate` holds it (the loader reads it from either place).
+pub fn checkpoint_name(name: &str, config: &ModelConfig) -> String {
+    let name = match name.strip_suffix(".mlp.e_score_correction_bias") {
+        Some(stem) if config.text.family == Family::DeepseekV3 => format!("{stem}.mlp.gate.e_score_correction_bias"),
+        _ => name.to_string(),
+    };
+    if config.model_type == "deepseek_v3" {
+        name
+    } else {
+        format!("language_model.{name}")
     }
 }
 

@@ -11,13 +11,14 @@ use serde_json::{json, Map, Value};
 
 use super::affine;
 use super::calib_stats::Calibration;
-use super::classes::TensorClass;
+use super::classes::{checkpoint_name, TensorClass};
 use super::progress::Progress;
 use super::promotion::{self, PromotionPlan};
 use super::recipe::{Format, Promote, Recipe};
 use super::source::{Module, Source, Unit};
 use super::store::{self, HostTensor, Output, Resume};
 use crate::codebook;
+use crate::model::ModelConfig;
 use crate::quant::{self, QuantMode, QuantSpec, Quantized};
 use crate::tiered::Tier;
 use crate::{Array, Dtype, Error, Result};
@@ -234,6 +235,9 @@ fn fit(f: &Format, m: &Module, key: &str) -> Result<(Target, bool)> {
 /// Resolves a recipe format for one module, or explains why it cannot apply.
 fn resolve(recipe: &Recipe, m: &Module) -> Result<(Target, bool)> {
     let class = m.class.key();
+    if let Some(f) = recipe.modules.get(&m.path) {
+        return fit(f, m, &format!("modules.{}", m.path));
+    }
     match recipe.format(m.class) {
         Format::Tiered => {
             if m.class != TensorClass::RoutedExperts || m.shape.len() != 3 {
@@ -496,6 +500,14 @@ fn check(job: &ConvertJob) -> Result<(Source, Plan)> {
         for m in &u.modules {
             targets.insert(m.path.clone(), resolve(job.recipe, m)?);
         }
+    }
+    if let Some(p) = job.recipe.modules.keys().find(|p| !targets.contains_key(*p)) {
+        return Err(Error::invalid(
+            "recipe",
+            format!(
+                "modules.{p}: the checkpoint has no quantizable module '{p}' (names as mlx-lm's, no language_model.)"
+            ),
+        ));
     }
     let tiered = targets.values().any(|(t, _)| matches!(t, Target::Tiered { .. }));
     if tiered && job.calib.is_none() && job.profile.is_none() {
@@ -834,14 +846,14 @@ fn convert_unit(
             entries.insert(m.path.clone(), e);
         }
         for (suffix, t) in enc.tensors {
-            tensors.push((format!("language_model.{}.{suffix}", m.path), t));
+            tensors.push((checkpoint_name(&format!("{}.{suffix}", m.path), &src.config), t));
         }
     }
     for name in &unit.plain {
         let a = src.plain(name)?;
         let a =
             if a.dtype().is_float() { a.astype(if keeps_f32(name) { Dtype::F32 } else { recipe.dtype })? } else { a };
-        tensors.push((format!("language_model.{name}"), HostTensor::from_array(&a)?));
+        tensors.push((checkpoint_name(name, &src.config), HostTensor::from_array(&a)?));
     }
     Ok((tensors, json!({"unit": unit.name, "modules": modules, "quantization": entries})))
 }
@@ -901,8 +913,9 @@ fn finish(job: &ConvertJob, out: Output, fingerprint: &str, tier_plan: Option<&P
         q.insert("group_size".into(), json!(default.group_size));
         q.insert("bits".into(), json!(default.bits));
         q.insert("mode".into(), json!(default.mode.name()));
+        let parsed = ModelConfig::parse(&text, &raw_path)?;
         for (k, v) in &per_path {
-            q.insert(format!("language_model.{k}"), v.clone());
+            q.insert(checkpoint_name(k, &parsed), v.clone());
         }
         let o = config.as_object_mut().ok_or_else(|| Error::invalid("convert", "config.json is not an object"))?;
         o.insert("quantization".into(), Value::Object(q.clone()));

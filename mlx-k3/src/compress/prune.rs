@@ -15,11 +15,13 @@ use std::path::Path;
 use serde_json::{json, Map, Value};
 
 use super::calib_stats::Calibration;
+use super::classes::checkpoint_name;
 use super::convert::{copy_side_files, shard_name};
 use super::progress::Progress;
 use super::promotion::top_experts;
 use super::source::{Module, Source, SourceFormat};
 use super::store::{self, HostTensor, Output, Resume};
+use crate::model::config::Family;
 use crate::{Array, Error, Result};
 
 /// A pruning run.
@@ -160,16 +162,22 @@ pub fn prune(job: &PruneJob) -> Result<Value> {
                     _ => src.module_tensors(m)?,
                 };
                 for (suffix, a) in parts {
-                    tensors.push((format!("language_model.{}.{suffix}", m.path), HostTensor::from_array(&a)?));
+                    tensors.push((
+                        checkpoint_name(&format!("{}.{suffix}", m.path), &src.config),
+                        HostTensor::from_array(&a)?,
+                    ));
                 }
             }
             for name in &unit.plain {
                 let a = src.plain(name)?;
+                // The DeepSeek-V3 family's router is a plain tensor (never quantized, see classify_module).
                 let a = match ids {
-                    Some(ids) if name.ends_with("e_score_correction_bias") => take_rows(&a, ids)?,
+                    Some(ids) if name.ends_with("e_score_correction_bias") || name.ends_with(".mlp.gate.weight") => {
+                        take_rows(&a, ids)?
+                    }
                     _ => a,
                 };
-                tensors.push((format!("language_model.{name}"), HostTensor::from_array(&a)?));
+                tensors.push((checkpoint_name(name, &src.config), HostTensor::from_array(&a)?));
             }
             out.write_unit(ui, &shard_name(ui, n_units), &tensors, json!({"unit": unit.name}))?;
             crate::memory::clear_cache();
@@ -199,7 +207,11 @@ pub fn prune(job: &PruneJob) -> Result<Value> {
         .map_err(|e| Error::Format { path: cfg_path.clone(), message: format!("not valid JSON: {e}") })?;
     let target = if config.get("text_config").is_some() { &mut config["text_config"] } else { &mut config };
     if let Some(o) = target.as_object_mut() {
-        o.insert("num_experts".into(), json!(job.keep));
+        let key = match src.config.text.family {
+            Family::KimiK3 => "num_experts",
+            Family::DeepseekV3 => "n_routed_experts",
+        };
+        o.insert(key.into(), json!(job.keep));
     }
     copy_side_files(job.model, &out)?;
     out.write_file("config.json", (serde_json::to_string_pretty(&config).unwrap_or_default() + "\n").as_bytes())?;

@@ -17,6 +17,8 @@
 //! format = "affine"
 //! bits = 8
 //! group_size = 64
+//! [modules]                           # per module path, over its class's format (e.g. per-layer bits)
+//! "model.layers.5.mlp.switch_mlp.down_proj" = { format = "affine", bits = 6, group_size = 32 }
 //! [clip_search]
 //! shrinks = [1.0, 0.95, 0.9, 0.85, 0.8, 0.75]
 //! importance = true                   # weight the squared error by calibration importance (--calib)
@@ -130,6 +132,9 @@ pub struct RecipeFile {
     /// Format per tensor class.
     #[serde(default)]
     pub classes: BTreeMap<String, FormatEntry>,
+    /// Format per module path (mlx-lm's names without `language_model.`), over its class's.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub modules: BTreeMap<String, FormatEntry>,
     /// The clip search.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clip_search: Option<ClipSearchEntry>,
@@ -212,6 +217,8 @@ pub struct Recipe {
     pub dtype: Dtype,
     /// Format per class (classes absent here are float).
     pub classes: BTreeMap<TensorClass, Format>,
+    /// Format per module path, over the class's (checked against the checkpoint by `convert`).
+    pub modules: BTreeMap<String, Format>,
     /// Shrinks (contains 1.0).
     pub shrinks: Vec<f32>,
     /// Weight the clip search by importance.
@@ -293,6 +300,17 @@ impl Recipe {
                 classes.insert(class, f.clone());
             }
         }
+        let mut modules = BTreeMap::new();
+        for (path, entry) in &file.modules {
+            let f = check_format(entry, &format!("modules.{path}"))?;
+            if f == Format::Tiered {
+                return Err(bad(format!("modules.{path}: format 'tiered' is only for classes.routed_experts")));
+            }
+            if matches!(f, Format::Codebook { .. }) && path.ends_with("embed_tokens") {
+                return Err(bad(format!("modules.{path}: embeddings cannot be codebook")));
+            }
+            modules.insert(path.clone(), f);
+        }
         let clip = file.clip_search.clone().unwrap_or(ClipSearchEntry { shrinks: default_shrinks(), importance: true });
         if !clip.shrinks.contains(&1.0) {
             return Err(bad("clip_search.shrinks: must include 1.0 (the min-max range)".into()));
@@ -312,6 +330,7 @@ impl Recipe {
         Ok(Recipe {
             dtype,
             classes,
+            modules,
             shrinks: clip.shrinks,
             clip_importance: clip.importance,
             codebook_importance: file.codebook.as_ref().map_or(true, |c| c.importance),

@@ -1,4 +1,6 @@
-//! `config.json` of a `kimi_k3` checkpoint, with mlx-lm's defaults (`TextArgs` in `kimi_k3.py`).
+//! `config.json` of a `kimi_k3` checkpoint, with mlx-lm's defaults (`TextArgs` in `kimi_k3.py`), or of the
+//! DeepSeek-V3 family (`deepseek_v3`, `kimi_k25`; parsed by [`super::deepseek_v3`] into the same
+//! [`TextConfig`], whose `family` says which graph variant runs).
 //!
 //! mlx-lm accepts the text config nested under `text_config` or flat at the top level, ignores unknown
 //! keys, and rejects activations other than SiTU, routers other than sigmoid and non-NoPE MLA. Errors here
@@ -70,6 +72,26 @@ fn d_one_f() -> f32 {
 }
 fn d_one() -> usize {
     1
+}
+
+/// Which model family a config describes: the shared blocks run in its variant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Family {
+    /// Kimi K3 (`kimi_k3`): KDA and NoPE MLA, SiTU, latent MoE, attention residuals.
+    #[default]
+    KimiK3,
+    /// DeepSeek-V3 / Kimi K2 / K2.5 (`deepseek_v3`, `kimi_k25`): MLA with decoupled RoPE, SwiGLU.
+    DeepseekV3,
+}
+
+impl Family {
+    /// The mlx-lm model file name of the family.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::KimiK3 => "kimi_k3",
+            Family::DeepseekV3 => "deepseek_v3",
+        }
+    }
 }
 
 /// The text model's hyper-parameters (mlx-lm's `TextArgs`, same names and defaults).
@@ -146,6 +168,13 @@ pub struct TextConfig {
     pub latent_moe_use_norm: bool,
     #[serde(default)]
     pub tie_word_embeddings: bool,
+    /// The family (not a config.json key: set from `model_type`).
+    #[serde(skip)]
+    pub family: Family,
+    /// The MLA rope slot's rotary embedding (None: NoPE, Kimi K3); set from the DeepSeek-V3 family's
+    /// `rope_theta` / `rope_scaling`.
+    #[serde(skip)]
+    pub rope: Option<super::deepseek_v3::RopeConfig>,
 }
 
 /// The MLA dimensions, present when the model has MLA layers.
@@ -219,33 +248,13 @@ impl TextConfig {
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &str, msg: String| Error::invalid("config", format!("{field}: {msg}"));
         self.validate_bounds()?;
-        if self.hidden_act != "situ" {
-            return Err(bad("hidden_act", format!("unsupported activation '{}' (only 'situ')", self.hidden_act)));
-        }
-        if self.moe_router_activation_func != "sigmoid" {
-            return Err(bad(
-                "moe_router_activation_func",
-                format!("unsupported router activation '{}' (only 'sigmoid')", self.moe_router_activation_func),
-            ));
-        }
-        if !self.mla_use_nope {
-            return Err(bad("mla_use_nope", "only NoPE MLA is supported (mla_use_nope = true)".into()));
-        }
-        let la = self
-            .linear_attn_config
-            .as_ref()
-            .ok_or_else(|| bad("linear_attn_config", "missing (it lists the KDA layers)".into()))?;
-        if la.num_heads == 0 || la.head_dim == 0 || la.short_conv_kernel_size < 1 {
-            return Err(bad(
-                "linear_attn_config",
-                "num_heads, head_dim and short_conv_kernel_size must be positive".into(),
-            ));
-        }
-        if let Some(l) = la.kda_layers.iter().find(|&&l| l == 0 || l > self.num_hidden_layers) {
-            return Err(bad(
-                "linear_attn_config.kda_layers",
-                format!("layer {l} is not in 1..={}", self.num_hidden_layers),
-            ));
+        match self.family {
+            Family::KimiK3 => self.validate_k3()?,
+            Family::DeepseekV3 => {
+                if self.rope.is_none() || self.linear_attn_config.is_some() || self.hidden_act != "silu" {
+                    return Err(bad("model_type", "a deepseek_v3 config has RoPE, no KDA layers and SwiGLU".into()));
+                }
+            }
         }
         if self.hidden_size == 0 || self.vocab_size == 0 || self.num_hidden_layers == 0 {
             return Err(bad("hidden_size", "hidden_size, vocab_size and num_hidden_layers must be positive".into()));
@@ -298,6 +307,39 @@ impl TextConfig {
 pub const MAX_LAYERS: usize = 1 << 16;
 
 impl TextConfig {
+    fn validate_k3(&self) -> Result<()> {
+        let bad = |field: &str, msg: String| Error::invalid("config", format!("{field}: {msg}"));
+        if self.hidden_act != "situ" {
+            return Err(bad("hidden_act", format!("unsupported activation '{}' (only 'situ')", self.hidden_act)));
+        }
+        if self.moe_router_activation_func != "sigmoid" {
+            return Err(bad(
+                "moe_router_activation_func",
+                format!("unsupported router activation '{}' (only 'sigmoid')", self.moe_router_activation_func),
+            ));
+        }
+        if !self.mla_use_nope {
+            return Err(bad("mla_use_nope", "only NoPE MLA is supported (mla_use_nope = true)".into()));
+        }
+        let la = self
+            .linear_attn_config
+            .as_ref()
+            .ok_or_else(|| bad("linear_attn_config", "missing (it lists the KDA layers)".into()))?;
+        if la.num_heads == 0 || la.head_dim == 0 || la.short_conv_kernel_size < 1 {
+            return Err(bad(
+                "linear_attn_config",
+                "num_heads, head_dim and short_conv_kernel_size must be positive".into(),
+            ));
+        }
+        if let Some(l) = la.kda_layers.iter().find(|&&l| l == 0 || l > self.num_hidden_layers) {
+            return Err(bad(
+                "linear_attn_config.kda_layers",
+                format!("layer {l} is not in 1..={}", self.num_hidden_layers),
+            ));
+        }
+        Ok(())
+    }
+
     fn validate_bounds(&self) -> Result<()> {
         let bad = |field: &str, msg: String| Err(Error::invalid("config", format!("{field}: {msg}")));
         if self.num_hidden_layers == 0 || self.num_hidden_layers > MAX_LAYERS {
@@ -437,10 +479,10 @@ impl QuantizationConfig {
     }
 }
 
-/// A parsed `config.json` of a `kimi_k3` checkpoint.
+/// A parsed `config.json` of a `kimi_k3`, `deepseek_v3` or `kimi_k25` checkpoint.
 #[derive(Clone, Debug)]
 pub struct ModelConfig {
-    /// `model_type` (always `kimi_k3`).
+    /// `model_type` (`kimi_k3`, `deepseek_v3` or `kimi_k25`; `text.family` tells the graph).
     pub model_type: String,
     /// The text model.
     pub text: TextConfig,
@@ -483,19 +525,38 @@ impl ModelConfig {
             Some(other) => return Err(fmt(format!("model_type: expected a string, found {other}"))),
             None => return Err(fmt("model_type: missing (expected \"kimi_k3\")".into())),
         };
-        if model_type != "kimi_k3" {
-            return Err(fmt(format!("model_type: '{model_type}' is not supported (expected \"kimi_k3\")")));
-        }
-        // mlx-lm: without `text_config` the whole object is the text config.
-        let (text_value, prefix) = match obj.get("text_config") {
-            Some(t) => (t.clone(), "text_config."),
-            None => (raw.clone(), ""),
+        let family = match model_type.as_str() {
+            "kimi_k3" => Family::KimiK3,
+            "deepseek_v3" | "kimi_k25" => Family::DeepseekV3,
+            _ => {
+                let known = "\"kimi_k3\", \"deepseek_v3\" or \"kimi_k25\"";
+                return Err(fmt(format!("model_type: '{model_type}' is not supported (expected {known})")));
+            }
         };
-        let mut text: TextConfig = serde_path_to_error::deserialize(text_value).map_err(|e| {
+        // mlx-lm: kimi_k3 takes the text config nested under `text_config` or the whole object; kimi_k25
+        // requires `text_config`; deepseek_v3 is flat.
+        let (text_value, prefix) = match (model_type.as_str(), obj.get("text_config")) {
+            ("deepseek_v3", _) => (raw.clone(), ""),
+            ("kimi_k25", None) => {
+                return Err(fmt("text_config: missing (a kimi_k25 config nests its text model)".into()))
+            }
+            (_, Some(t)) => (t.clone(), "text_config."),
+            (_, None) => (raw.clone(), ""),
+        };
+        let de_err = |e: serde_path_to_error::Error<serde_json::Error>| {
             let field = e.path().to_string();
             let field = if field == "." { String::from("(top level)") } else { format!("{prefix}{field}") };
             fmt(format!("{field}: {}", e.inner()))
-        })?;
+        };
+        let mut text: TextConfig = match family {
+            Family::KimiK3 => serde_path_to_error::deserialize(text_value).map_err(de_err)?,
+            Family::DeepseekV3 => {
+                let args: super::deepseek_v3::DeepseekV3Args =
+                    serde_path_to_error::deserialize(text_value).map_err(de_err)?;
+                super::deepseek_v3::text_config(args)
+                    .map_err(|e| fmt(format!("{prefix}{}", e.to_string().trim_start_matches("[config] "))))?
+            }
+        };
         if let Some(c) = text.linear_attn_config.as_mut() {
             // Sorted so that `is_kda` is a binary search: checking every layer against the list stays cheap
             // however long both are.

@@ -553,7 +553,25 @@ pub fn sanitize(w: &mut RawWeights, cfg: &TextConfig, expert_range: Option<Range
                     w.rename(&format!("{src}.{name}.{suffix}"), format!("{dst}.{name}.{suffix}"));
                 }
             }
-            for b in [format!("{src}.gate.e_score_correction_bias"), format!("{src}.e_score_correction_bias")] {
+            if cfg.family == super::config::Family::DeepseekV3 {
+                // Hugging Face DeepSeek-V3 names: per-expert `mlp.experts.{e}.{gate,up,down}_proj`.
+                for name in ["gate_proj", "down_proj", "up_proj"] {
+                    for suffix in ["weight", "scales", "biases"] {
+                        if let Some(a) = w.stack_experts(&dst, experts, &erange, &format!("{name}.{suffix}"))? {
+                            let from = format!("{dst}.experts.0.{name}.{suffix}");
+                            w.put(format!("{dst}.switch_mlp.{name}.{suffix}"), a, &from);
+                            if expert_range.is_some() {
+                                w.presliced.insert(format!("{dst}.switch_mlp.{name}.{suffix}"), erange.clone());
+                            }
+                        }
+                    }
+                }
+            }
+            for b in [
+                format!("{src}.gate.e_score_correction_bias"),
+                format!("{src}.e_score_correction_bias"),
+                format!("{dst}.gate.e_score_correction_bias"),
+            ] {
                 w.rename(&b, format!("{dst}.e_score_correction_bias"));
             }
         }

@@ -1,13 +1,17 @@
-//! Multi-head Latent Attention, NoPE variant (docs/formats.md#mla-nope-variant; mlx-lm `KimiK3MLAAttention`).
+//! Multi-head Latent Attention (docs/formats.md#mla-nope-variant; mlx-lm `KimiK3MLAAttention`, and
+//! `DeepseekV3Attention` for the DeepSeek-V3 family).
 //!
-//! Keys and values live in a normalized latent `c` of rank r shared by all heads; the "rope" slot carries
-//! no rotation, only an extra dot product `τ·q^R·k^R` added to the scores as an additive mask. Prefill
+//! Keys and values live in a normalized latent `c` of rank r shared by all heads; the "rope" slot is an
+//! extra dot product `τ·q^R·k^R` added to the scores as an additive mask. Kimi K3 (NoPE) rotates nothing
+//! there; the DeepSeek-V3 family rotates `q^R` and `k^R` by their positions first (decoupled RoPE, YaRN as
+//! configured, with YaRN's mscale correction in `τ`). Prefill
 //! expands the latent into per-head keys/values (`embed_q` with transpose=false, `unembed_out`); one-token
 //! decode absorbs `embed_q` into the query and attends over the latents directly, then applies
 //! `unembed_out` to the result.
 
 use super::cache::KvCache;
 use super::config::TextConfig;
+use super::deepseek_v3::Rope;
 use super::linear::{Linear, MultiLinear, RmsNorm};
 use super::shard::{Comm, Part, Shard};
 use super::weights::WeightStore;
@@ -35,6 +39,8 @@ pub struct Mla {
     unembed_out: MultiLinear,
     o_proj: Linear,
     g_proj: Option<Linear>,
+    /// The rope slot's rotation (DeepSeek-V3 family); None: NoPE.
+    rope: Option<Rope>,
     /// Heads split over ranks (tensor parallel): o_proj gives a partial sum.
     tp: bool,
 }
@@ -97,7 +103,11 @@ impl Mla {
             qk_nope: m.qk_nope as i32,
             qk_rope: m.qk_rope as i32,
             kv_lora: m.kv_lora_rank as i32,
-            scale: (qhd as f32).powf(-0.5),
+            // DeepseekV3Attention: q_head_dim^-0.5 times YaRN's all-dim mscale squared (in f64, as Python).
+            scale: match &cfg.rope {
+                None => (qhd as f32).powf(-0.5),
+                Some(r) => ((qhd as f64).powf(-0.5) * r.softmax_scale_mult) as f32,
+            },
             q,
             kv_a: Linear::load(ws, &p_("kv_a_proj_with_mqa"), hidden, m.kv_lora_rank + m.qk_rope)?,
             kv_a_norm: RmsNorm::load(ws, &p_("kv_a_layernorm"), m.kv_lora_rank, 1e-6)?,
@@ -116,6 +126,7 @@ impl Mla {
             } else {
                 None
             },
+            rope: cfg.rope.as_ref().map(Rope::new).transpose()?,
             tp,
         })
     }
@@ -162,6 +173,13 @@ impl Mla {
         let k_pe = ckv.slice_axis(-1, self.kv_lora, self.kv_lora + self.qk_rope)?;
         let k_pe = k_pe.reshape(&[b, l, 1, self.qk_rope])?.transpose(&[0, 2, 1, 3])?;
         let latent = self.kv_a_norm.forward(&latent)?.expand_dims(&[1])?;
+        let (q_pe, k_pe) = match &self.rope {
+            Some(r) => {
+                let offset = cache.as_ref().map_or(0, |c| c.offset()) as i32;
+                (r.apply(&q_pe, offset)?, r.apply(&k_pe, offset)?)
+            }
+            None => (q_pe, k_pe),
+        };
         let (latent, k_pe) = match cache {
             Some(c) => c.update_and_fetch(&latent, &k_pe)?,
             None => (latent, k_pe),

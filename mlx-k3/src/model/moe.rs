@@ -1,7 +1,7 @@
 //! Feed-forward blocks: the dense SiTU MLP and the latent sparse MoE (docs/formats.md#moe-router to #situ; mlx-lm
 //! `KimiK3MLP`, `KimiK3SparseMoE`, `_group_expert_select`, `SwitchGLU`).
 
-use super::config::TextConfig;
+use super::config::{Family, TextConfig};
 use std::ops::Range;
 
 use super::linear::{Linear, RmsNorm, SwitchLinear};
@@ -11,7 +11,7 @@ use crate::kernels::{self, situ};
 use crate::quant::{QuantSpec, Quantized};
 use crate::{Array, Dtype, Result};
 
-/// `down(SiTU(up(x), gate(x)))`.
+/// `down(SiTU(up(x), gate(x)))`, or `down(silu(gate(x)) * up(x))` (SwiGLU) for the DeepSeek-V3 family.
 #[derive(Debug)]
 pub struct Mlp {
     gate: Linear,
@@ -19,6 +19,8 @@ pub struct Mlp {
     down: Linear,
     beta: f32,
     linear_beta: Option<f32>,
+    /// SwiGLU instead of SiTU.
+    swiglu: bool,
     /// Holds a slice of the intermediate units only: `forward` gives a partial sum.
     pub split: bool,
     /// gate and up for the fused gate/up + SiTU kernel, when both are MLX-quantized alike.
@@ -82,7 +84,9 @@ impl Mlp {
         };
         let gate = Linear::load_part(ws, &format!("{prefix}.gate_proj"), d, intermediate, &rows)?;
         let up = Linear::load_part(ws, &format!("{prefix}.up_proj"), d, intermediate, &rows)?;
-        let fused = FusedGateUp::new(&gate, &up)?;
+        let swiglu = cfg.family == Family::DeepseekV3;
+        // The fused gate/up kernel computes SiTU only.
+        let fused = if swiglu { None } else { FusedGateUp::new(&gate, &up)? };
         if let Some(f) = &fused {
             ws.materialize_with(
                 [&f.gate, &f.up]
@@ -96,6 +100,7 @@ impl Mlp {
             down: Linear::load_part(ws, &format!("{prefix}.down_proj"), intermediate, d, &cols)?,
             beta: cfg.situ_beta(),
             linear_beta: cfg.activation_situ_linear_beta,
+            swiglu,
             split: units.is_some(),
             fused,
         })
@@ -115,6 +120,7 @@ impl Mlp {
                 let act = kernels::Situ { beta: self.beta, linear_beta: self.linear_beta };
                 kernels::gather_gate_up_situ(x, &f.gate, &f.up, f.spec, None, &f.expert, act)?
             }
+            _ if self.swiglu => self.gate.forward(x)?.silu()?.multiply(&self.up.forward(x)?)?,
             _ => situ(&self.up.forward(x)?, &self.gate.forward(x)?, self.beta, self.linear_beta)?,
         };
         self.down.forward(&h)
@@ -137,7 +143,8 @@ fn route_fused(logits: &Array, bias: &Array, p: RouterParams) -> Result<(Array, 
     Ok((r.indices, r.weights))
 }
 
-/// Experts as one SwiGLU-shaped stack with SiTU (mlx-lm `SwitchGLU`).
+/// Experts as one SwiGLU-shaped stack with SiTU, or SwiGLU itself for the DeepSeek-V3 family (mlx-lm
+/// `SwitchGLU`).
 #[derive(Debug)]
 pub struct SwitchGlu {
     gate: SwitchLinear,
@@ -145,6 +152,7 @@ pub struct SwitchGlu {
     down: SwitchLinear,
     beta: f32,
     linear_beta: Option<f32>,
+    swiglu: bool,
 }
 
 impl SwitchGlu {
@@ -167,8 +175,13 @@ impl SwitchGlu {
             (x, indices.clone(), None)
         };
         let act = kernels::Situ { beta: self.beta, linear_beta: self.linear_beta };
-        let h = match SwitchLinear::gate_up_situ(&self.gate, &self.up, &xs, &idx, act)? {
+        let fused = if self.swiglu { None } else { SwitchLinear::gate_up_situ(&self.gate, &self.up, &xs, &idx, act)? };
+        let h = match fused {
             Some(h) => h,
+            None if self.swiglu => {
+                let up = self.up.forward(&xs, &idx, do_sort)?;
+                self.gate.forward(&xs, &idx, do_sort)?.silu()?.multiply(&up)?
+            }
             None => {
                 let up = self.up.forward(&xs, &idx, do_sort)?;
                 let gate = self.gate.forward(&xs, &idx, do_sort)?;
@@ -254,6 +267,7 @@ impl SparseMoe {
                 down: sw(ws, "switch_mlp.down_proj", inter, ed)?,
                 beta: cfg.situ_beta(),
                 linear_beta: cfg.activation_situ_linear_beta,
+                swiglu: cfg.family == Family::DeepseekV3,
             },
             latent_down: latent.map(|l| Linear::load(ws, &p_("routed_expert_down_proj"), d, l)).transpose()?,
             latent_up: latent.map(|l| Linear::load(ws, &p_("routed_expert_up_proj"), l, d)).transpose()?,

@@ -666,10 +666,19 @@ impl WeightStore {
             return Ok(self.records);
         }
         let names: Vec<&String> = self.tensors.keys().take(8).collect();
+        // DeepSeek's original releases: fp8 weights with block scales, or compressed-tensors int4. mlx-lm
+        // dequantizes or repacks them in its sanitize; mlx-k3 reads its output instead.
+        let hint = match self.tensors.keys().find(|k| k.ends_with("weight_scale_inv") || k.ends_with("weight_shape")) {
+            Some(k) => format!(
+                "; '{k}' is part of an fp8 block-scaled or compressed-tensors int4 weight, which mlx-k3 does not \
+                 read: convert the checkpoint with mlx_lm.convert first"
+            ),
+            None => String::new(),
+        };
         Err(Error::Format {
             path: self.dir,
             message: format!(
-                "{} tensor(s) do not belong to this model (config and weights disagree): {names:?}{}",
+                "{} tensor(s) do not belong to this model (config and weights disagree): {names:?}{}{hint}",
                 self.tensors.len(),
                 if self.tensors.len() > 8 { " ..." } else { "" }
             ),
