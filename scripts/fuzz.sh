@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the fuzz targets of fuzz/ with stable Rust and runs each for a fixed time on a scratch copy of its
-# seed corpus (fuzz/corpus/<target>); fails on any crash, panic, failed assertion, leak-free timeout or
+# seed corpus (fuzz/corpus/<target>); fails on any crash, panic, failed assertion, hang (10 s) or
 # out-of-memory, leaving the input under fuzz/artifacts/<target>/. Prints executions and coverage per target.
 #
 #   scripts/fuzz.sh                      # every target, 60 s each (what .ci/run does)
@@ -13,7 +13,7 @@
 # 8-bit counters, PC table, compare tracing, stack depth), `--cfg fuzzing`, no branch folding, debug
 # assertions; overflow checks come from fuzz/Cargo.toml's release profile. Build scripts and proc macros are
 # not instrumented (`--target` keeps RUSTFLAGS off them). One difference: cargo-fuzz forces
-# `-Ccodegen-units=1` in release; this script keeps cargo's default to build in half the time on CI's two
+# `-Ccodegen-units=1` in release; this script keeps cargo's default, which builds faster on CI's two
 # cores (FUZZ_CODEGEN_UNITS=1 gives cargo-fuzz's setting).
 set -euo pipefail
 cd "$(dirname "$0")/.."
