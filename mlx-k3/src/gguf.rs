@@ -46,6 +46,8 @@ pub struct GgufFile {
 struct Cursor<'a, R: Read> {
     r: R,
     pos: u64,
+    /// The file's length: no field may claim more bytes than remain.
+    size: u64,
     path: &'a Path,
 }
 
@@ -56,6 +58,11 @@ impl<R: Read> Cursor<'_, R> {
     fn bytes(&mut self, n: u64) -> Result<Vec<u8>> {
         if n > 1 << 30 {
             return Err(self.err(format!("corrupt: a field claims {n} bytes")));
+        }
+        // Checked before the buffer is allocated: a 40-byte file claiming a 1 GiB string costs nothing.
+        let left = self.size.saturating_sub(self.pos);
+        if n > left {
+            return Err(self.err(format!("truncated: a field claims {n} bytes, {left} remain in the file")));
         }
         let mut b = vec![0u8; n as usize];
         self.r.read_exact(&mut b).map_err(|_| self.err("truncated"))?;
@@ -135,7 +142,7 @@ impl GgufFile {
     }
 
     fn parse(r: impl Read, size: u64, path: &Path) -> Result<GgufFile> {
-        let mut c = Cursor { r, pos: 0, path };
+        let mut c = Cursor { r, pos: 0, size, path };
         if c.bytes(4).map_err(|_| c.err("not a GGUF file (too short)"))? != b"GGUF" {
             return Err(c.err("not a GGUF file (bad magic)"));
         }

@@ -2,9 +2,37 @@
 //! overflow or lie are errors naming the file and the tensor, never a panic ("capacity overflow") or a
 //! silent wrap; truncations and byte flips of real files never panic.
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use mlx_k3::gguf::{GgufFile, GGML_TYPE_F32, GGML_TYPE_IQ1_S};
+
+/// The system allocator, remembering the largest single allocation (to show that a header's sizes are
+/// checked against the file before anything is allocated for them).
+struct LargestAlloc(AtomicUsize);
+
+// SAFETY: every call is forwarded to `System` unchanged; only the sizes are recorded.
+unsafe impl GlobalAlloc for LargestAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        self.0.fetch_max(layout.size(), Ordering::Relaxed);
+        System.alloc(layout)
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        self.0.fetch_max(layout.size(), Ordering::Relaxed);
+        System.alloc_zeroed(layout)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        self.0.fetch_max(new_size, Ordering::Relaxed);
+        System.realloc(ptr, layout, new_size)
+    }
+}
+
+#[global_allocator]
+static ALLOC: LargestAlloc = LargestAlloc(AtomicUsize::new(0));
 
 /// A GGUF v3 file: `u32` metadata entries, tensors (name, dims, type, offset), data after 32-byte alignment.
 fn gguf(kv: &[(&str, u32)], tensors: &[(&str, &[u64], u32, u64)], data: &[u8]) -> Vec<u8> {
@@ -137,4 +165,33 @@ fn truncated_and_mutated_files_never_panic() {
         }
         read_all(b);
     }
+}
+
+#[test]
+fn a_string_longer_than_the_file_is_refused_before_it_is_allocated() {
+    // Found by the `gguf` fuzz target: a metadata key or string value claiming up to 1 GiB was allocated
+    // (zeroed) before the read found the file too short; a 600-byte file cost 16 MiB, a 40-byte one 1 GiB.
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend(0u64.to_le_bytes());
+    b.extend(1u64.to_le_bytes());
+    b.extend(((1u64 << 30) - 1).to_le_bytes());
+    b.extend(b"general.name");
+    // Other tests run in parallel threads; their allocations are far below this test's threshold.
+    let e = GgufFile::from_bytes(b.clone(), "/x/short.gguf").unwrap_err().to_string();
+    assert!(e.contains("short.gguf") && e.contains("truncated"), "{e}");
+    let largest = ALLOC.0.load(Ordering::Relaxed);
+    assert!(largest < 64 << 20, "{largest} bytes allocated for a {}-byte file", b.len());
+    // A string value too, not only a key.
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend(0u64.to_le_bytes());
+    b.extend(1u64.to_le_bytes());
+    b.extend(4u64.to_le_bytes());
+    b.extend(b"name");
+    b.extend(8u32.to_le_bytes());
+    b.extend(((1u64 << 30) - 1).to_le_bytes());
+    let e = GgufFile::from_bytes(b, "/x/short.gguf").unwrap_err().to_string();
+    assert!(e.contains("truncated"), "{e}");
+    assert!(ALLOC.0.load(Ordering::Relaxed) < 64 << 20);
 }

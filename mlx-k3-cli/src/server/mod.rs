@@ -33,12 +33,12 @@ pub mod error;
 pub mod generation;
 mod limits;
 mod metrics;
-mod openai;
-mod prompt;
+pub(crate) mod openai;
+pub(crate) mod prompt;
 mod sampling;
 pub mod split;
 mod stream;
-mod web_chat;
+pub(crate) mod web_chat;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

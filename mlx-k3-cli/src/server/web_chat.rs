@@ -1,4 +1,4 @@
-//! Card 000's web chat endpoint. `POST /api/chat` takes `{messages, session, max_tokens, temperature,
+//! The web chat's endpoint. `POST /api/chat` takes `{messages, session, max_tokens, temperature,
 //! thinking_effort}` (plus optional `top_p`, `seed`) and answers with named SSE events:
 //!
 //! | event | data |
@@ -37,8 +37,8 @@ use super::split::{Delta, ReplySplitter};
 use super::stream::{sse, StreamFormat};
 use super::{Owner, State};
 use crate::engine::{Event, Request};
-use mlx_k3::chat::{ChatMessage, ChatOptions};
-use mlx_k3::generate::FinishReason;
+use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
+use mlx_k3::generate::{FinishReason, GenerateOptions};
 
 /// Default new tokens per turn when the request gives none.
 const DEFAULT_MAX_TOKENS: usize = 1024;
@@ -75,7 +75,20 @@ pub async fn chat(
     }
 }
 
-async fn run(state: State, owner: Owner, req: WebChatRequest) -> Result<Response, ApiError> {
+/// A web chat request checked field by field: everything the handler needs before it tokenizes the prompt.
+pub struct CheckedWebChat {
+    /// The messages.
+    pub messages: Vec<ChatMessage>,
+    /// Thinking effort.
+    pub thinking: ThinkingEffort,
+    /// Generation options.
+    pub options: GenerateOptions,
+    /// The session id: the request's, or a new one.
+    pub session: String,
+}
+
+/// Checks a parsed request: every bad field is a 400 naming it. Pure, so the fuzz targets run it.
+pub fn check(req: WebChatRequest) -> Result<CheckedWebChat, ApiError> {
     if req.messages.is_empty() {
         return Err(ApiError::bad_param("messages", "messages must not be empty"));
     }
@@ -102,6 +115,11 @@ async fn run(state: State, owner: Owner, req: WebChatRequest) -> Result<Response
         Some(s) => s,
         None => new_session_id(),
     };
+    Ok(CheckedWebChat { messages, thinking, options, session })
+}
+
+async fn run(state: State, owner: Owner, req: WebChatRequest) -> Result<Response, ApiError> {
+    let CheckedWebChat { messages, thinking, options, session } = check(req)?;
     let prompt = prompt::encode(
         &state,
         Prompt::Chat { messages, tools: None, options: ChatOptions::thinking(thinking) },

@@ -20,7 +20,7 @@ use crate::server::split::{Delta, ReplySplitter};
 use crate::server::stream::{sse, StreamFormat};
 use crate::server::{Owner, State};
 use mlx_k3::chat::{ChatMessage, ChatOptions, FunctionCall, ParsedOutput, ToolCall};
-use mlx_k3::generate::{FinishReason, TextGeneration};
+use mlx_k3::generate::{FinishReason, GenerateOptions, TextGeneration};
 
 /// The request body.
 #[derive(Deserialize)]
@@ -123,11 +123,31 @@ pub async fn chat_completions(
     }
 }
 
-async fn run(state: State, owner: Owner, req: ChatRequest) -> Result<Response, ApiError> {
+/// A chat request checked field by field: everything the handler needs before it tokenizes the prompt.
+pub struct CheckedChat {
+    /// The messages as the chat encoding takes them.
+    pub messages: Vec<ChatMessage>,
+    /// The tool definitions (none when the list is empty).
+    pub tools: Option<Value>,
+    /// Thinking, tool_choice and response_format for the chat encoding.
+    pub chat: ChatOptions,
+    /// Generation options (no `max_tokens`: as many as the context allows).
+    pub options: GenerateOptions,
+    /// The session id, if the request names one.
+    pub session: Option<String>,
+    /// Whether the reply is streamed.
+    pub stream: bool,
+    /// Whether a stream ends with a usage chunk.
+    pub include_usage: bool,
+}
+
+/// Checks a parsed request for a checkpoint whose chat encoding is `chat_format` (the
+/// [`mlx_k3::chat::ChatFormat`] name): every bad field is a 400 naming it. Pure, so the fuzz targets run it.
+pub fn check(req: ChatRequest, chat_format: &str) -> Result<CheckedChat, ApiError> {
     only_default("n", req.n.unwrap_or(1) == 1, "only n = 1 is supported")?;
     only_default("logprobs", req.logprobs != Some(true), "log-probabilities are not returned by this server")?;
     only_default("top_logprobs", req.top_logprobs.is_none(), "log-probabilities are not returned by this server")?;
-    let response_format = check_response_format(req.response_format, state.engine.info().chat_format)?;
+    let response_format = check_response_format(req.response_format, chat_format)?;
     let messages = convert_messages(req.messages)?;
     let tools = check_tools(req.tools)?;
     let thinking = thinking_effort(req.thinking_effort.as_deref(), req.reasoning_effort.as_deref())?;
@@ -148,6 +168,14 @@ async fn run(state: State, owner: Owner, req: ChatRequest) -> Result<Response, A
     // No max_tokens: as many as the context allows (the engine stops there).
     let options = sampling.options(usize::MAX)?;
     let session = check_session(req.session)?;
+    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+    Ok(CheckedChat { messages, tools, chat, options, session, stream: req.stream, include_usage })
+}
+
+async fn run(state: State, owner: Owner, req: ChatRequest) -> Result<Response, ApiError> {
+    let CheckedChat { messages, tools, chat, options, session, stream, include_usage } =
+        check(req, state.engine.info().chat_format)?;
+    let thinking = chat.thinking;
     let prompt = prompt::encode(&state, Prompt::Chat { messages, tools, options: chat }, "messages").await?;
     let mut request = Request::new(prompt.ids, prompt.chat, options);
     request.session = session.map(|s| owner.session(&s));
@@ -158,8 +186,7 @@ async fn run(state: State, owner: Owner, req: ChatRequest) -> Result<Response, A
     let id = response_id("chatcmpl");
     let (model, created) = (info.id.clone(), now_secs());
     let starts_in_thinking = info.starts_in_thinking && thinking.thinking();
-    if req.stream {
-        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+    if stream {
         let format = ChatStream { id, model, created, include_usage, splitter: ReplySplitter::new(starts_in_thinking) };
         let first = vec![format.chunk(json!({"role": "assistant", "content": ""}), None, None)];
         return Ok(sse(generation, format, first).into_response());

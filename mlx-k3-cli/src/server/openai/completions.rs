@@ -15,6 +15,7 @@ use crate::server::prompt::{self, Prompt};
 use crate::server::sampling::{check_session, now_secs, response_id, Sampling, Stop};
 use crate::server::stream::{sse, StreamFormat};
 use crate::server::{Owner, State};
+use mlx_k3::generate::GenerateOptions;
 
 /// OpenAI's default `max_tokens` for completions.
 const DEFAULT_MAX_TOKENS: usize = 16;
@@ -98,7 +99,22 @@ fn prompt_of(v: Value) -> Result<Prompt, ApiError> {
     Ok(prompt)
 }
 
-async fn run(state: State, owner: Owner, req: CompletionRequest) -> Result<Response, ApiError> {
+/// A completion request checked field by field: everything the handler needs before it tokenizes the prompt.
+pub struct CheckedCompletion {
+    /// The prompt: text or token ids, never empty.
+    pub prompt: Prompt,
+    /// Generation options.
+    pub options: GenerateOptions,
+    /// The session id, if the request names one.
+    pub session: Option<String>,
+    /// Whether the reply is streamed.
+    pub stream: bool,
+    /// Whether a stream ends with a usage chunk.
+    pub include_usage: bool,
+}
+
+/// Checks a parsed request: every bad field is a 400 naming it. Pure, so the fuzz targets run it.
+pub fn check(req: CompletionRequest) -> Result<CheckedCompletion, ApiError> {
     only_default("n", req.n.unwrap_or(1) == 1, "only n = 1 is supported")?;
     only_default("best_of", req.best_of.unwrap_or(1) == 1, "only best_of = 1 is supported")?;
     let no_logprobs = matches!(req.logprobs, None | Some(Value::Null) | Some(Value::Bool(false)));
@@ -120,6 +136,12 @@ async fn run(state: State, owner: Owner, req: CompletionRequest) -> Result<Respo
     };
     let options = sampling.options(DEFAULT_MAX_TOKENS)?;
     let session = check_session(req.session)?;
+    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+    Ok(CheckedCompletion { prompt, options, session, stream: req.stream, include_usage })
+}
+
+async fn run(state: State, owner: Owner, req: CompletionRequest) -> Result<Response, ApiError> {
+    let CheckedCompletion { prompt, options, session, stream, include_usage } = check(req)?;
     let prompt = prompt::encode(&state, prompt, "prompt").await?;
     let mut request = Request::new(prompt.ids, None, options);
     request.session = session.map(|s| owner.session(&s));
@@ -130,9 +152,9 @@ async fn run(state: State, owner: Owner, req: CompletionRequest) -> Result<Respo
         id: response_id("cmpl"),
         model: state.engine.info().id.clone(),
         created: now_secs(),
-        include_usage: req.stream_options.is_some_and(|o| o.include_usage),
+        include_usage,
     };
-    if req.stream {
+    if stream {
         return Ok(sse(generation, format, Vec::new()).into_response());
     }
     loop {

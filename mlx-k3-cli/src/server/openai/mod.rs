@@ -24,8 +24,8 @@ use axum::extract::State as AxState;
 use axum::Json;
 use serde_json::{json, Value};
 
-pub use chat::chat_completions;
-pub use completions::completions;
+pub use chat::{chat_completions, check as check_chat, ChatRequest, CheckedChat};
+pub use completions::{check as check_completion, completions, CheckedCompletion, CompletionRequest};
 
 use super::error::ApiError;
 use super::State;
