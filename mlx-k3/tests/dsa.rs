@@ -240,3 +240,25 @@ fn bad_deepseek_v32_configs_name_the_field() {
     assert_eq!((ix.heads, ix.head_dim, ix.topk), (64, 128, 2048), "mlx-lm's defaults");
     assert!(ModelConfig::parse(r#"{"model_type": "deepseek_v3"}"#, Path::new("c")).unwrap().text.indexer.is_none());
 }
+
+#[test]
+fn trimming_the_cache_rewinds_the_indexer_keys() {
+    // The indexer keys share the latents' offset: after trimming three decoded positions, decoding the same
+    // tokens again must give the same logits (stale or misplaced indexer keys would change the selection).
+    // Same graph and inputs on both runs, so equal up to MLX's evaluation being deterministic: 1e-6 relative.
+    let f = &manifest()[0];
+    let dir = fixtures_dir().join(f["dir"].as_str().unwrap());
+    let exp = expected(&dir);
+    let model = load(&dir, Dtype::F32);
+    let mut cache = model.make_cache();
+    model.forward(&ids(&exp.prompt), Some(&mut cache)).unwrap();
+    let steps = &exp.decode_tokens[..3];
+    let first: Vec<Array> = steps.iter().map(|&t| model.forward(&ids(&[t]), Some(&mut cache)).unwrap()).collect();
+    assert!(cache.nbytes() > 0);
+    assert_eq!(cache.trim(3).unwrap(), 3);
+    for (i, &t) in steps.iter().enumerate() {
+        let again = model.forward(&ids(&[t]), Some(&mut cache)).unwrap();
+        let e = rel_err(&again, &first[i]);
+        assert!(e <= 1e-6, "step {i} after trim: rel err {e}");
+    }
+}
