@@ -16,6 +16,9 @@ const STEP: i32 = 256;
 pub struct KvCache {
     keys: Option<Array>,
     values: Option<Array>,
+    /// The DSA indexer's keys `[B, 1, S, d_i]` (mlx-lm's second `KVCache` of a `deepseek_v32` layer), at the
+    /// same positions as `keys`.
+    index_keys: Option<Array>,
     offset: usize,
 }
 
@@ -62,6 +65,30 @@ impl KvCache {
         Ok(out)
     }
 
+    /// Appends the indexer keys `[B, 1, L, d_i]` of the positions the next [`KvCache::update_and_fetch`] will
+    /// store (call this first: it writes at the current offset and does not advance it) and returns the
+    /// indexer keys of every position so far.
+    pub fn update_and_fetch_index(&mut self, keys: &Array) -> Result<Array> {
+        let ks = keys.shape();
+        let (b, h, l) = (ks[0], ks[1], ks[2]);
+        let prev = self.offset as i32;
+        let capacity = self.index_keys.as_ref().map(|k| k.shape()[2]).unwrap_or(0);
+        if prev + l > capacity {
+            let n_steps = (STEP + prev + l - capacity - 1) / STEP;
+            let new_k = zeros(&[b, h, n_steps * STEP, ks[3]], keys.dtype())?;
+            self.index_keys = Some(match self.index_keys.take() {
+                Some(k) => concatenate(&[&k, &new_k], 2)?,
+                None => new_k,
+            });
+        }
+        let k = self.index_keys.as_ref().ok_or_else(|| Error::invalid("kv_cache", "no indexer keys"))?;
+        let end = prev + l;
+        let k = k.slice_update(keys, &[0, 0, prev, 0], &[b, h, end, ks[3]], &[1, 1, 1, 1])?;
+        let out = k.slice_axis(2, 0, end)?;
+        self.index_keys = Some(k);
+        Ok(out)
+    }
+
     /// Drops the last `n` positions (fewer if fewer are stored); returns how many were dropped.
     pub fn trim(&mut self, n: usize) -> usize {
         let n = n.min(self.offset);
@@ -71,12 +98,12 @@ impl KvCache {
 
     /// Bytes held (allocated capacity).
     pub fn nbytes(&self) -> usize {
-        self.keys.as_ref().map_or(0, |k| k.nbytes()) + self.values.as_ref().map_or(0, |v| v.nbytes())
+        [&self.keys, &self.values, &self.index_keys].iter().map(|a| a.as_ref().map_or(0, |k| k.nbytes())).sum()
     }
 
     /// The arrays to evaluate with a step's output.
     pub fn arrays(&self) -> Vec<&Array> {
-        self.keys.iter().chain(self.values.iter()).collect()
+        self.keys.iter().chain(self.values.iter()).chain(self.index_keys.iter()).collect()
     }
 }
 

@@ -175,6 +175,22 @@ pub struct TextConfig {
     /// `rope_theta` / `rope_scaling`.
     #[serde(skip)]
     pub rope: Option<super::deepseek_v3::RopeConfig>,
+    /// The DSA lightning indexer on every MLA layer (`deepseek_v32`); None: dense attention.
+    #[serde(skip)]
+    pub indexer: Option<IndexerConfig>,
+}
+
+/// The DSA lightning indexer's settings (mlx-lm `deepseek_v32.Indexer`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct IndexerConfig {
+    /// Indexer query heads (`index_n_heads`).
+    pub heads: usize,
+    /// Width of each indexer query head and of the one shared key (`index_head_dim`).
+    pub head_dim: usize,
+    /// Positions each query keeps (`index_top_k`); up to this many cached positions attend densely.
+    pub topk: usize,
+    /// The rotation of the first `qk_rope_head_dim` features of the indexer queries and keys (None: none).
+    pub rope: Option<super::deepseek_v3::RopeConfig>,
 }
 
 /// The MLA dimensions, present when the model has MLA layers.
@@ -527,16 +543,16 @@ impl ModelConfig {
         };
         let family = match model_type.as_str() {
             "kimi_k3" => Family::KimiK3,
-            "deepseek_v3" | "kimi_k25" => Family::DeepseekV3,
+            "deepseek_v3" | "deepseek_v32" | "kimi_k25" => Family::DeepseekV3,
             _ => {
-                let known = "\"kimi_k3\", \"deepseek_v3\" or \"kimi_k25\"";
+                let known = "\"kimi_k3\", \"deepseek_v3\", \"deepseek_v32\" or \"kimi_k25\"";
                 return Err(fmt(format!("model_type: '{model_type}' is not supported (expected {known})")));
             }
         };
         // mlx-lm: kimi_k3 takes the text config nested under `text_config` or the whole object; kimi_k25
         // requires `text_config`; deepseek_v3 is flat.
         let (text_value, prefix) = match (model_type.as_str(), obj.get("text_config")) {
-            ("deepseek_v3", _) => (raw.clone(), ""),
+            ("deepseek_v3" | "deepseek_v32", _) => (raw.clone(), ""),
             ("kimi_k25", None) => {
                 return Err(fmt("text_config: missing (a kimi_k25 config nests its text model)".into()))
             }
@@ -553,7 +569,7 @@ impl ModelConfig {
             Family::DeepseekV3 => {
                 let args: super::deepseek_v3::DeepseekV3Args =
                     serde_path_to_error::deserialize(text_value).map_err(de_err)?;
-                super::deepseek_v3::text_config(args)
+                super::deepseek_v3::text_config(args, model_type == "deepseek_v32")
                     .map_err(|e| fmt(format!("{prefix}{}", e.to_string().trim_start_matches("[config] "))))?
             }
         };

@@ -11,7 +11,7 @@
 
 use serde::Deserialize;
 
-use super::config::{Family, TextConfig};
+use super::config::{Family, IndexerConfig, TextConfig};
 use crate::fast;
 use crate::{Array, Error, Result};
 
@@ -131,6 +131,22 @@ pub struct DeepseekV3Args {
     pub rope_scaling: Option<serde_json::Value>,
     #[serde(default)]
     pub attention_bias: bool,
+    // deepseek_v32 (the DSA lightning indexer): mlx-lm's `deepseek_v32.ModelArgs` names and defaults.
+    #[serde(default = "d_index_heads")]
+    pub index_n_heads: usize,
+    #[serde(default = "d_head")]
+    pub index_head_dim: usize,
+    #[serde(default = "d_index_topk")]
+    pub index_topk: usize,
+    #[serde(default)]
+    pub indexer_rope_interleave: bool,
+}
+
+fn d_index_heads() -> usize {
+    64
+}
+fn d_index_topk() -> usize {
+    2048
 }
 
 /// The rotary embedding of the MLA rope slot (mlx-lm `initialize_rope` with `traditional=True`).
@@ -313,15 +329,26 @@ impl Rope {
         match &self.freqs {
             None => fast::rope(x, self.dims, self.traditional, Some(self.base), self.scale, offset),
             Some(f) => {
-                let x = if self.mscale != 1.0 { x.multiply(self.mscale)? } else { x.clone() };
+                // YarnRoPE scales the rotated features only (all of them in the MLA rope slot; the first
+                // `dims` of the indexer's wider heads).
+                let x = if self.mscale == 1.0 {
+                    x.clone()
+                } else if x.dim(-1)? == self.dims {
+                    x.multiply(self.mscale)?
+                } else {
+                    let d = x.dim(-1)?;
+                    let head = x.slice_axis(-1, 0, self.dims)?.multiply(self.mscale)?;
+                    crate::ops::concatenate(&[&head, &x.slice_axis(-1, self.dims, d)?], -1)?
+                };
                 fast::rope_freqs(&x, self.dims, self.traditional, self.scale, offset, f)
             }
         }
     }
 }
 
-/// The [`TextConfig`] of a `deepseek_v3` text config (the object itself, or `text_config` of `kimi_k25`).
-pub fn text_config(a: DeepseekV3Args) -> Result<TextConfig> {
+/// The [`TextConfig`] of a `deepseek_v3` text config (the object itself, or `text_config` of `kimi_k25`);
+/// `indexer`: a `deepseek_v32` config, whose MLA layers carry the DSA lightning indexer.
+pub fn text_config(a: DeepseekV3Args, indexer: bool) -> Result<TextConfig> {
     let bad = |field: &str, m: String| Error::invalid("config", format!("{field}: {m}"));
     if a.topk_method != "noaux_tc" {
         // mlx-lm asserts this.
@@ -338,6 +365,32 @@ pub fn text_config(a: DeepseekV3Args) -> Result<TextConfig> {
     if a.qk_rope_head_dim % 2 != 0 {
         return Err(bad("qk_rope_head_dim", format!("{} must be even for RoPE", a.qk_rope_head_dim)));
     }
+    let indexer = if indexer {
+        if a.q_lora_rank.is_none() {
+            return Err(bad("q_lora_rank", "the DSA indexer reads the query latent: q_lora_rank must be set".into()));
+        }
+        for (field, v) in [("index_n_heads", a.index_n_heads), ("index_topk", a.index_topk)] {
+            if v == 0 || v > i32::MAX as usize {
+                return Err(bad(field, format!("{v} is out of range (1..=2^31-1)")));
+            }
+        }
+        if a.index_head_dim < a.qk_rope_head_dim || a.index_head_dim > i32::MAX as usize {
+            return Err(bad(
+                "index_head_dim",
+                format!("{} must be at least qk_rope_head_dim ({})", a.index_head_dim, a.qk_rope_head_dim),
+            ));
+        }
+        // mlx-lm's Indexer: the same rotation as the MLA rope slot on the first qk_rope_head_dim features,
+        // pairs interleaved only with indexer_rope_interleave.
+        Some(IndexerConfig {
+            heads: a.index_n_heads,
+            head_dim: a.index_head_dim,
+            topk: a.index_topk,
+            rope: Some(RopeConfig { traditional: a.indexer_rope_interleave, ..rope.clone() }),
+        })
+    } else {
+        None
+    };
     Ok(TextConfig {
         vocab_size: a.vocab_size,
         hidden_size: a.hidden_size,
@@ -377,6 +430,7 @@ pub fn text_config(a: DeepseekV3Args) -> Result<TextConfig> {
         tie_word_embeddings: false,
         family: Family::DeepseekV3,
         rope: Some(rope),
+        indexer,
     })
 }
 
@@ -429,9 +483,10 @@ mod tests {
         let a = args(serde_json::json!({"rope_scaling": {"type": "longrope", "factor": 2.0}}));
         let e = RopeConfig::from_args(&a).unwrap_err().to_string();
         assert!(e.contains("rope_scaling.type") && e.contains("longrope"), "{e}");
-        let e = text_config(args(serde_json::json!({"topk_method": "greedy"}))).unwrap_err().to_string();
+        let e = text_config(args(serde_json::json!({"topk_method": "greedy"})), false).unwrap_err().to_string();
         assert!(e.contains("topk_method"), "{e}");
-        let e = text_config(args(serde_json::json!({"rope_scaling": {"type": "yarn"}}))).unwrap_err().to_string();
+        let e =
+            text_config(args(serde_json::json!({"rope_scaling": {"type": "yarn"}})), false).unwrap_err().to_string();
         assert!(e.contains("rope_scaling.factor") && e.contains("missing"), "{e}");
     }
 }

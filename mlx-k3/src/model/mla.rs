@@ -12,6 +12,7 @@
 use super::cache::KvCache;
 use super::config::TextConfig;
 use super::deepseek_v3::Rope;
+use super::indexer::Indexer;
 use super::linear::{Linear, MultiLinear, RmsNorm};
 use super::shard::{Comm, Part, Shard};
 use super::weights::WeightStore;
@@ -43,6 +44,8 @@ pub struct Mla {
     rope: Option<Rope>,
     /// Heads split over ranks (tensor parallel): o_proj gives a partial sum.
     tp: bool,
+    /// The DSA lightning indexer (`deepseek_v32`): each query attends to its `topk` best positions only.
+    indexer: Option<Indexer>,
 }
 
 fn finfo_min(dtype: Dtype) -> f64 {
@@ -128,6 +131,14 @@ impl Mla {
             },
             rope: cfg.rope.as_ref().map(Rope::new).transpose()?,
             tp,
+            indexer: match (&cfg.indexer, m.q_lora_rank) {
+                (None, _) => None,
+                // Whole on every rank (tensor parallel too): each rank selects the same positions.
+                (Some(ic), Some(r)) => Some(Indexer::load(ws, &p_("indexer"), ic, hidden, r)?),
+                (Some(_), None) => {
+                    return Err(crate::Error::invalid("config", "q_lora_rank: the DSA indexer needs the query latent"))
+                }
+            },
         })
     }
 
@@ -161,9 +172,12 @@ impl Mla {
             Some(_) => Some(next()?),
             None => None,
         };
-        let q = match &self.q {
-            QProj::Direct(_) => q1,
-            QProj::LowRank { norm, b, .. } => b.forward(&norm.forward(&q1)?)?,
+        let (q, qr) = match &self.q {
+            QProj::Direct(_) => (q1, None),
+            QProj::LowRank { norm, b, .. } => {
+                let qr = norm.forward(&q1)?;
+                (b.forward(&qr)?, Some(qr))
+            }
         };
         let q = q.reshape(&[b, l, h, qhd])?.transpose(&[0, 2, 1, 3])?;
         let q_nope = q.slice_axis(-1, 0, self.qk_nope)?;
@@ -173,17 +187,47 @@ impl Mla {
         let k_pe = ckv.slice_axis(-1, self.kv_lora, self.kv_lora + self.qk_rope)?;
         let k_pe = k_pe.reshape(&[b, l, 1, self.qk_rope])?.transpose(&[0, 2, 1, 3])?;
         let latent = self.kv_a_norm.forward(&latent)?.expand_dims(&[1])?;
+        let mut cache = cache;
+        let offset = cache.as_ref().map_or(0, |c| c.offset()) as i32;
         let (q_pe, k_pe) = match &self.rope {
-            Some(r) => {
-                let offset = cache.as_ref().map_or(0, |c| c.offset()) as i32;
-                (r.apply(&q_pe, offset)?, r.apply(&k_pe, offset)?)
-            }
+            Some(r) => (r.apply(&q_pe, offset)?, r.apply(&k_pe, offset)?),
             None => (q_pe, k_pe),
         };
-        let (latent, k_pe) = match cache {
+        // The indexer's choice (before the cache advances: it stores its keys at the same offset).
+        let selected = match (&self.indexer, &qr) {
+            (Some(ix), Some(qr)) => ix.select(x, qr, mask, cache.as_deref_mut(), offset)?,
+            _ => None,
+        };
+        let (mut latent, mut k_pe) = match cache {
             Some(c) => c.update_and_fetch(&latent, &k_pe)?,
             None => (latent, k_pe),
         };
+        let sparse_mask;
+        let mut mask = mask;
+        if let Some(idx) = selected {
+            if l == 1 {
+                // One query: gather the kept latents and rope keys ([B, 1, topk, *]); no mask at decode.
+                let idx = idx.reshape(&[b, 1, -1, 1])?;
+                let n = idx.dim(2)?;
+                latent = latent.take_along_axis(&idx.broadcast_to(&[b, 1, n, self.kv_lora])?, 2)?;
+                k_pe = k_pe.take_along_axis(&idx.broadcast_to(&[b, 1, n, self.qk_rope])?, 2)?;
+                if mask.is_some() {
+                    return Err(crate::Error::invalid("mla", "a one-token step takes no mask"));
+                }
+            } else {
+                // Several queries: a boolean mask [B, 1, L, S] true at each query's kept positions (and
+                // causal).
+                let sh = idx.shape();
+                let total = latent.dim(2)?;
+                let none = ops::zeros(&[sh[0], sh[1], sh[2], total], Dtype::Bool)?;
+                let kept = none.put_along_axis(&idx, &Array::scalar_as(1.0, Dtype::Bool)?, -1)?;
+                sparse_mask = match mask {
+                    Some(m) => kept.logical_and(m)?,
+                    None => kept,
+                };
+                mask = Some(&sparse_mask);
+            }
+        }
 
         // The rope slot's scores, an additive bias on the latent scores ([B, H, L, S]).
         let pe_q = q_pe.multiply(self.scale)?;
