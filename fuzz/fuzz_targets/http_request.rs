@@ -41,7 +41,7 @@ fn session_ok(s: &str) {
 }
 
 fn chat(body: &[u8]) {
-    for (c, format) in chats().iter().zip(["kimi_k2", "kimi_k3"]) {
+    for (c, format) in chats().iter().zip(["kimi_im", "kimi_k3"]) {
         let req = match parse_json::<ChatRequest>(body) {
             Ok(r) => r,
             Err(e) => return refused_by_parsing(&e),

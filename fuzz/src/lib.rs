@@ -85,7 +85,7 @@ fn load(dir: &str) -> Chat {
     Chat { tok, cfg, enc }
 }
 
-/// k3-nano's tokenizer (its built-in Kimi K2-style encoding, `kimi_k2`) and the Kimi K3 test tokenizer
+/// k3-nano's tokenizer (its built-in Kimi K2-style encoding, `kimi_im`) and the Kimi K3 test tokenizer
 /// (k3-nano's ranks with Kimi K3's control tokens: Kimi K3's encoding, `kimi_k3`).
 pub fn chats() -> &'static [Chat; 2] {
     static CHATS: std::sync::OnceLock<[Chat; 2]> = std::sync::OnceLock::new();
