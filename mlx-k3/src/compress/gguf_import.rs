@@ -18,7 +18,7 @@
 //! GGML type is an error naming the tensor and the type.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::{json, Map, Value};
 
@@ -406,10 +406,4 @@ pub fn import_gguf(path: &Path, out: &Path, overwrite: bool) -> Result<GgufImpor
     });
     output.finish(&manifest)?;
     Ok(GgufImportReport { architecture: arch, config, tensors: report, resume })
-}
-
-/// The default output folder name for a GGUF file (`X.gguf` -> `X-mlx`).
-pub fn default_out(path: &Path) -> PathBuf {
-    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
-    path.with_file_name(format!("{stem}-mlx"))
 }
