@@ -12,8 +12,11 @@ reference its import is checked against.
                                       as make_deepseek_v3_fixtures.py), and every dequantized tensor under
                                       `w.<mlx-lm name>` for the bit-for-bit check of the exact types
 
-MLA uses the newer llama.cpp layout: attn_k_b / attn_v_b (kv_b_proj split per head), which are mlx-lm's
-`embed_q` / `unembed_out` weights. YaRN uses mscale = mscale_all_dim (as DeepSeek-V3 and Kimi K2 do):
+    deepseek2_kv_b/                   the same model in the older MLA layout: one attn_kv_b (Q8_0) per layer
+                                      and per-head key_length / value_length, no *_mla keys
+
+deepseek2_mixed uses the newer llama.cpp MLA layout: attn_k_b / attn_v_b (kv_b_proj split per head), which
+are mlx-lm's `embed_q` / `unembed_out` weights. YaRN uses mscale = mscale_all_dim (as DeepSeek-V3 and Kimi K2 do):
 GGUF keeps only `yarn_log_multiplier` = 0.1 * mscale_all_dim.
 
 Needs the pinned mlx 0.32.4 and mlx-lm 0.32.2 (checked on import) and gguf 0.19.0. Run (CPU, seconds):
@@ -101,7 +104,7 @@ def gguf_name(name: str) -> tuple[str, T]:
     return f"blk.{parts[2]}.{g}", ty
 
 
-def write_metadata(w: gguf.GGUFWriter, t: dict) -> None:
+def write_metadata(w: gguf.GGUFWriter, t: dict, kv_b: bool = False) -> None:
     a = ARCH
     w.add_name("tiny deepseek_v3 (mlx-k3 fixture)")
     w.add_uint32(f"{a}.vocab_size", t["vocab_size"])
@@ -112,13 +115,18 @@ def write_metadata(w: gguf.GGUFWriter, t: dict) -> None:
     w.add_uint32(f"{a}.expert_feed_forward_length", t["moe_intermediate_size"])
     w.add_uint32(f"{a}.leading_dense_block_count", t["first_k_dense_replace"])
     w.add_uint32(f"{a}.attention.head_count", t["num_attention_heads"])
-    w.add_uint32(f"{a}.attention.head_count_kv", 1)  # the MQA form llama.cpp writes with attn_k_b/attn_v_b
     w.add_uint32(f"{a}.attention.q_lora_rank", t["q_lora_rank"])
     w.add_uint32(f"{a}.attention.kv_lora_rank", t["kv_lora_rank"])
-    w.add_uint32(f"{a}.attention.key_length", t["kv_lora_rank"] + t["qk_rope_head_dim"])
-    w.add_uint32(f"{a}.attention.value_length", t["kv_lora_rank"])
-    w.add_uint32(f"{a}.attention.key_length_mla", t["qk_nope_head_dim"] + t["qk_rope_head_dim"])
-    w.add_uint32(f"{a}.attention.value_length_mla", t["v_head_dim"])
+    if kv_b:  # older files: per-head sizes, as many KV heads as heads
+        w.add_uint32(f"{a}.attention.head_count_kv", t["num_attention_heads"])
+        w.add_uint32(f"{a}.attention.key_length", t["qk_nope_head_dim"] + t["qk_rope_head_dim"])
+        w.add_uint32(f"{a}.attention.value_length", t["v_head_dim"])
+    else:  # the MQA form llama.cpp writes with attn_k_b/attn_v_b
+        w.add_uint32(f"{a}.attention.head_count_kv", 1)
+        w.add_uint32(f"{a}.attention.key_length", t["kv_lora_rank"] + t["qk_rope_head_dim"])
+        w.add_uint32(f"{a}.attention.value_length", t["kv_lora_rank"])
+        w.add_uint32(f"{a}.attention.key_length_mla", t["qk_nope_head_dim"] + t["qk_rope_head_dim"])
+        w.add_uint32(f"{a}.attention.value_length_mla", t["v_head_dim"])
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", t["rms_norm_eps"])
     w.add_uint32(f"{a}.rope.dimension_count", t["qk_rope_head_dim"])
     w.add_float32(f"{a}.rope.freq_base", t["rope_theta"])
@@ -139,19 +147,37 @@ def write_metadata(w: gguf.GGUFWriter, t: dict) -> None:
     w.add_uint32(f"{a}.expert_gating_func", 2)  # llama.cpp: 1 softmax, 2 sigmoid
 
 
-def main() -> None:
+def kv_b_of(params: dict, layer: int, t: dict) -> np.ndarray:
+    """llama.cpp's attn_kv_b ([heads * (nope + v), kv_lora], HF's kv_b_proj) from mlx-lm's split weights."""
+    p = f"model.layers.{layer}.self_attn."
+    wk = np.array(params[p + "embed_q.weight"].astype(mx.float32))  # [H, kv_lora, nope]
+    wv = np.array(params[p + "unembed_out.weight"].astype(mx.float32))  # [H, v, kv_lora]
+    return np.concatenate([wk.transpose(0, 2, 1), wv], axis=1).reshape(-1, t["kv_lora_rank"])
+
+
+def split_kv_b(kv_b: np.ndarray, t: dict) -> tuple[np.ndarray, np.ndarray]:
+    v = kv_b.reshape(t["num_attention_heads"], t["qk_nope_head_dim"] + t["v_head_dim"], -1)
+    return v[:, : t["qk_nope_head_dim"]].transpose(0, 2, 1).copy(), v[:, t["qk_nope_head_dim"] :].copy()
+
+
+def write_fixture(name: str, kv_b: bool) -> dict:
     mx.random.seed(21)
     model = ds3.build_model(TEXT)
     ds3.init_weights(model, TEXT)
     params = dict(tree_flatten(model.parameters()))
-    fdir = OUT / "deepseek2_mixed"
+    fdir = OUT / name
     fdir.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(fdir / "model.gguf"), ARCH)
-    write_metadata(w, TEXT)
+    write_metadata(w, TEXT, kv_b)
+    tensors = {n: (*gguf_name(n), np.array(params[n].astype(mx.float32))) for n in params}
+    if kv_b:
+        for layer in range(TEXT["num_hidden_layers"]):
+            p = f"model.layers.{layer}.self_attn."
+            del tensors[p + "embed_q.weight"], tensors[p + "unembed_out.weight"]
+            tensors[p + "kv_b_proj.weight"] = (f"blk.{layer}.attn_kv_b.weight", T.Q8_0, kv_b_of(params, layer, TEXT))
     dequant = {}
-    for name in sorted(params):
-        g, ty = gguf_name(name)
-        v = np.array(params[name].astype(mx.float32))
+    for n in sorted(tensors):
+        g, ty, v = tensors[n]
         if ty == T.F32:
             data, raw = v, None
         elif ty == T.F16:
@@ -159,8 +185,7 @@ def main() -> None:
         else:
             data, raw = gguf.quants.quantize(v, ty), ty
         w.add_tensor(g, data, raw_dtype=raw)
-        back = gguf.quants.dequantize(data if raw else data, ty if raw else (T.F16 if ty == T.F16 else T.F32))
-        dequant[name] = np.asarray(back, dtype=np.float32).reshape(v.shape)
+        dequant[n] = np.asarray(gguf.quants.dequantize(data, ty), dtype=np.float32).reshape(v.shape)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -169,23 +194,29 @@ def main() -> None:
     # The reference: mlx-lm on exactly the values the GGUF holds, as gguf-py reads them back.
     reader = gguf.GGUFReader(str(fdir / "model.gguf"))
     by_name = {t.name: t for t in reader.tensors}
-    for name, v in dequant.items():
-        t = by_name[gguf_name(name)[0]]
+    for n, v in dequant.items():
+        t = by_name[tensors[n][0]]
         back = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(v.shape)
-        assert np.array_equal(back, v), name
-    model.load_weights([(k, mx.array(v)) for k, v in dequant.items()], strict=True)
+        assert np.array_equal(back, v), n
+    weights = dict(dequant)
+    for layer in range(TEXT["num_hidden_layers"] if kv_b else 0):
+        p = f"model.layers.{layer}.self_attn."
+        wk, wv = split_kv_b(weights.pop(p + "kv_b_proj.weight"), TEXT)
+        weights[p + "embed_q.weight"], weights[p + "unembed_out.weight"] = wk, wv
+    model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
     mx.eval(model.parameters())
     exp, stats = ds3.choose_prompt_and_run(model, 31)
     exp.update({f"w.{k}": v for k, v in dequant.items()})
     ds3.save_expected(fdir / "expected.safetensors", exp, stats)
-    manifest = {
-        "generator": "scripts/make_gguf_fixtures.py",
-        "fixtures": [{"name": "deepseek2_mixed", "config": TEXT, "checks": stats,
-                      "types": {gguf_name(k)[0]: gguf_name(k)[1].name for k in sorted(params)}}],
-    }
-    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    print(json.dumps(stats))
+    return {"name": name, "config": TEXT, "checks": stats,
+            "types": {tensors[n][0]: tensors[n][1].name for n in sorted(tensors)}}
 
+
+def main() -> None:
+    fixtures = [write_fixture("deepseek2_mixed", False), write_fixture("deepseek2_kv_b", True)]
+    manifest = {"generator": "scripts/make_gguf_fixtures.py", "fixtures": fixtures}
+    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    print(json.dumps([f["checks"] for f in fixtures]))
 
 if __name__ == "__main__":
     main()

@@ -17,9 +17,16 @@ use mlx_k3::model::{KimiK3, LoadOptions};
 use mlx_k3::quant::{self, QuantSpec, Quantized};
 use mlx_k3::{Array, Dtype};
 
-fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/deepseek2_mixed")
+fn fixtures_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf").join(name)
 }
+
+fn fixture() -> PathBuf {
+    fixtures_dir("deepseek2_mixed")
+}
+
+/// Both MLA layouts: attn_k_b / attn_v_b (newer llama.cpp) and one attn_kv_b (older, here Q8_0).
+const FIXTURES: [&str; 2] = ["deepseek2_mixed", "deepseek2_kv_b"];
 
 fn ids(tokens: &[i32]) -> Array {
     Array::from_slice(tokens, &[1, tokens.len() as i32]).unwrap()
@@ -39,6 +46,13 @@ fn argmax(v: &[f32]) -> i32 {
 
 #[test]
 fn an_imported_gguf_runs_like_mlx_lm_on_its_dequantized_tensors() {
+    for name in FIXTURES {
+        check_logits(&fixtures_dir(name));
+    }
+}
+
+fn check_logits(fixture: &Path) {
+    let fixture = || fixture.to_path_buf();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("ckpt");
     let report = import_gguf(&fixture().join("model.gguf"), &out, false).unwrap();
@@ -55,7 +69,7 @@ fn an_imported_gguf_runs_like_mlx_lm_on_its_dequantized_tensors() {
     let t = prompt.len() as i32;
     let logits = model.forward(&ids(&prompt), None).unwrap();
     let e = rel_err(&logits.reshape(&[t, -1]).unwrap(), &exp.get("prefill_logits").unwrap());
-    println!("prefill rel err {e:.2e}");
+    println!("{}: prefill rel err {e:.2e}", fixture().display());
     assert!(e <= 1e-4, "prefill logits rel err {e}");
 
     let want = exp.get("decode_tokens").unwrap().to_vec::<i32>().unwrap();
@@ -71,6 +85,13 @@ fn an_imported_gguf_runs_like_mlx_lm_on_its_dequantized_tensors() {
 
 #[test]
 fn exact_types_reproduce_the_gguf_values_bit_for_bit() {
+    for name in FIXTURES {
+        check_values(&fixtures_dir(name));
+    }
+}
+
+fn check_values(fixture: &Path) {
+    let fixture = || fixture.to_path_buf();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("ckpt");
     let report = import_gguf(&fixture().join("model.gguf"), &out, false).unwrap();
