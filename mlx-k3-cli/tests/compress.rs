@@ -1439,3 +1439,28 @@ fn deepseek_v3_perplexity_equals_mlx_lm_logits() {
     let got = v["ppl"].as_f64().unwrap();
     assert!((got - want).abs() <= 1e-3 * want, "ppl {got}, from mlx-lm's logits {want}");
 }
+
+#[test]
+fn convert_from_gguf_imports_and_the_result_runs() {
+    // The library test (mlx-k3/tests/gguf_import.rs) checks the values and logits; here the command line:
+    // --from-gguf with --out, the JSON report, a rerun found complete, and `logits` on the checkpoint.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let src = root().join("mlx-k3/tests/fixtures/gguf/deepseek2_mixed/model.gguf");
+    let args = ["convert", "--from-gguf", src.to_str().unwrap(), "--out", out.to_str().unwrap(), "--json"];
+    let v: Value = serde_json::from_str(&run_ok(&args)).unwrap();
+    assert_eq!(v["architecture"], "deepseek2");
+    assert_eq!(v["resume"], "Fresh");
+    let n = v["tensors"].as_array().unwrap().len();
+    assert!(n > 0 && v["exact_tensors"].as_u64() == Some(n as u64), "{v}");
+    let again: Value = serde_json::from_str(&run_ok(&args)).unwrap();
+    assert_eq!(again["resume"], "Complete");
+    let logits = dir.path().join("l.safetensors");
+    run_ok(&["logits", "--model", out.to_str().unwrap(), "--tokens", "1,2,3", "--out", logits.to_str().unwrap()]);
+    assert!(logits.exists());
+    // --recipe is for --from only; an unknown file is an error naming it.
+    let (ok, _, err) = run(&["convert", "--from-gguf", src.to_str().unwrap(), "--out", "x", "--recipe", "r.toml"]);
+    assert!(!ok && err.contains("--recipe"), "{err}");
+    let (ok, _, err) = run(&["convert", "--from-gguf", "/nonexistent/m.gguf", "--out", out.to_str().unwrap()]);
+    assert!(!ok && err.contains("m.gguf"), "{err}");
+}

@@ -13,6 +13,65 @@ use crate::{Error, Result};
 pub const GGML_TYPE_IQ1_S: u32 = 19;
 /// GGML type id of F32.
 pub const GGML_TYPE_F32: u32 = 0;
+/// GGML type id of F16.
+pub const GGML_TYPE_F16: u32 = 1;
+/// GGML type id of Q4_0 (blocks of 32: an f16 scale, 16 bytes of 4-bit codes, value `d * (q - 8)`).
+pub const GGML_TYPE_Q4_0: u32 = 2;
+/// GGML type id of Q8_0 (blocks of 32: an f16 scale, 32 signed bytes, value `d * q`).
+pub const GGML_TYPE_Q8_0: u32 = 8;
+/// GGML type id of BF16.
+pub const GGML_TYPE_BF16: u32 = 30;
+
+/// The name llama.cpp gives GGML type `t` (`"type 42"` for ids this reader does not know).
+pub fn ggml_type_name(t: u32) -> String {
+    let known = [
+        (0, "F32"),
+        (1, "F16"),
+        (2, "Q4_0"),
+        (3, "Q4_1"),
+        (6, "Q5_0"),
+        (7, "Q5_1"),
+        (8, "Q8_0"),
+        (9, "Q8_1"),
+        (10, "Q2_K"),
+        (11, "Q3_K"),
+        (12, "Q4_K"),
+        (13, "Q5_K"),
+        (14, "Q6_K"),
+        (15, "Q8_K"),
+        (16, "IQ2_XXS"),
+        (17, "IQ2_XS"),
+        (18, "IQ3_XXS"),
+        (19, "IQ1_S"),
+        (20, "IQ4_NL"),
+        (21, "IQ3_S"),
+        (22, "IQ2_S"),
+        (23, "IQ4_XS"),
+        (24, "I8"),
+        (25, "I16"),
+        (26, "I32"),
+        (27, "I64"),
+        (28, "F64"),
+        (29, "IQ1_M"),
+        (30, "BF16"),
+        (34, "TQ1_0"),
+        (35, "TQ2_0"),
+        (39, "MXFP4"),
+    ];
+    known.iter().find(|(id, _)| *id == t).map_or_else(|| format!("type {t}"), |(_, n)| (*n).to_string())
+}
+
+/// `(values per block, bytes per block)` of the GGML types [`GgufFile::tensor_bytes`] reads.
+fn block_layout(t: u32) -> Option<(usize, usize)> {
+    match t {
+        GGML_TYPE_F32 => Some((1, 4)),
+        GGML_TYPE_F16 | GGML_TYPE_BF16 => Some((1, 2)),
+        GGML_TYPE_Q4_0 => Some((32, 18)),
+        GGML_TYPE_Q8_0 => Some((32, 34)),
+        GGML_TYPE_IQ1_S => Some((SUPER_BLOCK, IQ1S_BLOCK_BYTES)),
+        _ => None,
+    }
+}
 
 /// One tensor's directory entry.
 #[derive(Clone, Debug)]
@@ -258,6 +317,37 @@ impl GgufFile {
         let nbytes = rows.checked_mul(k / SUPER_BLOCK).and_then(|b| b.checked_mul(IQ1S_BLOCK_BYTES));
         let nbytes = nbytes.ok_or_else(|| self.too_large(name, &info.dims))?;
         from_iq1s_blocks(&self.raw(info, nbytes as u64)?, rows, k)
+    }
+
+    /// The raw bytes of tensor `name` in its GGML type (F32, F16, BF16, Q4_0, Q8_0 or IQ1_S; any other type
+    /// is an error naming it), after checking that its inner dimension is whole blocks and that the bytes
+    /// lie inside the file.
+    pub fn tensor_bytes(&self, name: &str) -> Result<Vec<u8>> {
+        let info = self.info(name)?;
+        let Some((block, block_bytes)) = block_layout(info.ggml_type) else {
+            return Err(Error::Format {
+                path: self.path.clone(),
+                message: format!(
+                    "tensor '{name}' has GGML type {} ({}), which is not supported",
+                    ggml_type_name(info.ggml_type),
+                    info.ggml_type
+                ),
+            });
+        };
+        let inner = info.dims.first().copied().unwrap_or(1);
+        if inner % block as u64 != 0 {
+            return Err(Error::Format {
+                path: self.path.clone(),
+                message: format!(
+                    "tensor '{name}' ({}): inner dimension {inner} is not a multiple of {block}",
+                    ggml_type_name(info.ggml_type)
+                ),
+            });
+        }
+        let n = checked_product(&info.dims).filter(|&n| n <= 1 << 40);
+        let nbytes = n.and_then(|n| (n / block).checked_mul(block_bytes));
+        let nbytes = nbytes.ok_or_else(|| self.too_large(name, &info.dims))?;
+        self.raw(info, nbytes as u64)
     }
 
     /// An F32 tensor's values.

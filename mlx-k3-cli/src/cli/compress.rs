@@ -95,14 +95,18 @@ struct ReportArgs {
 #[derive(ClapArgs, Debug)]
 pub(super) struct ConvertArgs {
     /// Source checkpoint (mlx-lm or release layout, float or quantized).
+    #[arg(long, required_unless_present = "from_gguf", conflicts_with = "from_gguf")]
+    from: Option<PathBuf>,
+    /// A llama.cpp GGUF model (architecture deepseek2) to import instead: F32/F16/BF16 kept, Q8_0/Q4_0
+    /// as MLX affine 8/4-bit, bit for bit; other tensor types are an error naming them.
     #[arg(long)]
-    from: PathBuf,
+    from_gguf: Option<PathBuf>,
     /// Output folder (created; a partial output of the same job is resumed).
-    #[arg(long)]
+    #[arg(long, alias = "out")]
     to: PathBuf,
-    /// Recipe file (.toml or .json).
-    #[arg(long)]
-    recipe: PathBuf,
+    /// Recipe file (.toml or .json); required with --from, not accepted with --from-gguf.
+    #[arg(long, required_unless_present = "from_gguf", conflicts_with = "from_gguf")]
+    recipe: Option<PathBuf>,
     /// Calibration statistics from `mlx-k3 calibrate` (importance weighting, tier scores).
     #[arg(long)]
     calib: Option<PathBuf>,
@@ -139,13 +143,56 @@ fn summary_table(manifest: &Value) {
     }
 }
 
-pub(super) fn run_convert(args: ConvertArgs) -> Result<()> {
+fn run_gguf_import(args: &ConvertArgs, src: &Path) -> Result<()> {
     let t0 = Instant::now();
-    let recipe = Recipe::load(&args.recipe)?;
+    let r = mlx_k3::compress::gguf_import::import_gguf(src, &args.to, args.overwrite)?;
+    let exact = r.tensors.iter().filter(|t| t.exact).count();
+    let rows: Vec<Value> = r
+        .tensors
+        .iter()
+        .map(
+            |t| json!({"gguf": t.gguf_name, "name": t.name, "type": t.ggml_type, "stored": t.stored, "exact": t.exact}),
+        )
+        .collect();
+    let out = with_run_info(
+        json!({"to": args.to.display().to_string(), "architecture": r.architecture, "resume": format!("{:?}", r.resume),
+               "tensors": rows, "exact_tensors": exact}),
+        t0,
+    );
+    print(&out, args.report.json, || {
+        println!(
+            "{}: {} ({} tensors, {exact} exact; {:?})",
+            args.to.display(),
+            r.architecture,
+            r.tensors.len(),
+            r.resume
+        );
+        for t in &r.tensors {
+            println!(
+                "  {:<32} {:<6} -> {:<18} {}",
+                t.gguf_name,
+                t.ggml_type,
+                t.stored,
+                if t.exact { "exact" } else { "" }
+            );
+        }
+    });
+    Ok(())
+}
+
+pub(super) fn run_convert(args: ConvertArgs) -> Result<()> {
+    if let Some(src) = args.from_gguf.clone() {
+        return run_gguf_import(&args, &src);
+    }
+    let t0 = Instant::now();
+    let (Some(from), Some(recipe)) = (args.from.as_ref(), args.recipe.as_ref()) else {
+        return Err(mlx_k3::Error::invalid("convert", "--from and --recipe are required (or --from-gguf)"));
+    };
+    let recipe = Recipe::load(recipe)?;
     let calib = args.calib.as_deref().map(Calibration::load).transpose()?;
     let bar = Bar::new(args.report.quiet);
     let job = ConvertJob {
-        from: &args.from,
+        from,
         to: &args.to,
         recipe: &recipe,
         calib: calib.as_ref(),

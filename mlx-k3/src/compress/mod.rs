@@ -20,6 +20,7 @@ pub mod classes;
 pub mod convert;
 pub mod data;
 pub mod evalkl;
+pub mod gguf_import;
 pub mod progress;
 pub mod promotion;
 pub mod prune;

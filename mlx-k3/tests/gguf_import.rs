@@ -1,0 +1,228 @@
+//! `convert --from-gguf` on a tiny `deepseek_v3` model that `scripts/make_gguf_fixtures.py` wrote as a
+//! llama.cpp `deepseek2` GGUF with the `gguf` package (F32, F16, BF16, Q8_0 and Q4_0 tensors; MLA in the
+//! attn_k_b / attn_v_b layout). The reference is mlx-lm 0.32.2's deepseek_v3 run on the tensors as gguf-py
+//! dequantizes them.
+//!
+//! Tolerance: as the deepseek_v3 text fixtures (tests/deepseek_v3.rs), f32 logits within 1e-4 x max
+//! |reference|: the imported weights hold exactly the reference's values (checked bit for bit below), so
+//! both sides differ only in op order (mlx-lm dequantizes up front, we run MLX's quantized matmuls), about
+//! 1e-6 relative; greedy tokens are identical (the script keeps every top-1 gap >= 2e-3).
+
+use std::path::{Path, PathBuf};
+
+use mlx_k3::compress::gguf_import::import_gguf;
+use mlx_k3::compress::store::{sha256_hex, Resume};
+use mlx_k3::io::Safetensors;
+use mlx_k3::model::{KimiK3, LoadOptions};
+use mlx_k3::quant::{self, QuantSpec, Quantized};
+use mlx_k3::{Array, Dtype};
+
+fn fixtures_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf").join(name)
+}
+
+fn fixture() -> PathBuf {
+    fixtures_dir("deepseek2_mixed")
+}
+
+/// Both MLA layouts: attn_k_b / attn_v_b (newer llama.cpp) and one attn_kv_b (older, here Q8_0).
+const FIXTURES: [&str; 2] = ["deepseek2_mixed", "deepseek2_kv_b"];
+
+fn ids(tokens: &[i32]) -> Array {
+    Array::from_slice(tokens, &[1, tokens.len() as i32]).unwrap()
+}
+
+fn rel_err(got: &Array, want: &Array) -> f32 {
+    let g = got.to_vec_f32().unwrap();
+    let w = want.to_vec_f32().unwrap();
+    assert_eq!(g.len(), w.len());
+    let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    g.iter().zip(&w).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+fn argmax(v: &[f32]) -> i32 {
+    (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b }) as i32
+}
+
+#[test]
+fn an_imported_gguf_runs_like_mlx_lm_on_its_dequantized_tensors() {
+    for name in FIXTURES {
+        check_logits(&fixtures_dir(name));
+    }
+}
+
+fn check_logits(fixture: &Path) {
+    let fixture = || fixture.to_path_buf();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let report = import_gguf(&fixture().join("model.gguf"), &out, false).unwrap();
+    assert_eq!(report.architecture, "deepseek2");
+    assert_eq!(report.resume, Resume::Fresh);
+    assert!(report.tensors.iter().all(|t| t.exact), "every type in this fixture is held exactly");
+    for ty in ["F32", "F16", "BF16", "Q8_0", "Q4_0"] {
+        assert!(report.tensors.iter().any(|t| t.ggml_type == ty), "the fixture has no {ty} tensor");
+    }
+
+    let exp = Safetensors::load(fixture().join("expected.safetensors")).unwrap();
+    let model = KimiK3::load(&out, LoadOptions { dtype: Some(Dtype::F32), lazy: false, shard: None }).unwrap();
+    let prompt = exp.get("prompt").unwrap().to_vec::<i32>().unwrap();
+    let t = prompt.len() as i32;
+    let logits = model.forward(&ids(&prompt), None).unwrap();
+    let e = rel_err(&logits.reshape(&[t, -1]).unwrap(), &exp.get("prefill_logits").unwrap());
+    println!("{}: prefill rel err {e:.2e}", fixture().display());
+    assert!(e <= 1e-4, "prefill logits rel err {e}");
+
+    let want = exp.get("decode_tokens").unwrap().to_vec::<i32>().unwrap();
+    let mut cache = model.make_cache();
+    let out_logits = model.forward(&ids(&prompt), Some(&mut cache)).unwrap();
+    let last = out_logits.slice_axis(1, t - 1, t).unwrap().to_vec_f32().unwrap();
+    let mut tok = argmax(&last);
+    for (step, w) in want.iter().enumerate() {
+        assert_eq!(tok, *w, "greedy token {step}");
+        tok = argmax(&model.forward(&ids(&[tok]), Some(&mut cache)).unwrap().to_vec_f32().unwrap());
+    }
+}
+
+#[test]
+fn exact_types_reproduce_the_gguf_values_bit_for_bit() {
+    for name in FIXTURES {
+        check_values(&fixtures_dir(name));
+    }
+}
+
+fn check_values(fixture: &Path) {
+    let fixture = || fixture.to_path_buf();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let report = import_gguf(&fixture().join("model.gguf"), &out, false).unwrap();
+    let exp = Safetensors::load(fixture().join("expected.safetensors")).unwrap();
+    let mut weights = std::collections::BTreeMap::new();
+    for f in std::fs::read_dir(&out).unwrap() {
+        let p = f.unwrap().path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            weights.extend(Safetensors::load(&p).unwrap().arrays().unwrap());
+        }
+    }
+    let mut checked = 0;
+    for r in &report.tensors {
+        let want = exp.get(&format!(
+            "w.{}",
+            if r.stored.starts_with("affine") { format!("{}.weight", r.name) } else { r.name.clone() }
+        ));
+        let want = want.unwrap_or_else(|e| panic!("{}: {e}", r.name)).to_vec_f32().unwrap();
+        let got = if let Some(bits) = r.stored.strip_prefix("affine").and_then(|s| s.split(' ').next()) {
+            let q = Quantized {
+                weight: weights[&format!("{}.weight", r.name)].clone(),
+                scales: weights[&format!("{}.scales", r.name)].clone(),
+                biases: Some(weights[&format!("{}.biases", r.name)].clone()),
+            };
+            let spec = QuantSpec::affine(32, bits.parse().unwrap());
+            quant::dequantize(&q, spec, None, None).unwrap().to_vec_f32().unwrap()
+        } else {
+            weights[&r.name].astype(Dtype::F32).unwrap().to_vec_f32().unwrap()
+        };
+        assert_eq!(got.len(), want.len(), "{}", r.name);
+        // Equal as IEEE values (so bit for bit except the sign of zero: ggml's `d * (q - 8)` with a negative
+        // d gives -0 where MLX's `d * q - 8 d` gives +0; no product or sum can tell them apart). Not NaN-safe
+        // on purpose: the fixture holds no NaN, and a NaN here would be a failure.
+        let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+        assert_eq!(differ, 0, "{} ({} as {}): {differ} values differ from gguf-py's", r.name, r.ggml_type, r.stored);
+        checked += 1;
+    }
+    assert_eq!(checked, report.tensors.len());
+}
+
+#[test]
+fn a_rerun_resumes_and_a_changed_source_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let src = fixture().join("model.gguf");
+    import_gguf(&src, &out, false).unwrap();
+    let first = std::fs::read(out.join("model-00002-of-00003.safetensors")).unwrap();
+    assert_eq!(import_gguf(&src, &out, false).unwrap().resume, Resume::Complete);
+    // An interrupted run: no manifest yet, a journal listing units 0 and 1 as done (their size and hash),
+    // unit 1's file damaged since, unit 2's never written. Only the intact unit 0 is kept; the rest are
+    // written again, to the same bytes an uninterrupted run writes.
+    let out2 = dir.path().join("ckpt2");
+    std::fs::create_dir_all(&out2).unwrap();
+    let mut units = serde_json::Map::new();
+    for (unit, file) in ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"].iter().enumerate() {
+        let bytes = std::fs::read(out.join(file)).unwrap();
+        std::fs::write(out2.join(file), &bytes).unwrap();
+        units.insert(
+            unit.to_string(),
+            serde_json::json!({"file": file, "bytes": bytes.len(), "sha256": sha256_hex(&bytes),
+                               "tensors": [], "report": null}),
+        );
+    }
+    let damaged = out2.join("model-00002-of-00003.safetensors");
+    let mut bytes = std::fs::read(&damaged).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&damaged, bytes).unwrap();
+    let journal = serde_json::json!({"fingerprint": fingerprint_of(&out), "units": units});
+    std::fs::write(out2.join(".k3_journal.json"), journal.to_string()).unwrap();
+    let r = import_gguf(&src, &out2, false).unwrap();
+    assert_eq!(r.resume, Resume::Resumed(1));
+    for f in [
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        "config.json",
+        "k3_manifest.json",
+    ] {
+        assert_eq!(std::fs::read(out2.join(f)).unwrap(), std::fs::read(out.join(f)).unwrap(), "{f}");
+    }
+    assert!(!out2.join(".k3_journal.json").exists());
+    assert_eq!(std::fs::read(out2.join("model-00002-of-00003.safetensors")).unwrap(), first);
+    // Another GGUF into the same folder is refused.
+    let mut bytes = std::fs::read(&src).unwrap();
+    bytes.extend([0u8; 32]);
+    let other = dir.path().join("other.gguf");
+    std::fs::write(&other, bytes).unwrap();
+    let e = import_gguf(&other, &out, false).unwrap_err().to_string();
+    assert!(e.contains("another job"), "{e}");
+}
+
+fn fingerprint_of(out: &Path) -> String {
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("k3_manifest.json")).unwrap()).unwrap();
+    m["fingerprint"].as_str().unwrap().to_string()
+}
+
+/// The fixture with one metadata string value replaced (same length) or its bytes cut.
+fn patched(find: &[u8], replace: &[u8]) -> Vec<u8> {
+    let mut b = std::fs::read(fixture().join("model.gguf")).unwrap();
+    let at = b.windows(find.len()).position(|w| w == find).unwrap();
+    b[at..at + find.len()].copy_from_slice(replace);
+    b
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |bytes: Vec<u8>, name: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, bytes).unwrap();
+        import_gguf(&p, &dir.path().join(format!("{name}.out")), false).unwrap_err().to_string()
+    };
+    // An architecture this importer does not know, named.
+    let e = run(patched(b"deepseek2", b"deepseek9"), "arch.gguf");
+    assert!(e.contains("'deepseek9'") && e.contains("not supported"), "{e}");
+    // A tensor type that is neither exact nor re-quantized yet (Q4_0's id 2 patched to Q4_1's 3 in the
+    // directory entry of token_embd.weight... the first Q4_0 tensor, attn_q_a): named with its type.
+    let mut b = std::fs::read(fixture().join("model.gguf")).unwrap();
+    let name = b"blk.0.attn_q_a.weight";
+    let at = b.windows(name.len()).position(|w| w == name).unwrap() + name.len();
+    let ty_at = at + 4 + 2 * 8; // u32 n_dims (2), two u64 dims, then the u32 type
+    assert_eq!(u32::from_le_bytes(b[ty_at..ty_at + 4].try_into().unwrap()), 2);
+    b[ty_at..ty_at + 4].copy_from_slice(&3u32.to_le_bytes());
+    let e = run(b, "type.gguf");
+    assert!(e.contains("blk.0.attn_q_a.weight") && e.contains("Q4_1"), "{e}");
+    // Truncated: the tensor data cut short names the file and a tensor.
+    let b = std::fs::read(fixture().join("model.gguf")).unwrap();
+    let e = run(b[..b.len() - 100].to_vec(), "cut.gguf");
+    assert!(e.contains("cut.gguf") && e.contains("truncated"), "{e}");
+    // Cut inside the header.
+    let e = run(b[..200].to_vec(), "head.gguf");
+    assert!(e.contains("head.gguf") && e.contains("truncated"), "{e}");
+}
