@@ -160,7 +160,8 @@ async fn run(state: State, owner: Owner, req: ChatRequest) -> Result<Response, A
     let starts_in_thinking = info.starts_in_thinking && thinking.thinking();
     if req.stream {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        let format = ChatStream { id, model, created, include_usage, splitter: ReplySplitter::new(starts_in_thinking) };
+        let splitter = ReplySplitter::new(starts_in_thinking).with_think_tags(info.think_tags);
+        let format = ChatStream { id, model, created, include_usage, splitter };
         let first = vec![format.chunk(json!({"role": "assistant", "content": ""}), None, None)];
         return Ok(sse(generation, format, first).into_response());
     }
