@@ -88,6 +88,9 @@ pub struct ModelInfo {
     /// Whether a chat reply with thinking on starts inside the reasoning block (Kimi K3's XTML encoding
     /// opens it in the generation prompt), so a streaming client can tell reasoning from answer as it arrives.
     pub starts_in_thinking: bool,
+    /// Whether Kimi K2-format replies have `<think>` blocks split off as reasoning (the vocabulary has
+    /// `<think>` and `</think>`, as mlx-lm decides), so the streaming splitter does the same.
+    pub think_tags: bool,
     /// The chat encoding's name (`kimi_k3`, `chat_template`, `kimi_k2`, `plain`).
     pub chat_format: &'static str,
     /// At most how many bytes of text one token stands for ([`PromptEncoder::max_bytes_per_token`]): a prompt
@@ -246,6 +249,7 @@ impl EngineHandle {
                         .unwrap_or_else(|| "model".into()),
                     max_context: pipeline.model.config().max_position_embeddings,
                     starts_in_thinking: pipeline.chat.starts_in_thinking(ThinkingEffort::Auto),
+                    think_tags: pipeline.chat.splits_think_tags(),
                     chat_format: pipeline.chat.format().name(),
                     max_bytes_per_token,
                 };

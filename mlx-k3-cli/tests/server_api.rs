@@ -594,3 +594,64 @@ fn sse_reader_handles_split_lines() {
     });
     assert_eq!(got, vec![("a".into(), "{\"x\":1}".into()), ("message".into(), "[DONE]".into())]);
 }
+
+#[test]
+fn kimi_k2_think_blocks_come_back_as_reasoning() {
+    let _g = serial();
+    // A vocabulary with `<think>` and `</think>` (Kimi K2-Thinking's, K2.5's) has the reasoning of Kimi
+    // K2-format replies split off as mlx-lm 0.32.2's server splits it. Two reserved tokens of k3-nano (whose
+    // replies are read as Kimi K2's) are named `<think>` and `</think>`; further ones name whole replies, each
+    // forced by logit_bias as in the tool-call test above. The expected splits are mlx-lm's own, from the
+    // fixture of scripts/make_k2_reasoning_fixtures.py (the server's initial state is "normal": the prompt
+    // holds no `<think>`).
+    let fixture: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/chat/k2_reasoning.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let cases: Vec<&Value> = fixture["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["initial"] == "normal" && c["reply"].as_str().unwrap().starts_with("<think>"))
+        .collect();
+    assert!(cases.len() >= 5);
+    let mut names = vec![(30, "<think>"), (31, "</think>")];
+    names.extend(cases.iter().enumerate().map(|(i, c)| (32 + i, c["reply"].as_str().unwrap())));
+    let (model, ids) = server_support::special_variant(&server_support::model_dir(), &names);
+    let s = Server::start_with(model.path(), &[]);
+    for (case, id) in cases.iter().zip(&ids[2..]) {
+        let want = &case["whole"];
+        let body = json!({
+            "messages": user("Weather in Paris?"),
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+            "max_tokens": 1, "temperature": 0, "logit_bias": {id.to_string(): 100}
+        });
+        let (code, full) = s.post("/v1/chat/completions", &body);
+        assert_eq!(code, 200, "{full}");
+        let message = &full["choices"][0]["message"];
+        let reasoning = want["reasoning"].as_str().unwrap();
+        let got_reasoning = message.get("reasoning_content").and_then(Value::as_str).unwrap_or("");
+        assert_eq!(got_reasoning, reasoning, "reasoning of {}: {full}", case["reply"]);
+        let content = message["content"].as_str().unwrap_or("");
+        assert_eq!(content, want["content"].as_str().unwrap(), "answer of {}: {full}", case["reply"]);
+        let calls: Vec<Value> = message
+            .get("tool_calls")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(|c| json!({"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}))
+            .collect();
+        assert_eq!(Value::Array(calls), want["tool_calls"], "tool calls of {}: {full}", case["reply"]);
+
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let events = s.stream_all("/v1/chat/completions", &streamed);
+        let (got_reasoning, content, _, _) = collect_chat_chunks(&events);
+        assert_eq!(got_reasoning, case["streamed"]["reasoning"].as_str().unwrap(), "streamed {}", case["reply"]);
+        assert_eq!(content, case["streamed"]["content"].as_str().unwrap(), "streamed {}", case["reply"]);
+    }
+}

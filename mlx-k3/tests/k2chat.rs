@@ -6,8 +6,8 @@
 use std::path::{Path, PathBuf};
 
 use mlx_k3::chat::{
-    model_type_of, parse_k2_section, parse_k2_tool_calls, ChatEncoder, ChatFormat, ChatOptions, ThinkingEffort,
-    ToolCall, ToolSyntax,
+    model_type_of, parse_k2_section, parse_k2_tool_calls, split_k2_reasoning, ChatEncoder, ChatFormat, ChatOptions,
+    ThinkingEffort, ToolCall, ToolSyntax,
 };
 use mlx_k3::tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -52,6 +52,32 @@ fn k2_tool_calls_parse_as_mlx_lm_does() {
         let got = parse_k2_section(text).map(|c| calls_json(&c)).unwrap_or(Value::Null);
         assert_eq!(got, case["calls"], "section {text:?}");
     }
+}
+
+#[test]
+fn k2_think_blocks_split_as_mlx_lm_does() {
+    // mlx-lm 0.32.2's server over hand-written Kimi K2-Thinking replies (scripts/make_k2_reasoning_fixtures.py):
+    // reasoning, answer and tool calls, from either initial state.
+    let doc = load("k2_reasoning.json");
+    let cases = doc["cases"].as_array().unwrap();
+    assert!(cases.len() >= 20);
+    let mut with_calls = 0;
+    for case in cases {
+        let text = case["reply"].as_str().unwrap();
+        let (reasoning, rest) = split_k2_reasoning(text, case["initial"] == "reasoning");
+        let (content, calls) = parse_k2_tool_calls(&rest);
+        let want = &case["whole"];
+        assert_eq!(reasoning, want["reasoning"].as_str().unwrap(), "reasoning of {text:?} ({})", case["initial"]);
+        assert_eq!(content, want["content"].as_str().unwrap(), "answer of {text:?} ({})", case["initial"]);
+        assert_eq!(calls_json(&calls), want["tool_calls"], "tool calls of {text:?} ({})", case["initial"]);
+        with_calls += usize::from(!calls.is_empty());
+    }
+    assert!(with_calls >= 6);
+    // The K2 fixture tokenizer has no `<think>` token (Kimi-K2-Instruct's): its replies keep the tags as text.
+    let (_, enc) = k2_encoder();
+    assert!(!enc.splits_think_tags());
+    let out = enc.parse("<think>a</think>b", ThinkingEffort::Auto);
+    assert_eq!((out.reasoning.as_str(), out.content.as_str()), ("", "<think>a</think>b"));
 }
 
 /// The K2 fixture tokenizer (k3-nano's ranks with Kimi K2's control tokens) and the encoder a Kimi K2

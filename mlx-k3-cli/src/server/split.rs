@@ -2,8 +2,9 @@
 //!
 //! Reasoning and answer are only separable by the chat format's markers (Kimi K3's XTML:
 //! `...<|close|>think<|sep|><|open|>response<|sep|>...<|close|>response<|sep|>`, tool calls after
-//! `<|open|>tools<|sep|>`; Kimi K2's tool sections `<|tool_calls_section_begin|>...<|tool_calls_section_end|>`),
-//! which arrive as several tokens. The splitter follows the same rules as
+//! `<|open|>tools<|sep|>`; Kimi K2's tool sections `<|tool_calls_section_begin|>...<|tool_calls_section_end|>`;
+//! with [`ReplySplitter::with_think_tags`], Kimi K2-Thinking's and K2.5's `<think>...</think>` reasoning, as
+//! mlx-lm's server splits it), which arrive as several tokens. The splitter follows the same rules as
 //! [`mlx_k3::chat::ChatEncoder::parse`] as a state machine and holds back only a tail that could still grow
 //! into a marker, so text reaches the client token by token and a marker never leaks half-written. The final
 //! reply (the engine's parse of the whole text) stays authoritative for the tool calls; in odd outputs (text
@@ -17,6 +18,8 @@ const RESPONSE_OPEN: &str = "<|open|>response<|sep|>";
 const RESPONSE_CLOSE: &str = "<|close|>response<|sep|>";
 const K2_TOOLS_OPEN: &str = "<|tool_calls_section_begin|>";
 const K2_TOOLS_CLOSE: &str = "<|tool_calls_section_end|>";
+const K2_THINK_OPEN: &str = "<think>";
+const K2_THINK_CLOSE: &str = "</think>";
 // Removed from the answer wherever they appear.
 const DROPPED: [&str; 2] = ["<|close|>message<|sep|>", "<|im_end|>"];
 
@@ -32,6 +35,8 @@ enum Part {
     Tools,
     /// A Kimi K2 tool section: held back until it closes, then the answer goes on.
     K2Tools,
+    /// Kimi K2-Thinking's `<think>` block: reasoning until `</think>` or a tool section.
+    K2Reasoning,
 }
 
 /// New reasoning and answer text.
@@ -55,13 +60,25 @@ pub struct ReplySplitter {
     part: Part,
     pending: String,
     saw_response_open: bool,
+    think_tags: bool,
 }
 
 impl ReplySplitter {
     /// A splitter for a reply that starts inside the thinking block or not.
     pub fn new(starts_in_thinking: bool) -> Self {
         let part = if starts_in_thinking { Part::Reasoning } else { Part::Answer };
-        ReplySplitter { part, pending: String::new(), saw_response_open: false }
+        ReplySplitter { part, pending: String::new(), saw_response_open: false, think_tags: false }
+    }
+
+    /// With `on`, `<think>` in the answer opens reasoning that `</think>` closes (mlx-lm's states for a
+    /// vocabulary with both tags: each tag is plain text in the other state, and a Kimi K2 tool section may
+    /// open inside the reasoning and returns to the answer when it closes).
+    pub fn with_think_tags(mut self, on: bool) -> Self {
+        self.think_tags = on;
+        if on && self.part == Part::Reasoning {
+            self.part = Part::K2Reasoning;
+        }
+        self
     }
 
     /// Adds a piece; returns the text that is now certain.
@@ -95,6 +112,9 @@ impl ReplySplitter {
                     let close_ends = self.saw_response_open;
                     let mut markers = vec![THINK_OPEN, TOOLS_OPEN, RESPONSE_OPEN, RESPONSE_CLOSE, K2_TOOLS_OPEN];
                     markers.extend(DROPPED);
+                    if self.think_tags {
+                        markers.push(K2_THINK_OPEN);
+                    }
                     let first = markers.iter().filter_map(|m| self.pending.find(m).map(|i| (i, *m))).min();
                     match first {
                         Some((i, m)) => {
@@ -104,6 +124,7 @@ impl ReplySplitter {
                                 THINK_OPEN => Part::ThinkHeader,
                                 TOOLS_OPEN => Part::Tools,
                                 K2_TOOLS_OPEN => Part::K2Tools,
+                                K2_THINK_OPEN => Part::K2Reasoning,
                                 RESPONSE_CLOSE if close_ends => Part::AfterAnswer,
                                 _ => Part::Answer,
                             };
@@ -135,6 +156,24 @@ impl ReplySplitter {
                     self.pending.clear();
                     break;
                 }
+                Part::K2Reasoning => {
+                    let markers = [K2_THINK_CLOSE, K2_TOOLS_OPEN];
+                    let first = markers.iter().filter_map(|m| self.pending.find(m).map(|i| (i, *m))).min();
+                    match first {
+                        Some((i, m)) => {
+                            out.reasoning.push_str(&self.pending[..i]);
+                            self.pending.drain(..i + m.len());
+                            self.part = if m == K2_TOOLS_OPEN { Part::K2Tools } else { Part::Answer };
+                        }
+                        None => {
+                            let keep = partial_marker_len(&self.pending, &markers);
+                            let n = self.pending.len() - keep;
+                            out.reasoning.push_str(&self.pending[..n]);
+                            self.pending.drain(..n);
+                            break;
+                        }
+                    }
+                }
                 Part::K2Tools => match self.pending.find(K2_TOOLS_CLOSE) {
                     Some(i) => {
                         self.pending.drain(..i + K2_TOOLS_CLOSE.len());
@@ -155,7 +194,7 @@ impl ReplySplitter {
     pub fn finish(&mut self) -> Delta {
         let rest = std::mem::take(&mut self.pending);
         match self.part {
-            Part::Reasoning => Delta { reasoning: rest, content: String::new() },
+            Part::Reasoning | Part::K2Reasoning => Delta { reasoning: rest, content: String::new() },
             Part::Answer => Delta { reasoning: String::new(), content: rest },
             _ => Delta::default(),
         }
@@ -287,5 +326,66 @@ mod tests {
         assert_eq!(s.push("se|>x").reasoning, "<|close|>x");
         assert_eq!(s.push("<|close|>think<|sep|>").reasoning, "");
         assert_eq!(s.push("answer").content, "answer");
+    }
+
+    /// k3-nano's tokens plus `<think>` and `</think>` (as Kimi K2-Thinking's and K2.5's vocabularies have them).
+    fn k2_think_encoder() -> ChatEncoder {
+        let ranks: HashMap<Vec<u8>, u32> = (0..=255u8).map(|b| (vec![b], b as u32)).collect();
+        let cfg = serde_json::json!({"added_tokens_decoder": {
+            "256": {"content": "<|im_user|>"}, "257": {"content": "<|im_assistant|>"},
+            "258": {"content": "<|im_middle|>"}, "259": {"content": "<|im_end|>"},
+            "260": {"content": "<|tool_calls_section_begin|>"}, "261": {"content": "<|tool_calls_section_end|>"},
+            "262": {"content": "<think>"}, "263": {"content": "</think>"}
+        }});
+        let tok = Tokenizer::Tiktoken(TiktokenTokenizer::from_ranks(ranks, &cfg, KIMI_PATTERN).unwrap());
+        ChatEncoder::new(&tok, None, None, None).unwrap()
+    }
+
+    #[test]
+    fn k2_think_blocks_stream_as_mlx_lm_splits_them() {
+        // mlx-lm 0.32.2's splits of hand-written replies (scripts/make_k2_reasoning_fixtures.py), from either
+        // initial state; the reply fed whole, in every cut into three pieces, and character by character.
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/chat/k2_reasoning.json");
+        let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        assert!(k2_think_encoder().splits_think_tags() && !k2_encoder().splits_think_tags());
+        let cases = doc["cases"].as_array().unwrap();
+        assert!(cases.len() >= 20);
+        for case in cases {
+            let text = case["reply"].as_str().unwrap();
+            let initial = case["initial"].as_str().unwrap() == "reasoning";
+            let want = Delta {
+                reasoning: case["streamed"]["reasoning"].as_str().unwrap().to_string(),
+                content: case["streamed"]["content"].as_str().unwrap().to_string(),
+            };
+            let run = |pieces: &[&str]| {
+                let mut s = ReplySplitter::new(initial).with_think_tags(true);
+                let mut all = Delta::default();
+                for p in pieces {
+                    let d = s.push(p);
+                    all.reasoning += &d.reasoning;
+                    all.content += &d.content;
+                }
+                let d = s.finish();
+                all.reasoning += &d.reasoning;
+                all.content += &d.content;
+                all
+            };
+            let bounds: Vec<usize> = (0..=text.len()).filter(|&i| text.is_char_boundary(i)).collect();
+            let chars: Vec<&str> = bounds.windows(2).map(|w| &text[w[0]..w[1]]).collect();
+            assert_eq!(run(&chars), want, "{text:?} ({}) char by char", case["initial"]);
+            for &a in &bounds {
+                for &b in bounds.iter().filter(|&&b| b >= a).step_by(3) {
+                    assert_eq!(run(&[&text[..a], &text[a..b], &text[b..]]), want, "{text:?} cut at {a}/{b}");
+                }
+            }
+            // The final parse (the server's non-streamed reply) from the initial state the engine uses.
+            if !initial {
+                let got = k2_think_encoder().parse(text, ThinkingEffort::Auto);
+                assert_eq!(got.reasoning, case["whole"]["reasoning"].as_str().unwrap(), "{text:?}");
+                assert_eq!(got.content, case["whole"]["content"].as_str().unwrap(), "{text:?}");
+                assert_eq!(got.tool_calls.len(), case["whole"]["tool_calls"].as_array().unwrap().len(), "{text:?}");
+            }
+        }
     }
 }

@@ -142,7 +142,7 @@ async fn run(state: State, owner: Owner, req: WebChatRequest) -> Result<Response
     };
     let starts_in_thinking = state.engine.info().starts_in_thinking && thinking.thinking();
     let format = WebChatStream {
-        splitter: ReplySplitter::new(starts_in_thinking),
+        splitter: ReplySplitter::new(starts_in_thinking).with_think_tags(state.engine.info().think_tags),
         stop_requested: registration.flag.clone(),
         _registration: registration,
     };

@@ -14,8 +14,9 @@ and ``import mlx_k3`` makes ``mlx_lm.load`` build every Kimi K3 checkpoint (``mo
 :class:`mlx_k3.models.kimi_k3.Model`: mlx-lm's model with mlx-k3's kernels (quantized matmuls, router,
 SiTU, residual mix), float32 on a CPU as mlx-k3's CLI computes, and the project's codebook and tiered
 expert formats (``config.json``'s ``quantization``: ``{"mode": "k3_codebook"}`` / ``"k3_tiered"``), which
-``mlx_lm.generate``, ``stream_generate``, the server and perplexity use unchanged. Other model types keep
-mlx-lm's classes. ``python -m mlx_k3 <mlx_lm command> ...`` runs any mlx-lm command with the drop-in.
+``mlx_lm.generate``, ``stream_generate``, the server and perplexity use unchanged. The DeepSeek-V3 family
+(``deepseek_v3``: DeepSeek-V3/R1, Kimi K2; ``kimi_k25``: Kimi K2.5/K2.7) loads the same way as
+:mod:`mlx_k3.models.deepseek_v3` / :mod:`mlx_k3.models.kimi_k25`. Other model types keep mlx-lm's classes. ``python -m mlx_k3 <mlx_lm command> ...`` runs any mlx-lm command with the drop-in.
 """
 
 import mlx.core as mx  # loads libmlx first: the extension below binds to this same copy

@@ -1,4 +1,5 @@
-"""How ``import mlx_k3`` makes ``mlx_lm.load`` understand Kimi K3 checkpoints with mlx-k3's kernels.
+"""How ``import mlx_k3`` makes ``mlx_lm.load`` run Kimi K3 checkpoints and the DeepSeek-V3 family's
+(``deepseek_v3``, ``kimi_k25``) with mlx-k3's kernels.
 
 mlx-lm picks a model's classes in ``mlx_lm.utils._get_classes``: it imports ``mlx_lm.models.<model_type>``
 and takes that module's ``Model`` and ``ModelArgs``. (Patching ``_get_classes`` itself would not reach
@@ -6,7 +7,8 @@ and takes that module's ``Model`` and ``ModelArgs``. (Patching ``_get_classes`` 
 two attributes of ``mlx_lm.models.kimi_k3`` with :mod:`mlx_k3.models.kimi_k3`'s, whose ``Model`` is
 mlx-lm's with mlx-k3's kernels and formats (see that module for what else it installs). Every mlx-lm entry
 point (``load``, ``generate``, the server, perplexity, ...) goes through ``_get_classes``, so all of them see
-the drop-in for every ``kimi_k3`` checkpoint.
+the drop-in for every ``kimi_k3`` checkpoint. ``mlx_lm.models.deepseek_v3`` and ``kimi_k25`` are patched
+the same way with :mod:`mlx_k3.models.deepseek_v3`'s and :mod:`mlx_k3.models.kimi_k25`'s classes.
 
 The tokenizer is loaded by ``mlx_lm.utils.load_tokenizer``, which may run before any model module is
 imported, so ``mlx_lm.utils`` is patched by itself: its tokenizer loader gets Kimi's exact tokenizer for a
@@ -32,6 +34,23 @@ def _patch_model(module) -> None:
         install(module)
 
 
+def _patch_deepseek_v3(module) -> None:
+    from .models import deepseek_v3
+
+    # As for kimi_k3: a partly initialized mlx_k3.models.deepseek_v3 installs itself when it finishes.
+    install = getattr(deepseek_v3, "install", None)
+    if install is not None:
+        install(module)
+
+
+def _patch_kimi_k25(module) -> None:
+    from .models import kimi_k25
+
+    install = getattr(kimi_k25, "install", None)
+    if install is not None:
+        install(module)
+
+
 def _patch_utils(module) -> None:
     from .tokenizer import install_tokenizer
 
@@ -39,7 +58,12 @@ def _patch_utils(module) -> None:
 
 
 # mlx-lm's modules the drop-in patches, and how.
-TARGETS = {"mlx_lm.models.kimi_k3": _patch_model, "mlx_lm.utils": _patch_utils}
+TARGETS = {
+    "mlx_lm.models.kimi_k3": _patch_model,
+    "mlx_lm.models.deepseek_v3": _patch_deepseek_v3,
+    "mlx_lm.models.kimi_k25": _patch_kimi_k25,
+    "mlx_lm.utils": _patch_utils,
+}
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -76,7 +100,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install_drop_in() -> None:
-    """Makes ``mlx_lm`` load Kimi K3 checkpoints with the drop-in (idempotent; ``import mlx_k3`` calls it)."""
+    """Makes ``mlx_lm`` load Kimi K3 and DeepSeek-V3-family checkpoints with the drop-in (idempotent; ``import mlx_k3`` calls it)."""
     for name, patch in TARGETS.items():
         if name in sys.modules:
             patch(sys.modules[name])

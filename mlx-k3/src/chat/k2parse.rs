@@ -71,6 +71,53 @@ pub fn split_sections(text: &str) -> (String, Vec<&str>) {
     (content, sections)
 }
 
+/// Opens a reasoning block in Kimi K2-Thinking / K2.5 replies (one token of their vocabulary).
+pub const THINK_BEGIN: &str = "<think>";
+/// Closes a reasoning block.
+pub const THINK_END: &str = "</think>";
+
+/// A reply's reasoning split off as mlx-lm's server splits it when the vocabulary has `<think>` and `</think>`:
+/// outside reasoning `<think>` opens it, inside `</think>` closes it (each marker is plain text in the other
+/// state), and a tool section (`<|tool_calls_section_begin|>` to `<|tool_calls_section_end|>`, which may
+/// open inside the reasoning) returns to the answer when it closes. Returns (reasoning, the rest): the rest is
+/// the answer text with the tool sections kept verbatim, for [`parse_k2_tool_calls`]. `starts_in_reasoning`:
+/// the prompt's last `<think>` is after its last `</think>` (mlx-lm's initial state).
+pub fn split_k2_reasoning(text: &str, starts_in_reasoning: bool) -> (String, String) {
+    let (mut reasoning, mut rest) = (String::new(), String::new());
+    let mut in_reasoning = starts_in_reasoning;
+    let mut s = text;
+    loop {
+        let open = if in_reasoning { THINK_END } else { THINK_BEGIN };
+        let next = [(s.find(open), open), (s.find(SECTION_BEGIN), SECTION_BEGIN)]
+            .into_iter()
+            .filter_map(|(i, m)| i.map(|i| (i, m)))
+            .min_by_key(|(i, _)| *i);
+        let Some((i, marker)) = next else {
+            (if in_reasoning { &mut reasoning } else { &mut rest }).push_str(s);
+            return (reasoning, rest);
+        };
+        (if in_reasoning { &mut reasoning } else { &mut rest }).push_str(&s[..i]);
+        s = &s[i + marker.len()..];
+        if marker == SECTION_BEGIN {
+            // The section goes to the tool parser whole; after it the reply is answer text again.
+            rest.push_str(SECTION_BEGIN);
+            match s.find(SECTION_END) {
+                Some(j) => {
+                    rest.push_str(&s[..j + SECTION_END.len()]);
+                    s = &s[j + SECTION_END.len()..];
+                }
+                None => {
+                    rest.push_str(s);
+                    return (reasoning, rest);
+                }
+            }
+            in_reasoning = false;
+        } else {
+            in_reasoning = !in_reasoning;
+        }
+    }
+}
+
 /// The calls of one tool section, or `None` where mlx-lm drops the section.
 pub fn parse_k2_section(section: &str) -> Option<Vec<ToolCall>> {
     let r = res();

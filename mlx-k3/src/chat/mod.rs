@@ -35,7 +35,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub use jinja::JinjaTemplate;
-pub use k2parse::{parse_k2_section, parse_k2_tool_calls};
+pub use k2parse::{parse_k2_section, parse_k2_tool_calls, split_k2_reasoning};
 pub use parse::{parse_xtml_tool_calls, ParsedOutput};
 pub use pyjson::{python_float_repr, python_json, python_json_compact};
 
@@ -285,6 +285,8 @@ pub struct ChatEncoder {
     bos_token: Option<String>,
     eos_token: Option<String>,
     marker: jinja::Marker,
+    /// The vocabulary has `<think>` and `</think>`: Kimi K2-format replies have their reasoning split off.
+    think_tags: bool,
 }
 
 fn has(tok: &Tokenizer, names: &[&str]) -> bool {
@@ -351,7 +353,9 @@ impl ChatEncoder {
             }
             _ => ToolSyntax::None,
         };
-        Ok(ChatEncoder { format, tools, bos_token: bos, eos_token: eos, marker })
+        // As mlx-lm decides that a tokenizer has thinking (`_infer_thinking`): both tags are single tokens.
+        let think_tags = has(tok, &[k2parse::THINK_BEGIN, k2parse::THINK_END]);
+        Ok(ChatEncoder { format, tools, bos_token: bos, eos_token: eos, marker, think_tags })
     }
 
     /// How tool calls in replies are read.
@@ -362,6 +366,12 @@ impl ChatEncoder {
     /// Which encoding is in use.
     pub fn format(&self) -> &ChatFormat {
         &self.format
+    }
+
+    /// Whether replies in Kimi K2's format have `<think>` blocks split off as reasoning (the vocabulary has
+    /// `<think>` and `</think>`, as Kimi K2-Thinking's and K2.5's have, and tool calls are read as Kimi K2's).
+    pub fn splits_think_tags(&self) -> bool {
+        self.think_tags && self.tools == ToolSyntax::KimiK2
     }
 
     /// Whether a reply with `thinking` starts inside the reasoning (Kimi K3 opens the think channel in the
@@ -477,8 +487,10 @@ impl ChatEncoder {
     pub fn parse(&self, text: &str, thinking: ThinkingEffort) -> ParsedOutput {
         match self.tools {
             ToolSyntax::KimiK2 => {
-                let (content, tool_calls) = parse_k2_tool_calls(text);
-                ParsedOutput { reasoning: String::new(), content: content.replace("<|im_end|>", ""), tool_calls }
+                let (reasoning, rest) =
+                    if self.think_tags { split_k2_reasoning(text, false) } else { (String::new(), text.to_string()) };
+                let (content, tool_calls) = parse_k2_tool_calls(&rest);
+                ParsedOutput { reasoning, content: content.replace("<|im_end|>", ""), tool_calls }
             }
             _ => parse::parse_output(text, self.starts_in_thinking(thinking)),
         }

@@ -187,7 +187,8 @@ async fn run(state: State, owner: Owner, req: ChatRequest) -> Result<Response, A
     let (model, created) = (info.id.clone(), now_secs());
     let starts_in_thinking = info.starts_in_thinking && thinking.thinking();
     if stream {
-        let format = ChatStream { id, model, created, include_usage, splitter: ReplySplitter::new(starts_in_thinking) };
+        let splitter = ReplySplitter::new(starts_in_thinking).with_think_tags(info.think_tags);
+        let format = ChatStream { id, model, created, include_usage, splitter };
         let first = vec![format.chunk(json!({"role": "assistant", "content": ""}), None, None)];
         return Ok(sse(generation, format, first).into_response());
     }
