@@ -22,10 +22,10 @@ the cache-less forward over all 28 tokens, 32 tokens of mlx-lm's `generate_step`
 
 Output, under `mlx-k3/tests/fixtures/k31/`:
 
-    a_k31_topk4   make_k3_fixtures' a_latent_norm_attnres as 3 layers (KDA, MLA, MLA) with 4 experts top-2 in
-                  2 groups, vocabulary 128, hidden 32, 2 KDA heads of 16: q_lora, output gate, latent MoE, attention residuals; indexer 4 heads x 16,
-                  index_topk 4 under a 12-token prompt, so the sparse path runs in prefill and at every
-                  decode step of both MLA layers
+    a_k31_topk4   make_k3_fixtures' a_latent_norm_attnres as 3 layers (KDA, MLA, MLA) with 4 experts top-2
+                  in 2 groups, vocabulary 128, hidden 32, 2 KDA heads of 16: q_lora, output gate, latent MoE,
+                  attention residuals; indexer 4 heads x 16, index_topk 4 under a 12-token prompt, so the
+                  sparse path runs in prefill and at every decode step of both MLA layers
 
 Checked before writing (make_k3_fixtures' rules plus one): greedy top-2 gaps >= 2e-3, router gaps >= 2e-4,
 cached decode equals the cache-less forward, and in every indexer call, for every query with more candidates
@@ -75,8 +75,8 @@ def k31_fixture() -> dict:
     t["linear_attn_config"]["full_attn_layers"] = [2, 3]
     # Two KDA heads (the K3 fixture has one), so that tensor parallelism over 2 ranks can split every layer.
     t["linear_attn_config"].update({"num_heads": 2, "head_dim": 16})
-    t.update({"vocab_size": VOCAB, "hidden_size": 32, "routed_expert_hidden_size": 16, "num_experts": 4, "num_experts_per_token": 2, "num_expert_group": 2, "topk_group": 1,
-              "moe_intermediate_size": 16})
+    t.update({"vocab_size": VOCAB, "hidden_size": 32, "routed_expert_hidden_size": 16, "num_experts": 4,
+              "num_experts_per_token": 2, "num_expert_group": 2, "topk_group": 1, "moe_intermediate_size": 16})
     t.update({"index_n_heads": 4, "index_head_dim": 16, "index_topk": 4})
     return {**base, "name": "a_k31_topk4", "seed": 3101, "release": False}
 
@@ -295,7 +295,8 @@ def main() -> None:
         tmp = Path(tmp)
         entries = build_all(tmp)
         for e in entries:
-            e["files"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((tmp / e["dir"]).iterdir())}
+            files = sorted((tmp / e["dir"]).iterdir())
+            e["files"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
         manifest = {
             "generator": "scripts/make_k31_fixtures.py",
             "mlx": k3.PINS["mlx"],
