@@ -25,11 +25,13 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/k3")
 }
 
-/// A fixture's folder: `deepseek_v3/NAME` in tests/fixtures/deepseek_v3, other names in tests/fixtures/k3.
+/// A fixture's folder: `deepseek_v3/NAME` in tests/fixtures/deepseek_v3, `k31/NAME` in tests/fixtures/k31,
+/// other names in tests/fixtures/k3.
 fn fixture_dir(name: &str) -> PathBuf {
-    match name.strip_prefix("deepseek_v3/") {
-        Some(n) => Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/deepseek_v3").join(n),
-        None => fixtures().join(name),
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures");
+    match name.split_once('/') {
+        Some((family @ ("deepseek_v3" | "k31"), n)) => root.join(family).join(n),
+        _ => fixtures().join(name),
     }
 }
 
@@ -227,6 +229,28 @@ fn deepseek_v3_expert_and_tensor_parallel_match_one_rank_and_mlx_lm() {
             let err = max_rel_err(&two, &f.prefill);
             assert!(err <= 1e-4, "{name}: two-rank (tp {tp}) logits differ from mlx-lm by {err}");
         }
+    }
+}
+
+#[test]
+fn k31_expert_and_tensor_parallel_match_one_rank_and_the_reference() {
+    // Kimi K3.1 (K3 with the DSA indexer on both MLA layers, index_topk 4 under a 12-token prompt) on two
+    // ranks: experts split (EP), and KDA heads, MLA heads, the shared expert and the dense layer's units split
+    // too (EP+TP), while each rank holds the whole indexer and so keeps the same positions. Both give the
+    // reference's greedy tokens (scripts/make_k31_fixtures.py) and the one-rank logits.
+    let name = "k31/a_k31_topk4";
+    let f = fixture(name);
+    let (one, one_gen, _) = run_logits(name, 1, false, f.generated.len());
+    assert_eq!(one_gen, f.generated, "{name}: one rank vs the reference");
+    for tp in [false, true] {
+        let (two, two_gen, _) = run_logits(name, 2, tp, f.generated.len());
+        assert_eq!(two_gen, f.generated, "{name}: two ranks (tp {tp}) vs the reference");
+        let err = max_rel_err(&two, &one);
+        assert!(err <= TOL, "{name}: two-rank (tp {tp}) logits differ from one rank by {err}");
+        // The bound of the one-rank test against the reference (mlx-k3/tests/k31.rs).
+        let err_ref = max_rel_err(&two, &f.prefill);
+        assert!(err_ref <= 1e-4, "{name}: two-rank (tp {tp}) logits differ from the reference by {err_ref}");
+        println!("{name} tp {tp}: rel err vs one rank {err:.2e}, vs the reference {err_ref:.2e}");
     }
 }
 

@@ -175,7 +175,8 @@ pub struct TextConfig {
     /// `rope_theta` / `rope_scaling`.
     #[serde(skip)]
     pub rope: Option<super::deepseek_v3::RopeConfig>,
-    /// The DSA lightning indexer on every MLA layer (`deepseek_v32`); None: dense attention.
+    /// The DSA lightning indexer on every MLA layer (`deepseek_v32`, and Kimi K3.1: a `kimi_k3` config with
+    /// the `index_*` fields); None: dense attention.
     #[serde(skip)]
     pub indexer: Option<IndexerConfig>,
 }
@@ -530,6 +531,41 @@ fn spec_from(field: &str, v: &Value, default_mode: QuantMode) -> Result<QuantSpe
     Ok(QuantSpec { group_size: int("group_size", d.group_size as i64)?, bits: int("bits", d.bits as i64)?, mode })
 }
 
+/// Kimi K3.1's DSA indexer: a `kimi_k3` text config with `index_n_heads`, `index_head_dim` and `index_topk`
+/// (DeepSeek-V3.2's names: this project's assumption until a K3.1 config is public) gets an indexer on every
+/// MLA layer, without rotation (K3.1's MLA is NoPE). All three fields are required once one is present: no
+/// public reference gives K3.1 defaults.
+fn k31_indexer(text: &Value, t: &TextConfig) -> Result<Option<IndexerConfig>> {
+    let bad = |field: &str, msg: String| Error::invalid("config", format!("{field}: {msg}"));
+    const FIELDS: [&str; 3] = ["index_n_heads", "index_head_dim", "index_topk"];
+    if FIELDS.iter().all(|f| text.get(*f).is_none_or(Value::is_null)) {
+        return Ok(None);
+    }
+    let mut v = [0usize; 3];
+    for (slot, field) in v.iter_mut().zip(FIELDS) {
+        let n = match text.get(field) {
+            None | Some(Value::Null) => {
+                return Err(bad(
+                    field,
+                    "missing (a kimi_k3 indexer needs index_n_heads, index_head_dim and index_topk)".into(),
+                ))
+            }
+            Some(x) => x.as_u64().ok_or_else(|| bad(field, format!("expected a positive integer, found {x}")))?,
+        };
+        if n == 0 || n > i32::MAX as u64 {
+            return Err(bad(field, format!("{n} is out of range (1..=2^31-1)")));
+        }
+        *slot = n as usize;
+    }
+    if (v[0] as u128) * (v[1] as u128) > i32::MAX as u128 {
+        return Err(bad("index_n_heads x index_head_dim", "larger than a tensor dimension can be".into()));
+    }
+    if t.q_lora_rank.is_none() {
+        return Err(bad("q_lora_rank", "the DSA indexer reads the query latent: q_lora_rank must be set".into()));
+    }
+    Ok(Some(IndexerConfig { heads: v[0], head_dim: v[1], topk: v[2], rope: None }))
+}
+
 impl ModelConfig {
     /// Parses `config.json` text; `path` is only used in error messages.
     pub fn parse(text: &str, path: &Path) -> Result<ModelConfig> {
@@ -565,7 +601,12 @@ impl ModelConfig {
             fmt(format!("{field}: {}", e.inner()))
         };
         let mut text: TextConfig = match family {
-            Family::KimiK3 => serde_path_to_error::deserialize(text_value).map_err(de_err)?,
+            Family::KimiK3 => {
+                let mut t: TextConfig = serde_path_to_error::deserialize(text_value.clone()).map_err(de_err)?;
+                t.indexer = k31_indexer(&text_value, &t)
+                    .map_err(|e| fmt(format!("{prefix}{}", e.to_string().trim_start_matches("[config] "))))?;
+                t
+            }
             Family::DeepseekV3 => {
                 let args: super::deepseek_v3::DeepseekV3Args =
                     serde_path_to_error::deserialize(text_value).map_err(de_err)?;

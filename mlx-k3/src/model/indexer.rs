@@ -1,11 +1,12 @@
 //! The DSA lightning indexer (DeepSeek-V3.2's sparse attention; mlx-lm `deepseek_v32.Indexer`), a block
-//! an MLA layer owns when the config has one.
+//! an MLA layer owns when the config has one (`deepseek_v32`, and Kimi K3.1 through `kimi_k3`'s `index_*`).
 //!
 //! Per query position it scores every cached position with a cheap multi-head dot product and keeps the
 //! `topk` best; the layer's attention then reads only those. Queries come from the MLA query latent
 //! (`wq_b`, `H x d_i`), the one key per position from the hidden state (`wk`, then a LayerNorm with bias),
-//! both rotated on their first `qk_rope_head_dim` features. The score of position `s` for query `t` is
-//! `sum_h w_h(t) * relu(q_h(t) . k(s))` with per-head weights `w = weights_proj(x) * H^-1/2 * d_i^-1/2`.
+//! both rotated on their first `qk_rope_head_dim` features (`deepseek_v32`; Kimi K3.1's indexer has no
+//! rotation). The score of position `s` for query `t` is `sum_h w_h(t) * relu(q_h(t) . k(s))` with per-head
+//! weights `w = weights_proj(x) * H^-1/2 * d_i^-1/2`.
 //! While at most `topk` positions exist, every position is kept and the attention stays dense (mlx-lm
 //! returns no indices then).
 
