@@ -8,77 +8,24 @@
 //! below and printed. Greedy tokens must be identical: the fixtures were chosen so that every top-1 logit
 //! leads by >= 2e-3 and every router choice by >= 2e-4, far above that noise.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use mlx_k3::io::Safetensors;
-use mlx_k3::model::{KimiK3, LoadOptions};
 use mlx_k3::{Array, Dtype};
 use serde_json::Value;
 
+mod logit_fixtures;
+use logit_fixtures::{argmax, expected, ids, last_row, load, rel_err};
+
 fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/k3")
+    logit_fixtures::dir("k3")
 }
 
 fn manifest() -> Vec<Value> {
-    let text = std::fs::read_to_string(fixtures_dir().join("manifest.json")).unwrap();
-    let v: Value = serde_json::from_str(&text).unwrap();
-    v["fixtures"].as_array().unwrap().clone()
-}
-
-struct Expected {
-    prompt: Vec<i32>,
-    prefill: Array,
-    decode_tokens: Vec<i32>,
-    decode: Array,
-    full: Array,
-}
-
-fn expected(dir: &Path) -> Expected {
-    let st = Safetensors::load(dir.join("expected.safetensors")).unwrap();
-    Expected {
-        prompt: st.get("prompt").unwrap().to_vec::<i32>().unwrap(),
-        prefill: st.get("prefill_logits").unwrap(),
-        decode_tokens: st.get("decode_tokens").unwrap().to_vec::<i32>().unwrap(),
-        decode: st.get("decode_logits").unwrap(),
-        full: st.get("full_logits").unwrap(),
-    }
-}
-
-fn ids(tokens: &[i32]) -> Array {
-    Array::from_slice(tokens, &[1, tokens.len() as i32]).unwrap()
-}
-
-/// max |a - b| / max |b|.
-fn rel_err(got: &Array, want: &Array) -> f32 {
-    let g = got.to_vec_f32().unwrap();
-    let w = want.to_vec_f32().unwrap();
-    assert_eq!(g.len(), w.len(), "logit counts differ");
-    let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let diff = g.iter().zip(&w).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    diff / scale
-}
-
-fn argmax(row: &[f32]) -> i32 {
-    let mut best = 0;
-    for (i, v) in row.iter().enumerate() {
-        if *v > row[best] {
-            best = i;
-        }
-    }
-    best as i32
-}
-
-fn last_row(logits: &Array) -> Vec<f32> {
-    let t = logits.dim(1).unwrap();
-    logits.slice_axis(1, t - 1, t).unwrap().to_vec_f32().unwrap()
+    logit_fixtures::manifest(&fixtures_dir())
 }
 
 const TOL: f32 = 1e-4;
-
-fn load(dir: &Path, dtype: Dtype) -> KimiK3 {
-    KimiK3::load(dir, LoadOptions { dtype: Some(dtype), lazy: false, shard: None })
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-}
 
 #[test]
 fn every_fixture_matches_mlx_lm() {
