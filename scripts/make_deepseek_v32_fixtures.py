@@ -30,11 +30,7 @@ Run (CPU, a few seconds; byte-identical from run to run):
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -267,27 +263,7 @@ def build_all(out: Path) -> list:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        entries = build_all(tmp)
-        for e in entries:
-            e["files"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((tmp / e["dir"]).iterdir())}
-        manifest = {
-            "generator": "scripts/make_deepseek_v32_fixtures.py",
-            "mlx": k3.PINS["mlx"],
-            "mlx_lm": k3.PINS["mlx-lm"],
-            "prompt_len": k3.PROMPT_LEN,
-            "decode_steps": k3.DECODE_STEPS,
-            "fixtures": entries,
-        }
-        if OUT.exists():
-            shutil.rmtree(OUT)
-        OUT.mkdir(parents=True)
-        for e in entries:
-            shutil.copytree(tmp / e["dir"], OUT / e["dir"])
-        (OUT / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
-    print(f"wrote {len(entries)} fixtures to {OUT.relative_to(ROOT)} ({total / 1024:.0f} KiB in all)")
+    ds3.write_fixture_set(OUT, "scripts/make_deepseek_v32_fixtures.py", build_all)
 
 
 if __name__ == "__main__":

@@ -438,28 +438,35 @@ def build_all(out: Path) -> list:
     return entries
 
 
-def main() -> None:
+def write_fixture_set(out: Path, generator: str, build_all) -> None:
+    """Build every fixture into a scratch folder with `build_all(tmp) -> entries`, then replace `out` with them
+    and a manifest.json (each fixture's files with their SHA-256, the pins and the prompt/decode lengths)."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         entries = build_all(tmp)
         for e in entries:
-            e["files"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((tmp / e["dir"]).iterdir())}
+            files = sorted((tmp / e["dir"]).iterdir())
+            e["files"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
         manifest = {
-            "generator": "scripts/make_deepseek_v3_fixtures.py",
+            "generator": generator,
             "mlx": k3.PINS["mlx"],
             "mlx_lm": k3.PINS["mlx-lm"],
             "prompt_len": k3.PROMPT_LEN,
             "decode_steps": k3.DECODE_STEPS,
             "fixtures": entries,
         }
-        if OUT.exists():
-            shutil.rmtree(OUT)
-        OUT.mkdir(parents=True)
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
         for e in entries:
-            shutil.copytree(tmp / e["dir"], OUT / e["dir"])
-        (OUT / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
-    print(f"wrote {len(entries)} fixtures to {OUT.relative_to(ROOT)} ({total / 1024:.0f} KiB in all)")
+            shutil.copytree(tmp / e["dir"], out / e["dir"])
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"wrote {len(entries)} fixtures to {out.relative_to(ROOT)} ({total / 1024:.0f} KiB in all)")
+
+
+def main() -> None:
+    write_fixture_set(OUT, "scripts/make_deepseek_v3_fixtures.py", build_all)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,7 @@ Run (CPU, a few seconds):
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-import shutil
 import sys
-import tempfile
 import types
 from pathlib import Path
 
@@ -291,28 +287,7 @@ def build_all(out: Path) -> list:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        entries = build_all(tmp)
-        for e in entries:
-            files = sorted((tmp / e["dir"]).iterdir())
-            e["files"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
-        manifest = {
-            "generator": "scripts/make_k31_fixtures.py",
-            "mlx": k3.PINS["mlx"],
-            "mlx_lm": k3.PINS["mlx-lm"],
-            "prompt_len": k3.PROMPT_LEN,
-            "decode_steps": k3.DECODE_STEPS,
-            "fixtures": entries,
-        }
-        if OUT.exists():
-            shutil.rmtree(OUT)
-        OUT.mkdir(parents=True)
-        for e in entries:
-            shutil.copytree(tmp / e["dir"], OUT / e["dir"])
-        (OUT / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
-    print(f"wrote {len(entries)} fixtures to {OUT.relative_to(ROOT)} ({total / 1024:.0f} KiB in all)")
+    ds32.ds3.write_fixture_set(OUT, "scripts/make_k31_fixtures.py", build_all)
 
 
 if __name__ == "__main__":
