@@ -21,6 +21,14 @@ pub const GGML_TYPE_Q4_0: u32 = 2;
 pub const GGML_TYPE_Q8_0: u32 = 8;
 /// GGML type id of BF16.
 pub const GGML_TYPE_BF16: u32 = 30;
+/// GGML type id of Q2_K (super-blocks of 256: sixteen 16-value sub-blocks with 4-bit scales and mins).
+pub const GGML_TYPE_Q2_K: u32 = 10;
+/// GGML type id of Q4_K (super-blocks of 256: eight 32-value sub-blocks with 6-bit scales and mins).
+pub const GGML_TYPE_Q4_K: u32 = 12;
+/// GGML type id of Q5_K (as Q4_K, with a fifth code bit).
+pub const GGML_TYPE_Q5_K: u32 = 13;
+/// GGML type id of Q6_K (super-blocks of 256: sixteen 16-value sub-blocks with 8-bit scales, 6-bit codes).
+pub const GGML_TYPE_Q6_K: u32 = 14;
 
 /// The name llama.cpp gives GGML type `t` (`"type 42"` for ids this reader does not know).
 pub fn ggml_type_name(t: u32) -> String {
@@ -62,13 +70,17 @@ pub fn ggml_type_name(t: u32) -> String {
 }
 
 /// `(values per block, bytes per block)` of the GGML types [`GgufFile::tensor_bytes`] reads.
-fn block_layout(t: u32) -> Option<(usize, usize)> {
+pub fn block_layout(t: u32) -> Option<(usize, usize)> {
     match t {
         GGML_TYPE_F32 => Some((1, 4)),
         GGML_TYPE_F16 | GGML_TYPE_BF16 => Some((1, 2)),
         GGML_TYPE_Q4_0 => Some((32, 18)),
         GGML_TYPE_Q8_0 => Some((32, 34)),
         GGML_TYPE_IQ1_S => Some((SUPER_BLOCK, IQ1S_BLOCK_BYTES)),
+        GGML_TYPE_Q2_K => Some((256, 84)),
+        GGML_TYPE_Q4_K => Some((256, 144)),
+        GGML_TYPE_Q5_K => Some((256, 176)),
+        GGML_TYPE_Q6_K => Some((256, 210)),
         _ => None,
     }
 }
@@ -319,7 +331,8 @@ impl GgufFile {
         from_iq1s_blocks(&self.raw(info, nbytes as u64)?, rows, k)
     }
 
-    /// The raw bytes of tensor `name` in its GGML type (F32, F16, BF16, Q4_0, Q8_0 or IQ1_S; any other type
+    /// The raw bytes of tensor `name` in its GGML type (F32, F16, BF16, Q4_0, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K or
+    /// IQ1_S; any other type
     /// is an error naming it), after checking that its inner dimension is whole blocks and that the bytes
     /// lie inside the file.
     pub fn tensor_bytes(&self, name: &str) -> Result<Vec<u8>> {
