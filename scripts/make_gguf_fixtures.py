@@ -12,6 +12,10 @@ reference its import is checked against.
                                       as make_deepseek_v3_fixtures.py), and every dequantized tensor under
                                       `w.<mlx-lm name>` for the bit-for-bit check of the exact types
 
+    deepseek2_split/model-0000N-of-00003.gguf
+                                      deepseek2_mixed's GGUF as three split shards (gguf-py's writer with
+                                      split_max_tensors, as llama.cpp's gguf-split lays them out)
+
     deepseek2_kv_b/                   the same model in the older MLA layout: one attn_kv_b (Q8_0) per layer
                                       and per-head key_length / value_length, no *_mla keys
 
@@ -320,7 +324,8 @@ def split_kv_b(kv_b: np.ndarray, t: dict) -> tuple[np.ndarray, np.ndarray]:
     return v[:, : t["qk_nope_head_dim"]].transpose(0, 2, 1).copy(), v[:, t["qk_nope_head_dim"] :].copy()
 
 
-def write_fixture(name: str, kv_b: bool, text: dict = TEXT, types: dict | None = None, hashes: bool = False) -> dict:
+def write_fixture(name: str, kv_b: bool, text: dict = TEXT, types: dict | None = None, hashes: bool = False,
+                  split: str | None = None) -> dict:
     """One fixture folder. `types` overrides GGML types per mlx-lm name; `hashes` records the dequantized
     tensors as SHA-256 digests in the manifest (of their little-endian f32 bytes, -0 written as +0) instead of
     storing them in expected.safetensors, which keeps a wider model's fixture small."""
@@ -342,6 +347,7 @@ def write_fixture(name: str, kv_b: bool, text: dict = TEXT, types: dict | None =
             del tensors[p + "embed_q.weight"], tensors[p + "unembed_out.weight"]
             tensors[p + "kv_b_proj.weight"] = (f"blk.{layer}.attn_kv_b.weight", T.Q8_0, kv_b_of(params, layer, TEXT))
     dequant = {}
+    added = []
     for n in sorted(tensors):
         g, ty, v = tensors[n]
         if ty == T.F32:
@@ -353,11 +359,27 @@ def write_fixture(name: str, kv_b: bool, text: dict = TEXT, types: dict | None =
         else:
             data, raw = gguf.quants.quantize(v, ty), ty
         w.add_tensor(g, data, raw_dtype=raw)
+        added.append((g, data, raw))
         dequant[n] = np.asarray(gguf.quants.dequantize(data, ty), dtype=np.float32).reshape(v.shape)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if split:
+        # The same model as llama.cpp's gguf-split writes it: three shards model-0000N-of-00003.gguf, the
+        # metadata in the first, split.no / split.count / split.tensors.count in each.
+        sdir = OUT / split
+        sdir.mkdir(parents=True, exist_ok=True)
+        per = -(-len(added) // 3)
+        ws = gguf.GGUFWriter(str(sdir / "model.gguf"), ARCH, split_max_tensors=per)
+        write_metadata(ws, TEXT, kv_b)
+        for g, data, raw in added:
+            ws.add_tensor(g, data, raw_dtype=raw)
+        ws.write_header_to_file()
+        ws.write_kv_data_to_file()
+        ws.write_tensors_to_file()
+        ws.close()
+        assert sorted(p.name for p in sdir.iterdir()) == [f"model-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
 
     # The reference: mlx-lm on exactly the values the GGUF holds, as gguf-py reads them back.
     reader = gguf.GGUFReader(str(fdir / "model.gguf"))
@@ -408,7 +430,7 @@ KQUANT_TYPES = {
 
 
 def main() -> None:
-    fixtures = [write_fixture("deepseek2_mixed", False), write_fixture("deepseek2_kv_b", True),
+    fixtures = [write_fixture("deepseek2_mixed", False, split="deepseek2_split"), write_fixture("deepseek2_kv_b", True),
                 write_fixture("deepseek2_kquants", False, TEXT_K, KQUANT_TYPES, hashes=True)]
     manifest = {"generator": "scripts/make_gguf_fixtures.py", "fixtures": fixtures}
     (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")

@@ -415,3 +415,72 @@ fn the_kquants_model_runs_like_mlx_lm_on_its_dequantized_tensors() {
     }
     run_and_compare(&out, &kquants());
 }
+
+// --- Split GGUF: deepseek2_mixed as three shards (model-0000N-of-00003.gguf).
+
+fn shard(i: usize) -> PathBuf {
+    fixtures_dir("deepseek2_split").join(format!("model-{i:05}-of-00003.gguf"))
+}
+
+#[test]
+fn a_split_gguf_imports_like_the_single_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let (one, split) = (dir.path().join("one"), dir.path().join("split"));
+    let a = import_gguf(&fixture().join("model.gguf"), &one, false).unwrap();
+    let b = import_gguf(&shard(1), &split, false).unwrap();
+    assert_eq!(a.tensors, b.tensors);
+    let files = |d: &Path| {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".safetensors") || n == "config.json")
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(files(&one), files(&split));
+    assert!(files(&one).len() == 4, "{:?}", files(&one));
+    for f in files(&one) {
+        assert_eq!(std::fs::read(one.join(&f)).unwrap(), std::fs::read(split.join(&f)).unwrap(), "{f}");
+    }
+}
+
+#[test]
+fn split_gguf_errors_name_the_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = |name: &str, shards: &[usize]| {
+        let d = dir.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for &i in shards {
+            std::fs::copy(shard(i), d.join(format!("model-{i:05}-of-00003.gguf"))).unwrap();
+        }
+        d
+    };
+    let import = |d: &Path, i: usize| {
+        import_gguf(&d.join(format!("model-{i:05}-of-00003.gguf")), &d.join("out"), false).unwrap_err().to_string()
+    };
+    // A later shard given instead of the first.
+    let e = import(&copy("all", &[1, 2, 3]), 2);
+    assert!(e.contains("give the first shard") && e.contains("model-00002-of-00003.gguf"), "{e}");
+    // A missing shard, named.
+    let e = import(&copy("gap", &[1, 3]), 1);
+    assert!(e.contains("model-00002-of-00003.gguf") && e.contains("missing"), "{e}");
+    // A truncated shard: its tensor data cut short.
+    let d = copy("cut", &[1, 2, 3]);
+    let p = d.join("model-00003-of-00003.gguf");
+    let b = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &b[..b.len() - 64]).unwrap();
+    let e = import(&d, 1);
+    assert!(e.contains("model-00003-of-00003.gguf") && e.contains("truncated"), "{e}");
+    // Inconsistent split metadata: shard 3 says it is split.no 1 (u16 value after the key and its type).
+    let d = copy("bad", &[1, 2, 3]);
+    let p = d.join("model-00003-of-00003.gguf");
+    let mut b = std::fs::read(&p).unwrap();
+    let key = b"split.no";
+    let at = b.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 4;
+    assert_eq!(u16::from_le_bytes([b[at], b[at + 1]]), 2);
+    b[at..at + 2].copy_from_slice(&1u16.to_le_bytes());
+    std::fs::write(&p, b).unwrap();
+    let e = import(&d, 1);
+    assert!(e.contains("model-00003-of-00003.gguf") && e.contains("inconsistent split metadata"), "{e}");
+}

@@ -14,8 +14,12 @@
 //! unsigned): MLX's `scale * q + bias` in f32 then gives `d * (q - 128)` exactly (`d` has 11 significant
 //! bits, `q` at most 8, so every product and the difference are representable; the one bit that can differ is
 //! the sign of a zero, `-0` from ggml where MLX gives `+0`, equal values). Where the model keeps a
-//! float (router, MLA's per-head matrices) a quantized tensor is dequantized, again exactly. Any other
-//! GGML type is an error naming the tensor and the type.
+//! float (router, MLA's per-head matrices) a quantized tensor is dequantized, again exactly. Q4_K / Q5_K
+//! become affine 4 / 5-bit with group 32 (see [`exact_affine`]) and IQ1_S the codebook format, also exactly.
+//! Q6_K and Q2_K (16-value sub-blocks: no MLX group fits) are re-quantized per the recipe (or affine 8-bit),
+//! with the error reported per tensor and class; a recipe may also re-encode any module it covers. Any
+//! other GGML type is an error naming the tensor and the type. A split model is read from its first shard
+//! ([`open_shards`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -528,6 +532,60 @@ pub fn class_table(rows: &[ImportedTensor], sums: &BTreeMap<String, (f64, f64)>)
     json!(t)
 }
 
+/// The files of a GGUF model: `path` alone, or, when its metadata says `split.count` = N > 1, the shards
+/// `PREFIX-0000i-of-0000N.gguf` next to it (llama.cpp's gguf-split names; `path` must be the first, `split.no`
+/// 0). Every shard must exist and say the same `split.count` and its own `split.no`; the first holds the
+/// model's metadata.
+pub fn open_shards(path: &Path) -> Result<Vec<(std::path::PathBuf, GgufFile)>> {
+    let first = GgufFile::open(path)?;
+    let count: usize = match meta::<usize>(&first, path, "split.count")? {
+        None | Some(0) | Some(1) => return Ok(vec![(path.to_path_buf(), first)]),
+        Some(n) => n,
+    };
+    let no: usize = need(&first, path, "split.no")?;
+    if no != 0 {
+        return Err(fmt_err(
+            path,
+            format!(
+                "this is shard {} of {count} (split.no = {no}): give the first shard, ...-00001-of-{count:05}.gguf",
+                no + 1
+            ),
+        ));
+    }
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let suffix = format!("-00001-of-{count:05}.gguf");
+    let Some(stem) = name.strip_suffix(&suffix) else {
+        return Err(fmt_err(
+            path,
+            format!("split.count = {count}, but the file name does not end in '{suffix}' (the shards cannot be found)"),
+        ));
+    };
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut shards = vec![(path.to_path_buf(), first)];
+    for i in 2..=count {
+        let p = dir.join(format!("{stem}-{i:05}-of-{count:05}.gguf"));
+        if !p.exists() {
+            return Err(fmt_err(&p, format!("shard {i} of {count} of {} is missing", path.display())));
+        }
+        let f = GgufFile::open(&p)?;
+        let (c, n) = (meta::<usize>(&f, &p, "split.count")?, meta::<usize>(&f, &p, "split.no")?);
+        if c != Some(count) || n != Some(i - 1) {
+            let show = |v: Option<usize>| v.map_or("missing".to_string(), |v| v.to_string());
+            return Err(fmt_err(
+                &p,
+                format!(
+                    "inconsistent split metadata: split.count = {}, split.no = {}; shard {i} of {count} should say {count} and {}",
+                    show(c),
+                    show(n),
+                    i - 1
+                ),
+            ));
+        }
+        shards.push((p, f));
+    }
+    Ok(shards)
+}
+
 /// Options of [`import_gguf_with`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ImportOptions<'a> {
@@ -546,7 +604,8 @@ pub fn import_gguf(path: &Path, out: &Path, overwrite: bool) -> Result<GgufImpor
 
 /// [`import_gguf`] with a recipe.
 pub fn import_gguf_with(path: &Path, out: &Path, opts: ImportOptions) -> Result<GgufImportReport> {
-    let g = GgufFile::open(path)?;
+    let shards = open_shards(path)?;
+    let g = &shards[0].1;
     let arch = g
         .metadata
         .get("general.architecture")
@@ -558,14 +617,33 @@ pub fn import_gguf_with(path: &Path, out: &Path, opts: ImportOptions) -> Result<
             format!("GGUF architecture '{arch}' is not supported (supported: deepseek2, i.e. DeepSeek-V3/R1, Kimi K2)"),
         ));
     }
-    let mut config = deepseek2_config(&g, path)?;
+    let mut config = deepseek2_config(g, path)?;
     let layers = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
     let text = ModelConfig::parse(&config.to_string(), path)?.text;
     let plan = Plan { recipe: opts.recipe, fallback: fallback_recipe()?, text };
 
     // Units: 0 = embedding, final norm, head; 1 + i = block i. Every tensor must map somewhere.
-    let mut units: BTreeMap<usize, Vec<(&TensorInfo, String, bool)>> = BTreeMap::new();
-    for info in g.tensors.values() {
+    let mut all: BTreeMap<&str, (&TensorInfo, usize)> = BTreeMap::new();
+    for (i, (p, f)) in shards.iter().enumerate() {
+        for info in f.tensors.values() {
+            if let Some((_, j)) = all.insert(&info.name, (info, i)) {
+                return Err(fmt_err(
+                    p,
+                    format!("tensor '{}' is also in shard {}, {}", info.name, j + 1, shards[j].0.display()),
+                ));
+            }
+        }
+    }
+    if let Some(want) = meta::<usize>(g, path, "split.tensors.count")? {
+        if want != all.len() {
+            return Err(fmt_err(
+                path,
+                format!("inconsistent split metadata: split.tensors.count = {want}, the shards hold {}", all.len()),
+            ));
+        }
+    }
+    let mut units: BTreeMap<usize, Vec<(&TensorInfo, String, bool, usize)>> = BTreeMap::new();
+    for &(info, shard) in all.values() {
         let Some((name, float)) = map_name(&info.name) else {
             return Err(fmt_err(path, format!("tensor '{}' has no counterpart in deepseek_v3", info.name)));
         };
@@ -579,13 +657,19 @@ pub fn import_gguf_with(path: &Path, out: &Path, opts: ImportOptions) -> Result<
             }
             None => 0,
         };
-        units.entry(unit).or_default().push((info, name, float));
+        units.entry(unit).or_default().push((info, name, float, shard));
     }
 
-    let size = std::fs::metadata(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?.len();
+    let mut size = 0;
+    for (p, _) in &shards {
+        size += std::fs::metadata(p).map_err(|source| Error::Io { path: p.to_path_buf(), source })?.len();
+    }
     let dir: Vec<String> =
-        g.tensors.values().map(|t| format!("{} {} {:?} {}", t.name, t.ggml_type, t.dims, t.offset)).collect();
+        all.values().map(|(t, _)| format!("{} {} {:?} {}", t.name, t.ggml_type, t.dims, t.offset)).collect();
     let mut job = json!({"tool": "gguf-import 1", "bytes": size, "tensors": dir, "config": config});
+    if shards.len() > 1 {
+        job["shards"] = json!(shards.len());
+    }
     if let Some(r) = opts.recipe {
         job["recipe"] = r.canonical_json();
     }
@@ -598,10 +682,11 @@ pub fn import_gguf_with(path: &Path, out: &Path, opts: ImportOptions) -> Result<
         let file = format!("model-{:05}-of-{n_units:05}.safetensors", i + 1);
         let mut tensors = Vec::new();
         let mut rows = Vec::new();
-        for (info, name, float) in list {
+        for (info, name, float, shard) in list {
             // Even a resumed unit is read again for its report and quantization entries: cheap next to
             // writing, and the rows then never depend on a journal.
-            let (t, r, entry, err) = import_tensor(&g, path, &plan, info, name, *float)?;
+            let (p, f) = &shards[*shard];
+            let (t, r, entry, err) = import_tensor(f, p, &plan, info, name, *float)?;
             if let Some(entry) = entry {
                 quant.insert(r.name.clone(), entry);
             }
