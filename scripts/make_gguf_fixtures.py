@@ -429,10 +429,87 @@ KQUANT_TYPES = {
 }
 
 
+# tokenizer_kimi.gguf: k3-nano's tokenizer (tiktoken ranks, Kimi's split pattern, 258 special tokens) as
+# llama.cpp's convert_hf_to_gguf writes a tiktoken tokenizer (Kimi K2's): model "gpt2", pre "kimi-k2", tokens as
+# byte-level strings (GPT-2's byte-to-unicode map), merges rebuilt from the ranks (each multi-byte token is
+# the BPE of its bytes with the merges of lower rank, which must leave two parts). No tensors. The reference
+# token ids are tests/fixtures/tokenizer/k3_nano_ids.json and k3_nano_long_ids.json (Python tiktoken 0.14.0
+# on the original tokenizer, scripts/make_tokenizer_fixtures.py).
+NANO = ds3.ROOT / "models" / "k3-nano"
+TOKENIZER_TEMPLATE = "{% for m in messages %}<|im_user|>{{ m['content'] }}<|im_end|>{% endfor %}"
+
+
+def byte_level(b: bytes) -> str:
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for c in range(256):
+        if c in keep:
+            table[c] = chr(c)
+        else:
+            table[c] = chr(256 + extra)
+            extra += 1
+    return "".join(table[c] for c in b)
+
+
+def bpe_parts(ranks: dict, token: bytes, max_rank: int) -> list[bytes]:
+    parts = [bytes([c]) for c in token]
+    while True:
+        best = None
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and r < max_rank and (best is None or r < best[1]):
+                best = (i, r)
+        if best is None:
+            return parts
+        i = best[0]
+        parts = parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2:]
+
+
+def write_tokenizer_fixture() -> dict:
+    import base64
+    ranks = {}
+    for line in (NANO / "tiktoken.model").read_text().splitlines():
+        if line.strip():
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok)] = int(rank)
+    cfg = json.loads((NANO / "tokenizer_config.json").read_text())
+    n = len(ranks)
+    assert sorted(ranks.values()) == list(range(n))
+    by_id = {r: t for t, r in ranks.items()}
+    tokens = [byte_level(by_id[i]) for i in range(n)]
+    types = [1] * n
+    for i in range(n, n + 258):
+        e = cfg["added_tokens_decoder"].get(str(i))
+        tokens.append(e["content"] if e else f"<|reserved_token_{i}|>")
+        types.append(3)  # llama.cpp's CONTROL
+    merges = []
+    for i in range(n):
+        t = by_id[i]
+        if len(t) > 1:
+            a, b = bpe_parts(ranks, t, i)
+            merges.append(f"{byte_level(a)} {byte_level(b)}")
+    w = gguf.GGUFWriter(str(OUT / "tokenizer_kimi.gguf"), ARCH)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("kimi-k2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index(cfg["bos_token"]))
+    w.add_eos_token_id(tokens.index(cfg["eos_token"]))
+    w.add_add_bos_token(bool(cfg.get("add_bos_token", False)))
+    w.add_chat_template(TOKENIZER_TEMPLATE)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"name": "tokenizer_kimi", "tokens": len(tokens), "merges": len(merges)}
+
+
 def main() -> None:
     fixtures = [write_fixture("deepseek2_mixed", False, split="deepseek2_split"), write_fixture("deepseek2_kv_b", True),
                 write_fixture("deepseek2_kquants", False, TEXT_K, KQUANT_TYPES, hashes=True)]
-    manifest = {"generator": "scripts/make_gguf_fixtures.py", "fixtures": fixtures}
+    manifest = {"generator": "scripts/make_gguf_fixtures.py", "fixtures": fixtures,
+                "tokenizer": write_tokenizer_fixture()}
     (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     print(json.dumps([f["checks"] for f in fixtures]))
 

@@ -106,6 +106,8 @@ pub struct GgufFile {
     pub version: u32,
     /// Scalar and string metadata rendered as text (arrays summarized).
     pub metadata: BTreeMap<String, String>,
+    /// Array metadata (the tokenizer's tokens, merges, token types, ...), each element rendered as text.
+    pub arrays: BTreeMap<String, Vec<String>>,
     /// Tensors by name.
     pub tensors: BTreeMap<String, TensorInfo>,
     data_start: u64,
@@ -120,6 +122,8 @@ struct Cursor<'a, R: Read> {
     /// The file's length: no field may claim more bytes than remain.
     size: u64,
     path: &'a Path,
+    /// The elements of the last top-level array read.
+    arr: Option<Vec<String>>,
 }
 
 impl<R: Read> Cursor<'_, R> {
@@ -176,8 +180,12 @@ impl<R: Read> Cursor<'_, R> {
                 if n > 1 << 26 {
                     return Err(self.err(format!("corrupt: an array claims {n} entries")));
                 }
+                let mut items = Vec::new();
                 for _ in 0..n {
-                    self.value(ety, depth + 1)?;
+                    items.push(self.value(ety, depth + 1)?);
+                }
+                if depth == 0 {
+                    self.arr = Some(items);
                 }
                 format!("[{n} values]")
             }
@@ -213,7 +221,7 @@ impl GgufFile {
     }
 
     fn parse(r: impl Read, size: u64, path: &Path) -> Result<GgufFile> {
-        let mut c = Cursor { r, pos: 0, size, path };
+        let mut c = Cursor { r, pos: 0, size, path, arr: None };
         if c.bytes(4).map_err(|_| c.err("not a GGUF file (too short)"))? != b"GGUF" {
             return Err(c.err("not a GGUF file (bad magic)"));
         }
@@ -227,10 +235,14 @@ impl GgufFile {
             return Err(c.err("corrupt: implausible tensor or metadata count"));
         }
         let mut metadata = BTreeMap::new();
+        let mut arrays = BTreeMap::new();
         for _ in 0..n_kv {
             let key = c.string()?;
             let ty = c.u32()?;
             let v = c.value(ty, 0)?;
+            if let Some(a) = c.arr.take() {
+                arrays.insert(key.clone(), a);
+            }
             metadata.insert(key, v);
         }
         let mut tensors = BTreeMap::new();
@@ -269,7 +281,7 @@ impl GgufFile {
                 return Err(c.err(format!("tensor '{}': offset {} overflows", t.name, t.offset)));
             }
         }
-        Ok(GgufFile { path: path.to_path_buf(), version, metadata, tensors, data_start, size, bytes: None })
+        Ok(GgufFile { path: path.to_path_buf(), version, metadata, arrays, tensors, data_start, size, bytes: None })
     }
 
     /// The raw bytes of tensor `name` (`nbytes` long), after checking that they lie inside the file.

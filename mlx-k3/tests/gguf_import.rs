@@ -12,11 +12,14 @@ use std::path::{Path, PathBuf};
 
 use mlx_k3::codebook::{self, Codebook};
 use mlx_k3::compress::gguf_import::{import_gguf, import_gguf_with, ImportOptions, ImportedTensor};
+use mlx_k3::compress::gguf_tokenizer::tokenizer_files;
 use mlx_k3::compress::recipe::Recipe;
 use mlx_k3::compress::store::{sha256_hex, Resume};
+use mlx_k3::gguf::GgufFile;
 use mlx_k3::io::Safetensors;
 use mlx_k3::model::{KimiK3, LoadOptions};
 use mlx_k3::quant::{self, QuantSpec, Quantized};
+use mlx_k3::tokenizer::Tokenizer;
 use mlx_k3::{Array, Dtype};
 
 fn fixtures_dir(name: &str) -> PathBuf {
@@ -483,4 +486,55 @@ fn split_gguf_errors_name_the_shard() {
     std::fs::write(&p, b).unwrap();
     let e = import(&d, 1);
     assert!(e.contains("model-00003-of-00003.gguf") && e.contains("inconsistent split metadata"), "{e}");
+}
+
+// --- The embedded tokenizer: k3-nano's written into a GGUF as llama.cpp writes Kimi K2's (tokenizer_kimi.gguf),
+// against Python tiktoken's ids for the original tokenizer (tests/fixtures/tokenizer/k3_nano*_ids.json).
+
+fn tokenizer_cases() -> Vec<serde_json::Value> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+    let mut cases = Vec::new();
+    for f in ["k3_nano_ids.json", "k3_nano_long_ids.json"] {
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join(f)).unwrap()).unwrap();
+        cases.extend(v["cases"].as_array().unwrap().iter().cloned());
+    }
+    cases
+}
+
+#[test]
+fn the_gguf_tokenizer_encodes_like_the_original() {
+    let src = fixtures_dir("tokenizer_kimi.gguf");
+    let g = GgufFile::open(&src).unwrap();
+    let files = tokenizer_files(&g, &src).unwrap().expect("the fixture embeds a tokenizer");
+    let dir = tempfile::tempdir().unwrap();
+    for (name, text) in &files {
+        std::fs::write(dir.path().join(name), text).unwrap();
+    }
+    let (tok, cfg) = Tokenizer::load(dir.path()).unwrap();
+    let cases = tokenizer_cases();
+    assert!(cases.len() > 20, "{}", cases.len());
+    for c in &cases {
+        let text = c["text"].as_str().unwrap();
+        let ids: Vec<u32> = serde_json::from_value(c["ids"].clone()).unwrap();
+        let ordinary: Vec<u32> =
+            c.get("ordinary_ids").map_or(ids.clone(), |o| serde_json::from_value(o.clone()).unwrap());
+        assert_eq!(tok.encode(text, true).unwrap(), ids, "{text:?}");
+        assert_eq!(tok.encode(text, false).unwrap(), ordinary, "{text:?} (special tokens as text)");
+        assert_eq!(tok.decode(&ids).unwrap(), text);
+    }
+    assert_eq!(
+        (cfg.bos_token.as_deref(), cfg.eos_token.as_deref(), cfg.add_bos_token),
+        (Some("[BOS]"), Some("[EOS]"), true)
+    );
+    assert_eq!(cfg.eos_token_ids, vec![2047]);
+    assert!(cfg.chat_template.unwrap().contains("<|im_user|>"));
+
+    // An unknown pre-tokenizer name is refused, named (its regex is not in the file).
+    let mut b = std::fs::read(&src).unwrap();
+    let at = b.windows(7).position(|w| w == b"kimi-k2").unwrap();
+    b[at..at + 7].copy_from_slice(b"kimi-k9");
+    let p = dir.path().join("pre.gguf");
+    std::fs::write(&p, b).unwrap();
+    let e = tokenizer_files(&GgufFile::open(&p).unwrap(), &p).unwrap_err().to_string();
+    assert!(e.contains("'kimi-k9'") && e.contains("pre.gguf"), "{e}");
 }

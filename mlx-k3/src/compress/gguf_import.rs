@@ -621,6 +621,9 @@ pub fn import_gguf_with(path: &Path, out: &Path, opts: ImportOptions) -> Result<
     let layers = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
     let text = ModelConfig::parse(&config.to_string(), path)?.text;
     let plan = Plan { recipe: opts.recipe, fallback: fallback_recipe()?, text };
+    // The embedded tokenizer, when there is one (metadata: the first shard's), checked before anything is
+    // written.
+    let tokenizer = super::gguf_tokenizer::tokenizer_files(g, path)?;
 
     // Units: 0 = embedding, final norm, head; 1 + i = block i. Every tensor must map somewhere.
     let mut all: BTreeMap<&str, (&TensorInfo, usize)> = BTreeMap::new();
@@ -720,6 +723,9 @@ pub fn import_gguf_with(path: &Path, out: &Path, opts: ImportOptions) -> Result<
     }
     let text = serde_json::to_string_pretty(&config).map_err(|e| Error::invalid("gguf import", e.to_string()))?;
     output.write_file("config.json", format!("{text}\n").as_bytes())?;
+    for (name, text) in tokenizer.iter().flatten() {
+        output.write_file(name, text.as_bytes())?;
+    }
     let exact = report.iter().filter(|r| r.exact).count();
     let classes = class_table(&report, &sums);
     let tensors_json: Vec<Value> = report
@@ -741,6 +747,7 @@ pub fn import_gguf_with(path: &Path, out: &Path, opts: ImportOptions) -> Result<
         "fingerprint": fingerprint(&job),
         "exact_tensors": exact,
         "classes": classes,
+        "tokenizer": g.metadata.get("tokenizer.ggml.pre").filter(|_| tokenizer.is_some()),
         "tensors": tensors_json,
     });
     output.finish(&manifest)?;
