@@ -106,7 +106,8 @@ pub struct GgufFile {
     pub version: u32,
     /// Scalar and string metadata rendered as text (arrays summarized).
     pub metadata: BTreeMap<String, String>,
-    /// Array metadata (the tokenizer's tokens, merges, token types, ...), each element rendered as text.
+    /// Array metadata under `tokenizer.ggml.` (tokens, merges, token types, ...), each element rendered as
+    /// text; other arrays are only summarized in `metadata`.
     pub arrays: BTreeMap<String, Vec<String>>,
     /// Tensors by name.
     pub tensors: BTreeMap<String, TensorInfo>,
@@ -122,7 +123,8 @@ struct Cursor<'a, R: Read> {
     /// The file's length: no field may claim more bytes than remain.
     size: u64,
     path: &'a Path,
-    /// The elements of the last top-level array read.
+    /// Whether to keep the elements of the next top-level array (the tokenizer's), and those kept.
+    keep: bool,
     arr: Option<Vec<String>>,
 }
 
@@ -180,11 +182,17 @@ impl<R: Read> Cursor<'_, R> {
                 if n > 1 << 26 {
                     return Err(self.err(format!("corrupt: an array claims {n} entries")));
                 }
+                // Only the tokenizer's arrays are kept (as text, a few times their size in the file); the
+                // others are read past.
+                let keep = depth == 0 && self.keep;
                 let mut items = Vec::new();
                 for _ in 0..n {
-                    items.push(self.value(ety, depth + 1)?);
+                    let v = self.value(ety, depth + 1)?;
+                    if keep {
+                        items.push(v);
+                    }
                 }
-                if depth == 0 {
+                if keep {
                     self.arr = Some(items);
                 }
                 format!("[{n} values]")
@@ -221,7 +229,7 @@ impl GgufFile {
     }
 
     fn parse(r: impl Read, size: u64, path: &Path) -> Result<GgufFile> {
-        let mut c = Cursor { r, pos: 0, size, path, arr: None };
+        let mut c = Cursor { r, pos: 0, size, path, keep: false, arr: None };
         if c.bytes(4).map_err(|_| c.err("not a GGUF file (too short)"))? != b"GGUF" {
             return Err(c.err("not a GGUF file (bad magic)"));
         }
@@ -239,6 +247,7 @@ impl GgufFile {
         for _ in 0..n_kv {
             let key = c.string()?;
             let ty = c.u32()?;
+            c.keep = key.starts_with("tokenizer.ggml.");
             let v = c.value(ty, 0)?;
             if let Some(a) = c.arr.take() {
                 arrays.insert(key.clone(), a);
