@@ -129,6 +129,31 @@ def q6_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(parts, axis=1), want
 
 
+def q3_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    nb = x.shape[0]
+    xs = x.reshape(nb, 16, 16)
+    s = np.abs(xs).max(axis=-1) / 4.0  # codes -4..3
+    d = _f16(s.max(axis=-1) / 31.0).astype(np.float32)
+    sc = np.clip(np.round(np.divide(s, d[:, None], out=np.zeros_like(s), where=d[:, None] > 0)), -32, 31)
+    dl = (d[:, None] * sc).astype(np.float32)
+    q = np.clip(np.round(np.divide(xs, dl[..., None], out=np.zeros_like(xs), where=dl[..., None] > 0)), -4, 3)
+    want = (dl[..., None] * q).astype(np.float32).reshape(nb, QK)
+    u = (q.reshape(nb, QK) + 4).astype(np.uint8)  # low two bits in qs, the third (set: q >= 0) in hmask
+    qs = np.zeros((nb, 64), dtype=np.uint8)
+    hmask = np.zeros((nb, 32), dtype=np.uint8)
+    for e in range(QK):
+        h, r = divmod(e, 128)
+        qs[:, 32 * h + r % 32] |= (u[:, e] & 3) << (2 * (r // 32))
+        hmask[:, e % 32] |= (u[:, e] >> 2) << (e // 32)
+    s6 = (sc + 32).astype(np.uint8)
+    scales = np.zeros((nb, 12), dtype=np.uint8)
+    for k in range(16):
+        scales[:, k % 8] |= (s6[:, k] & 15) << (4 * (k // 8))
+        scales[:, 8 + k % 4] |= (s6[:, k] >> 4) << (2 * (k // 4))
+    parts = [hmask, qs, scales, _f16(d).view(np.uint8).reshape(nb, 2)]
+    return np.concatenate(parts, axis=1), want
+
+
 def q2_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     nb = x.shape[0]
     d, dmin, sc, m, q = _sub_scales(x, 16, 3, True, 4)
@@ -187,6 +212,7 @@ WRITERS = {
     T.Q4_K: lambda x: q45_k(x, False),
     T.Q5_K: lambda x: q45_k(x, True),
     T.Q6_K: q6_k,
+    T.Q3_K: q3_k,
     T.Q2_K: q2_k,
     T.IQ1_S: iq1_s,
 }
@@ -411,7 +437,7 @@ def write_fixture(name: str, kv_b: bool, text: dict = TEXT, types: dict | None =
 # deepseek2_kquants: hidden size 256, so that the K-quants and IQ1_S (whole 256-value super-blocks along the input
 # dimension) fit every projection that reads the hidden state. Exact on import: IQ1_S (the routed experts' gate and
 # up, as codebooks), Q4_K and Q5_K (as affine 4 / 5-bit, group 32). Re-quantized (MLX has no group of 16):
-# Q6_K (embeddings, a shared expert's up) and Q2_K (layer 0's kv_a, an MLA projection).
+# Q6_K (embeddings, a shared expert's up), Q3_K (layer 1's q_a) and Q2_K (layer 0's kv_a; both MLA).
 TEXT_K = {**copy.deepcopy(TEXT), "hidden_size": 256}
 KQUANT_TYPES = {
     "model.embed_tokens.weight": T.Q6_K,
@@ -420,7 +446,7 @@ KQUANT_TYPES = {
     "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": T.Q2_K,
     "model.layers.0.mlp.gate_proj.weight": T.Q4_K,
     "model.layers.0.mlp.up_proj.weight": T.Q5_K,
-    "model.layers.1.self_attn.q_a_proj.weight": T.Q5_K,
+    "model.layers.1.self_attn.q_a_proj.weight": T.Q3_K,
     "model.layers.1.mlp.switch_mlp.gate_proj.weight": T.IQ1_S,
     "model.layers.1.mlp.switch_mlp.up_proj.weight": T.IQ1_S,
     "model.layers.1.mlp.switch_mlp.down_proj.weight": T.Q4_0,

@@ -23,6 +23,8 @@ pub const GGML_TYPE_Q8_0: u32 = 8;
 pub const GGML_TYPE_BF16: u32 = 30;
 /// GGML type id of Q2_K (super-blocks of 256: sixteen 16-value sub-blocks with 4-bit scales and mins).
 pub const GGML_TYPE_Q2_K: u32 = 10;
+/// GGML type id of Q3_K (super-blocks of 256: sixteen 16-value sub-blocks with 6-bit signed scales, 3-bit codes).
+pub const GGML_TYPE_Q3_K: u32 = 11;
 /// GGML type id of Q4_K (super-blocks of 256: eight 32-value sub-blocks with 6-bit scales and mins).
 pub const GGML_TYPE_Q4_K: u32 = 12;
 /// GGML type id of Q5_K (as Q4_K, with a fifth code bit).
@@ -78,6 +80,7 @@ pub fn block_layout(t: u32) -> Option<(usize, usize)> {
         GGML_TYPE_Q8_0 => Some((32, 34)),
         GGML_TYPE_IQ1_S => Some((SUPER_BLOCK, IQ1S_BLOCK_BYTES)),
         GGML_TYPE_Q2_K => Some((256, 84)),
+        GGML_TYPE_Q3_K => Some((256, 110)),
         GGML_TYPE_Q4_K => Some((256, 144)),
         GGML_TYPE_Q5_K => Some((256, 176)),
         GGML_TYPE_Q6_K => Some((256, 210)),
@@ -352,7 +355,7 @@ impl GgufFile {
         from_iq1s_blocks(&self.raw(info, nbytes as u64)?, rows, k)
     }
 
-    /// The raw bytes of tensor `name` in its GGML type (F32, F16, BF16, Q4_0, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K or
+    /// The raw bytes of tensor `name` in its GGML type (F32, F16, BF16, Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or
     /// IQ1_S; any other type
     /// is an error naming it), after checking that its inner dimension is whole blocks and that the bytes
     /// lie inside the file.

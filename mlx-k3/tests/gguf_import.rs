@@ -236,7 +236,7 @@ fn bad_input_is_a_clear_error() {
     assert!(e.contains("head.gguf") && e.contains("truncated"), "{e}");
 }
 
-// --- deepseek2_kquants: IQ1_S, Q4_K, Q5_K (exact) and Q6_K, Q2_K (re-quantized) at hidden size 256. The
+// --- deepseek2_kquants: IQ1_S, Q4_K, Q5_K (exact) and Q6_K, Q3_K, Q2_K (re-quantized) at hidden size 256. The
 // fixture keeps gguf-py's dequantized tensors as SHA-256 digests (manifest.json), to stay small.
 
 fn kquants() -> PathBuf {
@@ -322,6 +322,7 @@ fn iq1s_and_k_quants_import_bit_for_bit_and_the_rest_is_requantized_and_measured
         ("output.weight", "Q5_K", "affine5 g32"),
         ("token_embd.weight", "Q6_K", "affine8/g32 (re-quantized)"),
         ("blk.0.attn_kv_a_mqa.weight", "Q2_K", "affine8/g32 (re-quantized)"),
+        ("blk.1.attn_q_a.weight", "Q3_K", "affine8/g32 (re-quantized)"),
     ] {
         let r = row(gguf);
         assert_eq!((r.ggml_type.as_str(), r.stored.as_str()), (ty, stored), "{gguf}");
@@ -337,7 +338,7 @@ fn iq1s_and_k_quants_import_bit_for_bit_and_the_rest_is_requantized_and_measured
         assert_eq!(r.exact, !r.stored.ends_with("(re-quantized)"), "{}", r.gguf_name);
         exact += r.exact as usize;
     }
-    assert_eq!(exact, report.tensors.len() - 3, "all but the two Q6_K and the Q2_K tensors are exact");
+    assert_eq!(exact, report.tensors.len() - 4, "all but the two Q6_K, the Q3_K and the Q2_K tensors are exact");
 
     // The reported error of the re-quantized tensors, against values decoded from an import that keeps them
     // float32 (exact: checked against gguf-py's digests here too).
@@ -413,7 +414,7 @@ fn the_kquants_model_runs_like_mlx_lm_on_its_dequantized_tensors() {
     )
     .unwrap();
     assert!(r.tensors.iter().all(|t| t.exact), "{:?}", r.tensors.iter().filter(|t| !t.exact).collect::<Vec<_>>());
-    for ty in ["IQ1_S", "Q4_K", "Q5_K", "Q6_K", "Q2_K"] {
+    for ty in ["IQ1_S", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"] {
         assert!(r.tensors.iter().any(|t| t.ggml_type == ty), "the fixture has no {ty} tensor");
     }
     run_and_compare(&out, &kquants());

@@ -98,7 +98,7 @@ pub(super) struct ConvertArgs {
     #[arg(long, required_unless_present = "from_gguf", conflicts_with = "from_gguf")]
     from: Option<PathBuf>,
     /// A llama.cpp GGUF model (architecture deepseek2; a split model: its first shard) to import instead: F32/F16/BF16 kept, Q8_0/Q4_0/
-    /// Q4_K/Q5_K as MLX affine 8/4/4/5-bit and IQ1_S as the codebook, bit for bit; Q6_K/Q2_K re-quantized
+    /// Q4_K/Q5_K as MLX affine 8/4/4/5-bit and IQ1_S as the codebook, bit for bit; Q6_K/Q3_K/Q2_K re-quantized
     /// (per --recipe, else affine 8-bit); other tensor types are an error naming them.
     #[arg(long)]
     from_gguf: Option<PathBuf>,

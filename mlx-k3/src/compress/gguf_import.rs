@@ -16,7 +16,7 @@
 //! the sign of a zero, `-0` from ggml where MLX gives `+0`, equal values). Where the model keeps a
 //! float (router, MLA's per-head matrices) a quantized tensor is dequantized, again exactly. Q4_K / Q5_K
 //! become affine 4 / 5-bit with group 32 (see [`exact_affine`]) and IQ1_S the codebook format, also exactly.
-//! Q6_K and Q2_K (16-value sub-blocks: no MLX group fits) are re-quantized per the recipe (or affine 8-bit),
+//! Q6_K, Q3_K and Q2_K (16-value sub-blocks: no MLX group fits) are re-quantized per the recipe (or affine 8-bit),
 //! with the error reported per tensor and class; a recipe may also re-encode any module it covers. Any
 //! other GGML type is an error naming the tensor and the type. A split model is read from its first shard
 //! ([`open_shards`]).
@@ -33,7 +33,7 @@ use super::store::{fingerprint, HostTensor, Output, Resume};
 use crate::codebook::{decode_host, from_iq1s_blocks, SUPER_BLOCK};
 use crate::gguf::{
     ggml_type_name, GgufFile, TensorInfo, GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_IQ1_S,
-    GGML_TYPE_Q2_K, GGML_TYPE_Q4_0, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K, GGML_TYPE_Q8_0,
+    GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q4_0, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K, GGML_TYPE_Q8_0,
 };
 use crate::model::{ModelConfig, TextConfig};
 use crate::{Dtype, Error, Result};
@@ -324,7 +324,7 @@ fn pack_bits(codes: &[u8], bits: u32) -> Vec<u8> {
 }
 
 /// The values ggml computes for a tensor's blocks, in f32 (`n` values), for every type [`GgufFile::tensor_bytes`]
-/// reads. Q6_K: `(d * sc) * (q - 32)` per 16 values; Q2_K: `(d * sc) * q - (dmin * m)` per 16 values.
+/// reads. Q6_K: `(d * sc) * (q - 32)` per 16 values; Q3_K: `(d * sc) * q`, `q` in -4..3; Q2_K: `(d * sc) * q - (dmin * m)` per 16 values.
 fn dequantize(raw: &[u8], ty: u32, n: usize) -> Result<Vec<f32>> {
     let f16s = |raw: &[u8]| raw.chunks_exact(2).map(|c| f16_to_f32([c[0], c[1]])).collect::<Vec<_>>();
     if let Some(a) = exact_affine(raw, ty) {
@@ -348,6 +348,29 @@ fn dequantize(raw: &[u8], ty: u32, n: usize) -> Result<Vec<f32>> {
                     let hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
                     let q = (lo | (hi << 4)) as i32 - 32;
                     (d * sc[e / 16] as i8 as f32) * q as f32
+                }));
+            }
+            out
+        }
+        GGML_TYPE_Q3_K => {
+            let mut out = Vec::with_capacity(n);
+            for blk in raw.chunks_exact(110) {
+                let (hmask, qs, sc) = (&blk[..32], &blk[32..96], &blk[96..108]);
+                let d = f16_to_f32([blk[108], blk[109]]);
+                // Scale k (6 bits, less 32): low nibble k % 8 (high nibble for k >= 8) of bytes 0..8, and bits
+                // 2 (k / 4) of byte 8 + k % 4 on top.
+                let scale = |k: usize| {
+                    let lo = (sc[k % 8] >> (4 * (k / 8))) & 15;
+                    let hi = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
+                    (lo | (hi << 4)) as i32 - 32
+                };
+                // Value e: two low bits as Q2_K's; the third, bit e / 32 of hmask[e % 32], set for q >= 0
+                // (clear: q is the low bits less 4).
+                out.extend((0..256).map(|e| {
+                    let (h, r) = (e / 128, e % 128);
+                    let lo = ((qs[32 * h + r % 32] >> (2 * (r / 32))) & 3) as i32;
+                    let q = if (hmask[e % 32] >> (e / 32)) & 1 == 1 { lo } else { lo - 4 };
+                    (d * scale(e / 16) as f32) * q as f32
                 }));
             }
             out
