@@ -418,6 +418,15 @@ fn the_kquants_model_runs_like_mlx_lm_on_its_dequantized_tensors() {
         assert!(r.tensors.iter().any(|t| t.ggml_type == ty), "the fixture has no {ty} tensor");
     }
     run_and_compare(&out, &kquants());
+    // The recipe is part of the job: rerun with it, the folder is complete; without it, another job.
+    let again = import_gguf_with(
+        &kquants().join("model.gguf"),
+        &out,
+        ImportOptions { recipe: Some(&recipe), overwrite: false },
+    );
+    assert_eq!(again.unwrap().resume, Resume::Complete);
+    let e = import_gguf(&kquants().join("model.gguf"), &out, false).unwrap_err().to_string();
+    assert!(e.contains("another job"), "{e}");
 }
 
 // --- Split GGUF: deepseek2_mixed as three shards (model-0000N-of-00003.gguf).
