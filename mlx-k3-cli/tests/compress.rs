@@ -1458,9 +1458,28 @@ fn convert_from_gguf_imports_and_the_result_runs() {
     let logits = dir.path().join("l.safetensors");
     run_ok(&["logits", "--model", out.to_str().unwrap(), "--tokens", "1,2,3", "--out", logits.to_str().unwrap()]);
     assert!(logits.exists());
-    // --recipe is for --from only; an unknown file is an error naming it.
+    // A missing recipe file is an error naming it.
     let (ok, _, err) = run(&["convert", "--from-gguf", src.to_str().unwrap(), "--out", "x", "--recipe", "r.toml"]);
-    assert!(!ok && err.contains("--recipe"), "{err}");
+    assert!(!ok && err.contains("r.toml"), "{err}");
+    // K-quants and IQ1_S with a recipe: the per-class table (counts, exact, re-quantized, rel RMS) is printed
+    // and written next to the checkpoint.
+    let kq = root().join("mlx-k3/tests/fixtures/gguf/deepseek2_kquants/model.gguf");
+    let recipe = dir.path().join("r.toml");
+    std::fs::write(&recipe, "[classes.routed_experts]\nformat = \"affine\"\nbits = 4\ngroup_size = 32\n").unwrap();
+    let out2 = dir.path().join("kq");
+    let text = run_ok(&[
+        "convert",
+        "--from-gguf",
+        kq.to_str().unwrap(),
+        "--out",
+        out2.to_str().unwrap(),
+        "--recipe",
+        recipe.to_str().unwrap(),
+    ]);
+    let line = text.lines().find(|l| l.starts_with("routed_experts")).unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains("IQ1_S") && line.contains("affine4/g32 (re-quantized)"), "{line}");
+    assert!(text.lines().any(|l| l.starts_with("embeddings") && l.contains("Q6_K")), "{text}");
+    assert!(out2.join("gguf_import_report.json").exists());
     let (ok, _, err) = run(&["convert", "--from-gguf", "/nonexistent/m.gguf", "--out", out.to_str().unwrap()]);
     assert!(!ok && err.contains("m.gguf"), "{err}");
 }

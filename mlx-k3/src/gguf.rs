@@ -21,6 +21,16 @@ pub const GGML_TYPE_Q4_0: u32 = 2;
 pub const GGML_TYPE_Q8_0: u32 = 8;
 /// GGML type id of BF16.
 pub const GGML_TYPE_BF16: u32 = 30;
+/// GGML type id of Q2_K (super-blocks of 256: sixteen 16-value sub-blocks with 4-bit scales and mins).
+pub const GGML_TYPE_Q2_K: u32 = 10;
+/// GGML type id of Q3_K (super-blocks of 256: sixteen 16-value sub-blocks with 6-bit signed scales, 3-bit codes).
+pub const GGML_TYPE_Q3_K: u32 = 11;
+/// GGML type id of Q4_K (super-blocks of 256: eight 32-value sub-blocks with 6-bit scales and mins).
+pub const GGML_TYPE_Q4_K: u32 = 12;
+/// GGML type id of Q5_K (as Q4_K, with a fifth code bit).
+pub const GGML_TYPE_Q5_K: u32 = 13;
+/// GGML type id of Q6_K (super-blocks of 256: sixteen 16-value sub-blocks with 8-bit scales, 6-bit codes).
+pub const GGML_TYPE_Q6_K: u32 = 14;
 
 /// The name llama.cpp gives GGML type `t` (`"type 42"` for ids this reader does not know).
 pub fn ggml_type_name(t: u32) -> String {
@@ -62,13 +72,18 @@ pub fn ggml_type_name(t: u32) -> String {
 }
 
 /// `(values per block, bytes per block)` of the GGML types [`GgufFile::tensor_bytes`] reads.
-fn block_layout(t: u32) -> Option<(usize, usize)> {
+pub fn block_layout(t: u32) -> Option<(usize, usize)> {
     match t {
         GGML_TYPE_F32 => Some((1, 4)),
         GGML_TYPE_F16 | GGML_TYPE_BF16 => Some((1, 2)),
         GGML_TYPE_Q4_0 => Some((32, 18)),
         GGML_TYPE_Q8_0 => Some((32, 34)),
         GGML_TYPE_IQ1_S => Some((SUPER_BLOCK, IQ1S_BLOCK_BYTES)),
+        GGML_TYPE_Q2_K => Some((256, 84)),
+        GGML_TYPE_Q3_K => Some((256, 110)),
+        GGML_TYPE_Q4_K => Some((256, 144)),
+        GGML_TYPE_Q5_K => Some((256, 176)),
+        GGML_TYPE_Q6_K => Some((256, 210)),
         _ => None,
     }
 }
@@ -94,6 +109,9 @@ pub struct GgufFile {
     pub version: u32,
     /// Scalar and string metadata rendered as text (arrays summarized).
     pub metadata: BTreeMap<String, String>,
+    /// Array metadata under `tokenizer.ggml.` (tokens, merges, token types, ...), each element rendered as
+    /// text; other arrays are only summarized in `metadata`.
+    pub arrays: BTreeMap<String, Vec<String>>,
     /// Tensors by name.
     pub tensors: BTreeMap<String, TensorInfo>,
     data_start: u64,
@@ -108,6 +126,9 @@ struct Cursor<'a, R: Read> {
     /// The file's length: no field may claim more bytes than remain.
     size: u64,
     path: &'a Path,
+    /// Whether to keep the elements of the next top-level array (the tokenizer's), and those kept.
+    keep: bool,
+    arr: Option<Vec<String>>,
 }
 
 impl<R: Read> Cursor<'_, R> {
@@ -164,8 +185,18 @@ impl<R: Read> Cursor<'_, R> {
                 if n > 1 << 26 {
                     return Err(self.err(format!("corrupt: an array claims {n} entries")));
                 }
+                // Only the tokenizer's arrays are kept (as text, a few times their size in the file); the
+                // others are read past.
+                let keep = depth == 0 && self.keep;
+                let mut items = Vec::new();
                 for _ in 0..n {
-                    self.value(ety, depth + 1)?;
+                    let v = self.value(ety, depth + 1)?;
+                    if keep {
+                        items.push(v);
+                    }
+                }
+                if keep {
+                    self.arr = Some(items);
                 }
                 format!("[{n} values]")
             }
@@ -201,7 +232,7 @@ impl GgufFile {
     }
 
     fn parse(r: impl Read, size: u64, path: &Path) -> Result<GgufFile> {
-        let mut c = Cursor { r, pos: 0, size, path };
+        let mut c = Cursor { r, pos: 0, size, path, keep: false, arr: None };
         if c.bytes(4).map_err(|_| c.err("not a GGUF file (too short)"))? != b"GGUF" {
             return Err(c.err("not a GGUF file (bad magic)"));
         }
@@ -215,10 +246,15 @@ impl GgufFile {
             return Err(c.err("corrupt: implausible tensor or metadata count"));
         }
         let mut metadata = BTreeMap::new();
+        let mut arrays = BTreeMap::new();
         for _ in 0..n_kv {
             let key = c.string()?;
             let ty = c.u32()?;
+            c.keep = key.starts_with("tokenizer.ggml.");
             let v = c.value(ty, 0)?;
+            if let Some(a) = c.arr.take() {
+                arrays.insert(key.clone(), a);
+            }
             metadata.insert(key, v);
         }
         let mut tensors = BTreeMap::new();
@@ -257,7 +293,7 @@ impl GgufFile {
                 return Err(c.err(format!("tensor '{}': offset {} overflows", t.name, t.offset)));
             }
         }
-        Ok(GgufFile { path: path.to_path_buf(), version, metadata, tensors, data_start, size, bytes: None })
+        Ok(GgufFile { path: path.to_path_buf(), version, metadata, arrays, tensors, data_start, size, bytes: None })
     }
 
     /// The raw bytes of tensor `name` (`nbytes` long), after checking that they lie inside the file.
@@ -319,7 +355,8 @@ impl GgufFile {
         from_iq1s_blocks(&self.raw(info, nbytes as u64)?, rows, k)
     }
 
-    /// The raw bytes of tensor `name` in its GGML type (F32, F16, BF16, Q4_0, Q8_0 or IQ1_S; any other type
+    /// The raw bytes of tensor `name` in its GGML type (F32, F16, BF16, Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or
+    /// IQ1_S; any other type
     /// is an error naming it), after checking that its inner dimension is whole blocks and that the bytes
     /// lie inside the file.
     pub fn tensor_bytes(&self, name: &str) -> Result<Vec<u8>> {

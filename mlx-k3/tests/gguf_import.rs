@@ -10,11 +10,16 @@
 
 use std::path::{Path, PathBuf};
 
-use mlx_k3::compress::gguf_import::import_gguf;
+use mlx_k3::codebook::{self, Codebook};
+use mlx_k3::compress::gguf_import::{import_gguf, import_gguf_with, ImportOptions, ImportedTensor};
+use mlx_k3::compress::gguf_tokenizer::tokenizer_files;
+use mlx_k3::compress::recipe::Recipe;
 use mlx_k3::compress::store::{sha256_hex, Resume};
+use mlx_k3::gguf::GgufFile;
 use mlx_k3::io::Safetensors;
 use mlx_k3::model::{KimiK3, LoadOptions};
 use mlx_k3::quant::{self, QuantSpec, Quantized};
+use mlx_k3::tokenizer::Tokenizer;
 use mlx_k3::{Array, Dtype};
 
 fn fixtures_dir(name: &str) -> PathBuf {
@@ -52,19 +57,23 @@ fn an_imported_gguf_runs_like_mlx_lm_on_its_dequantized_tensors() {
 }
 
 fn check_logits(fixture: &Path) {
-    let fixture = || fixture.to_path_buf();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("ckpt");
-    let report = import_gguf(&fixture().join("model.gguf"), &out, false).unwrap();
+    let report = import_gguf(&fixture.join("model.gguf"), &out, false).unwrap();
     assert_eq!(report.architecture, "deepseek2");
     assert_eq!(report.resume, Resume::Fresh);
     assert!(report.tensors.iter().all(|t| t.exact), "every type in this fixture is held exactly");
     for ty in ["F32", "F16", "BF16", "Q8_0", "Q4_0"] {
         assert!(report.tensors.iter().any(|t| t.ggml_type == ty), "the fixture has no {ty} tensor");
     }
+    run_and_compare(&out, fixture);
+}
 
+/// The checkpoint in `out` against the fixture's expected logits and greedy tokens.
+fn run_and_compare(out: &Path, fixture: &Path) {
+    let fixture = || fixture.to_path_buf();
     let exp = Safetensors::load(fixture().join("expected.safetensors")).unwrap();
-    let model = KimiK3::load(&out, LoadOptions { dtype: Some(Dtype::F32), lazy: false, shard: None }).unwrap();
+    let model = KimiK3::load(out, LoadOptions { dtype: Some(Dtype::F32), lazy: false, shard: None }).unwrap();
     let prompt = exp.get("prompt").unwrap().to_vec::<i32>().unwrap();
     let t = prompt.len() as i32;
     let logits = model.forward(&ids(&prompt), None).unwrap();
@@ -225,4 +234,317 @@ fn bad_input_is_a_clear_error() {
     // Cut inside the header.
     let e = run(b[..200].to_vec(), "head.gguf");
     assert!(e.contains("head.gguf") && e.contains("truncated"), "{e}");
+}
+
+// --- deepseek2_kquants: IQ1_S, Q4_K, Q5_K (exact) and Q6_K, Q3_K, Q2_K (re-quantized) at hidden size 256. The
+// fixture keeps gguf-py's dequantized tensors as SHA-256 digests (manifest.json), to stay small.
+
+fn kquants() -> PathBuf {
+    fixtures_dir("deepseek2_kquants")
+}
+
+/// gguf-py's dequantized values of every tensor of the kquants fixture, as digests by mlx-lm name.
+fn kquant_digests() -> serde_json::Map<String, serde_json::Value> {
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(fixtures_dir("manifest.json")).unwrap()).unwrap();
+    let f = m["fixtures"].as_array().unwrap().iter().find(|f| f["name"] == "deepseek2_kquants").unwrap();
+    f["dequantized_sha256"].as_object().unwrap().clone()
+}
+
+/// The digest the fixture script takes: little-endian f32 bytes, -0 written as +0.
+fn digest(v: &[f32]) -> String {
+    sha256_hex(&v.iter().flat_map(|x| (x + 0.0).to_le_bytes()).collect::<Vec<u8>>())
+}
+
+/// Every tensor of a checkpoint folder.
+fn load_all(out: &Path) -> std::collections::BTreeMap<String, Array> {
+    let mut weights = std::collections::BTreeMap::new();
+    for f in std::fs::read_dir(out).unwrap() {
+        let p = f.unwrap().path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            weights.extend(Safetensors::load(&p).unwrap().arrays().unwrap());
+        }
+    }
+    weights
+}
+
+/// The values the checkpoint in `out` holds for report row `r`, decoded with MLX (affine dequantize, or the
+/// codebook's plain-ops reference), as its config.json declares the module.
+fn decoded(out: &Path, weights: &std::collections::BTreeMap<String, Array>, r: &ImportedTensor) -> Vec<f32> {
+    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    let entry = &config["quantization"][&r.name];
+    if entry["mode"] == "k3_codebook" {
+        let cb = Codebook {
+            codes: weights[&format!("{}.codes", r.name)].clone(),
+            qh: weights[&format!("{}.qh", r.name)].clone(),
+            scales: weights[&format!("{}.scales", r.name)].clone(),
+        };
+        return codebook::dequantize_reference(&cb).unwrap().to_vec_f32().unwrap();
+    }
+    if entry["mode"] == "affine" {
+        let q = Quantized {
+            weight: weights[&format!("{}.weight", r.name)].clone(),
+            // In f32: MLX decodes in the scales' dtype, and bf16 scales would round every value to bf16; the
+            // stored values are `scale * q + bias` with the stored scale and bias, as convert measures them.
+            scales: weights[&format!("{}.scales", r.name)].astype(Dtype::F32).unwrap(),
+            biases: Some(weights[&format!("{}.biases", r.name)].astype(Dtype::F32).unwrap()),
+        };
+        let spec =
+            QuantSpec::affine(entry["group_size"].as_i64().unwrap() as i32, entry["bits"].as_i64().unwrap() as i32);
+        return quant::dequantize(&q, spec, None, Some(Dtype::F32)).unwrap().to_vec_f32().unwrap();
+    }
+    assert!(entry.is_null(), "{}: {entry}", r.name);
+    weights[&r.name].astype(Dtype::F32).unwrap().to_vec_f32().unwrap()
+}
+
+/// The mlx-lm tensor name of a report row (quantized rows are named without `.weight`).
+fn weight_name(r: &ImportedTensor, digests: &serde_json::Map<String, serde_json::Value>) -> String {
+    if digests.contains_key(&r.name) {
+        r.name.clone()
+    } else {
+        format!("{}.weight", r.name)
+    }
+}
+
+#[test]
+fn iq1s_and_k_quants_import_bit_for_bit_and_the_rest_is_requantized_and_measured() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let report = import_gguf(&kquants().join("model.gguf"), &out, false).unwrap();
+    let digests = kquant_digests();
+    let weights = load_all(&out);
+    let row = |gguf: &str| report.tensors.iter().find(|t| t.gguf_name == gguf).unwrap().clone();
+    // What each type became.
+    for (gguf, ty, stored) in [
+        ("blk.1.ffn_gate_exps.weight", "IQ1_S", "codebook"),
+        ("blk.1.ffn_up_exps.weight", "IQ1_S", "codebook"),
+        ("blk.0.attn_q_a.weight", "Q4_K", "affine4 g32"),
+        ("blk.0.ffn_up.weight", "Q5_K", "affine5 g32"),
+        ("output.weight", "Q5_K", "affine5 g32"),
+        ("token_embd.weight", "Q6_K", "affine8/g32 (re-quantized)"),
+        ("blk.0.attn_kv_a_mqa.weight", "Q2_K", "affine8/g32 (re-quantized)"),
+        ("blk.1.attn_q_a.weight", "Q3_K", "affine8/g32 (re-quantized)"),
+    ] {
+        let r = row(gguf);
+        assert_eq!((r.ggml_type.as_str(), r.stored.as_str()), (ty, stored), "{gguf}");
+    }
+    let mut exact = 0;
+    for r in &report.tensors {
+        let got = decoded(&out, &weights, r);
+        let want = digests[&weight_name(r, &digests)].as_str().unwrap();
+        let same = digest(&got) == want;
+        // Exact types: the stored tensor decodes to gguf-py's values, bit for bit (the digests match). The
+        // re-quantized ones differ (and say so).
+        assert_eq!(same, r.exact, "{} ({} as {})", r.gguf_name, r.ggml_type, r.stored);
+        assert_eq!(r.exact, !r.stored.ends_with("(re-quantized)"), "{}", r.gguf_name);
+        exact += r.exact as usize;
+    }
+    assert_eq!(exact, report.tensors.len() - 4, "all but the two Q6_K, the Q3_K and the Q2_K tensors are exact");
+
+    // The reported error of the re-quantized tensors, against values decoded from an import that keeps them
+    // float32 (exact: checked against gguf-py's digests here too).
+    let recipe = recipe_of(
+        r#"{"dtype": "float32", "classes": {"embeddings": {"format": "float"},
+        "mla": {"format": "float"}, "shared_experts": {"format": "float"}}}"#,
+    );
+    let out_f = dir.path().join("float");
+    let rf = import_gguf_with(
+        &kquants().join("model.gguf"),
+        &out_f,
+        ImportOptions { recipe: Some(&recipe), overwrite: false },
+    )
+    .unwrap();
+    let weights_f = load_all(&out_f);
+    for r in report.tensors.iter().filter(|r| !r.exact) {
+        let rf_row = rf.tensors.iter().find(|t| t.gguf_name == r.gguf_name).unwrap();
+        assert!(rf_row.exact && rf_row.stored == "float (re-quantized)", "{rf_row:?}");
+        let want = decoded(&out_f, &weights_f, rf_row);
+        assert_eq!(digest(&want), digests[&weight_name(r, &digests)].as_str().unwrap(), "{}", r.gguf_name);
+        let got = decoded(&out, &weights, r);
+        let sse: f64 = want.iter().zip(&got).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+        let sig: f64 = want.iter().map(|a| (*a as f64).powi(2)).sum();
+        let rel = (sse / sig).sqrt();
+        // The report's figure is this one (same sums, f64); the MLX decode and the encoder's own may differ
+        // by f32 rounding, far below 1e-6 relative.
+        assert!(
+            (rel - r.rel_rms).abs() <= 1e-6 * rel.max(1e-3),
+            "{}: measured {rel}, reported {}",
+            r.gguf_name,
+            r.rel_rms
+        );
+        // 8-bit affine in groups of 32: a step of range / 255, so an RMS error near range / 880 per group,
+        // well under 1 % of these weights' RMS; a wrong decode would be of order 1.
+        assert!(rel > 0.0 && rel < 1e-2, "{}: rel RMS {rel}", r.gguf_name);
+    }
+    // The per-class table: counts, exactness and the class error.
+    let emb = &report.classes["embeddings"];
+    assert_eq!(
+        (emb["count"].as_u64(), emb["exact"].as_u64(), emb["requantized"].as_u64()),
+        (Some(1), Some(0), Some(1))
+    );
+    assert_eq!(emb["source_types"], serde_json::json!(["Q6_K"]));
+    let e = emb["rel_rms"].as_f64().unwrap();
+    assert!((e - row("token_embd.weight").rel_rms).abs() < 1e-12, "{e}");
+    assert!(report.classes["routed_experts"]["rel_rms"].is_null());
+    let written: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join(mlx_k3::compress::gguf_import::REPORT_FILE)).unwrap()).unwrap();
+    assert_eq!(written["classes"], report.classes);
+}
+
+fn recipe_of(json: &str) -> Recipe {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("r.json");
+    std::fs::write(&p, json).unwrap();
+    Recipe::load(&p).unwrap()
+}
+
+#[test]
+fn the_kquants_model_runs_like_mlx_lm_on_its_dequantized_tensors() {
+    // Re-quantized classes kept as float32 by the recipe, so every tensor holds gguf-py's values exactly and
+    // the text fixtures' tolerance applies (see the top of this file).
+    let recipe = recipe_of(
+        r#"{"dtype": "float32", "classes": {"embeddings": {"format": "float"},
+        "mla": {"format": "float"}, "shared_experts": {"format": "float"}}}"#,
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let r = import_gguf_with(
+        &kquants().join("model.gguf"),
+        &out,
+        ImportOptions { recipe: Some(&recipe), overwrite: false },
+    )
+    .unwrap();
+    assert!(r.tensors.iter().all(|t| t.exact), "{:?}", r.tensors.iter().filter(|t| !t.exact).collect::<Vec<_>>());
+    for ty in ["IQ1_S", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"] {
+        assert!(r.tensors.iter().any(|t| t.ggml_type == ty), "the fixture has no {ty} tensor");
+    }
+    run_and_compare(&out, &kquants());
+    // The recipe is part of the job: rerun with it, the folder is complete; without it, another job.
+    let again = import_gguf_with(
+        &kquants().join("model.gguf"),
+        &out,
+        ImportOptions { recipe: Some(&recipe), overwrite: false },
+    );
+    assert_eq!(again.unwrap().resume, Resume::Complete);
+    let e = import_gguf(&kquants().join("model.gguf"), &out, false).unwrap_err().to_string();
+    assert!(e.contains("another job"), "{e}");
+}
+
+// --- Split GGUF: deepseek2_mixed as three shards (model-0000N-of-00003.gguf).
+
+fn shard(i: usize) -> PathBuf {
+    fixtures_dir("deepseek2_split").join(format!("model-{i:05}-of-00003.gguf"))
+}
+
+#[test]
+fn a_split_gguf_imports_like_the_single_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let (one, split) = (dir.path().join("one"), dir.path().join("split"));
+    let a = import_gguf(&fixture().join("model.gguf"), &one, false).unwrap();
+    let b = import_gguf(&shard(1), &split, false).unwrap();
+    assert_eq!(a.tensors, b.tensors);
+    let files = |d: &Path| {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".safetensors") || n == "config.json")
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(files(&one), files(&split));
+    assert!(files(&one).len() == 4, "{:?}", files(&one));
+    for f in files(&one) {
+        assert_eq!(std::fs::read(one.join(&f)).unwrap(), std::fs::read(split.join(&f)).unwrap(), "{f}");
+    }
+}
+
+#[test]
+fn split_gguf_errors_name_the_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = |name: &str, shards: &[usize]| {
+        let d = dir.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for &i in shards {
+            std::fs::copy(shard(i), d.join(format!("model-{i:05}-of-00003.gguf"))).unwrap();
+        }
+        d
+    };
+    let import = |d: &Path, i: usize| {
+        import_gguf(&d.join(format!("model-{i:05}-of-00003.gguf")), &d.join("out"), false).unwrap_err().to_string()
+    };
+    // A later shard given instead of the first.
+    let e = import(&copy("all", &[1, 2, 3]), 2);
+    assert!(e.contains("give the first shard") && e.contains("model-00002-of-00003.gguf"), "{e}");
+    // A missing shard, named.
+    let e = import(&copy("gap", &[1, 3]), 1);
+    assert!(e.contains("model-00002-of-00003.gguf") && e.contains("missing"), "{e}");
+    // A truncated shard: its tensor data cut short.
+    let d = copy("cut", &[1, 2, 3]);
+    let p = d.join("model-00003-of-00003.gguf");
+    let b = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &b[..b.len() - 64]).unwrap();
+    let e = import(&d, 1);
+    assert!(e.contains("model-00003-of-00003.gguf") && e.contains("truncated"), "{e}");
+    // Inconsistent split metadata: shard 3 says it is split.no 1 (u16 value after the key and its type).
+    let d = copy("bad", &[1, 2, 3]);
+    let p = d.join("model-00003-of-00003.gguf");
+    let mut b = std::fs::read(&p).unwrap();
+    let key = b"split.no";
+    let at = b.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 4;
+    assert_eq!(u16::from_le_bytes([b[at], b[at + 1]]), 2);
+    b[at..at + 2].copy_from_slice(&1u16.to_le_bytes());
+    std::fs::write(&p, b).unwrap();
+    let e = import(&d, 1);
+    assert!(e.contains("model-00003-of-00003.gguf") && e.contains("inconsistent split metadata"), "{e}");
+}
+
+// --- The embedded tokenizer: k3-nano's written into a GGUF as llama.cpp writes Kimi K2's (tokenizer_kimi.gguf),
+// against Python tiktoken's ids for the original tokenizer (tests/fixtures/tokenizer/k3_nano*_ids.json).
+
+fn tokenizer_cases() -> Vec<serde_json::Value> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+    let mut cases = Vec::new();
+    for f in ["k3_nano_ids.json", "k3_nano_long_ids.json"] {
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join(f)).unwrap()).unwrap();
+        cases.extend(v["cases"].as_array().unwrap().iter().cloned());
+    }
+    cases
+}
+
+#[test]
+fn the_gguf_tokenizer_encodes_like_the_original() {
+    let src = fixtures_dir("tokenizer_kimi.gguf");
+    let g = GgufFile::open(&src).unwrap();
+    let files = tokenizer_files(&g, &src).unwrap().expect("the fixture embeds a tokenizer");
+    let dir = tempfile::tempdir().unwrap();
+    for (name, text) in &files {
+        std::fs::write(dir.path().join(name), text).unwrap();
+    }
+    let (tok, cfg) = Tokenizer::load(dir.path()).unwrap();
+    let cases = tokenizer_cases();
+    assert!(cases.len() > 20, "{}", cases.len());
+    for c in &cases {
+        let text = c["text"].as_str().unwrap();
+        let ids: Vec<u32> = serde_json::from_value(c["ids"].clone()).unwrap();
+        let ordinary: Vec<u32> =
+            c.get("ordinary_ids").map_or(ids.clone(), |o| serde_json::from_value(o.clone()).unwrap());
+        assert_eq!(tok.encode(text, true).unwrap(), ids, "{text:?}");
+        assert_eq!(tok.encode(text, false).unwrap(), ordinary, "{text:?} (special tokens as text)");
+        assert_eq!(tok.decode(&ids).unwrap(), text);
+    }
+    assert_eq!(
+        (cfg.bos_token.as_deref(), cfg.eos_token.as_deref(), cfg.add_bos_token),
+        (Some("[BOS]"), Some("[EOS]"), true)
+    );
+    assert_eq!(cfg.eos_token_ids, vec![2047]);
+    assert!(cfg.chat_template.unwrap().contains("<|im_user|>"));
+
+    // An unknown pre-tokenizer name is refused, named (its regex is not in the file).
+    let mut b = std::fs::read(&src).unwrap();
+    let at = b.windows(7).position(|w| w == b"kimi-k2").unwrap();
+    b[at..at + 7].copy_from_slice(b"kimi-k9");
+    let p = dir.path().join("pre.gguf");
+    std::fs::write(&p, b).unwrap();
+    let e = tokenizer_files(&GgufFile::open(&p).unwrap(), &p).unwrap_err().to_string();
+    assert!(e.contains("'kimi-k9'") && e.contains("pre.gguf"), "{e}");
 }

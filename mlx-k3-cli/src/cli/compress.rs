@@ -97,15 +97,18 @@ pub(super) struct ConvertArgs {
     /// Source checkpoint (mlx-lm or release layout, float or quantized).
     #[arg(long, required_unless_present = "from_gguf", conflicts_with = "from_gguf")]
     from: Option<PathBuf>,
-    /// A llama.cpp GGUF model (architecture deepseek2) to import instead: F32/F16/BF16 kept, Q8_0/Q4_0
-    /// as MLX affine 8/4-bit, bit for bit; other tensor types are an error naming them.
+    /// A llama.cpp GGUF model (architecture deepseek2; a split model: its first shard) to import instead: F32/F16/BF16 kept, Q8_0/Q4_0/
+    /// Q4_K/Q5_K as MLX affine 8/4/4/5-bit and IQ1_S as the codebook, bit for bit; Q6_K/Q3_K/Q2_K re-quantized
+    /// (per --recipe, else affine 8-bit); other tensor types are an error naming them.
     #[arg(long)]
     from_gguf: Option<PathBuf>,
     /// Output folder (created; a partial output of the same job is resumed).
     #[arg(long, alias = "out")]
     to: PathBuf,
-    /// Recipe file (.toml or .json); required with --from, not accepted with --from-gguf.
-    #[arg(long, required_unless_present = "from_gguf", conflicts_with = "from_gguf")]
+    /// Recipe file (.toml or .json); required with --from. With --from-gguf (optional): the modules it
+    /// covers are re-encoded from the GGUF's values, and it chooses the format of types with no exact
+    /// counterpart.
+    #[arg(long, required_unless_present = "from_gguf")]
     recipe: Option<PathBuf>,
     /// Calibration statistics from `mlx-k3 calibrate` (importance weighting, tier scores).
     #[arg(long)]
@@ -145,18 +148,21 @@ fn summary_table(manifest: &Value) {
 
 fn run_gguf_import(args: &ConvertArgs, src: &Path) -> Result<()> {
     let t0 = Instant::now();
-    let r = mlx_k3::compress::gguf_import::import_gguf(src, &args.to, args.overwrite)?;
+    let recipe = args.recipe.as_deref().map(Recipe::load).transpose()?;
+    let opts = mlx_k3::compress::gguf_import::ImportOptions { recipe: recipe.as_ref(), overwrite: args.overwrite };
+    let r = mlx_k3::compress::gguf_import::import_gguf_with(src, &args.to, opts)?;
     let exact = r.tensors.iter().filter(|t| t.exact).count();
     let rows: Vec<Value> = r
         .tensors
         .iter()
-        .map(
-            |t| json!({"gguf": t.gguf_name, "name": t.name, "type": t.ggml_type, "stored": t.stored, "exact": t.exact}),
-        )
+        .map(|t| {
+            json!({"gguf": t.gguf_name, "name": t.name, "class": t.class, "type": t.ggml_type, "stored": t.stored,
+                   "exact": t.exact, "rel_rms": t.rel_rms})
+        })
         .collect();
     let out = with_run_info(
         json!({"to": args.to.display().to_string(), "architecture": r.architecture, "resume": format!("{:?}", r.resume),
-               "tensors": rows, "exact_tensors": exact}),
+               "tensors": rows, "exact_tensors": exact, "classes": r.classes}),
         t0,
     );
     print(&out, args.report.json, || {
@@ -169,13 +175,34 @@ fn run_gguf_import(args: &ConvertArgs, src: &Path) -> Result<()> {
         );
         for t in &r.tensors {
             println!(
-                "  {:<32} {:<6} -> {:<18} {}",
+                "  {:<32} {:<6} -> {:<28} {}",
                 t.gguf_name,
                 t.ggml_type,
                 t.stored,
-                if t.exact { "exact" } else { "" }
+                if t.exact { "exact".to_string() } else { format!("rel RMS {:.3e}", t.rel_rms) }
             );
         }
+        println!(
+            "{:<16} {:>6} {:>6} {:>12} {:>10}  source types -> stored",
+            "class", "count", "exact", "re-quantized", "rel RMS"
+        );
+        if let Some(classes) = r.classes.as_object() {
+            for (class, v) in classes {
+                let list = |k: &str| {
+                    v[k].as_array().map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(", "))
+                };
+                println!(
+                    "{class:<16} {:>6} {:>6} {:>12} {:>10}  {} -> {}",
+                    v["count"].as_u64().unwrap_or(0),
+                    v["exact"].as_u64().unwrap_or(0),
+                    v["requantized"].as_u64().unwrap_or(0),
+                    v["rel_rms"].as_f64().map_or_else(|| "-".to_string(), |e| format!("{e:.3e}")),
+                    list("source_types").unwrap_or_default(),
+                    list("stored").unwrap_or_default()
+                );
+            }
+        }
+        println!("report: {}", args.to.join(mlx_k3::compress::gguf_import::REPORT_FILE).display());
     });
     Ok(())
 }

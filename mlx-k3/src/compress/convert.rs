@@ -408,6 +408,34 @@ fn encode_plain(
     })
 }
 
+/// One module's weights `w` (`[.., n, k]`, f32) encoded per `recipe` as `convert` encodes it (the module's
+/// entry in `modules`, else its class's format, with fallbacks), for importers that bring their own tensors
+/// (GGUF import): the tensors by suffix (`weight`, `scales`, ...), the decoded values, the config.json entry
+/// (None for a float weight), and the target's label. Tiered stacks need a promotion plan and are refused.
+pub(crate) fn encode_module(
+    recipe: &Recipe,
+    path: &str,
+    class: TensorClass,
+    shape: &[usize],
+    w: &[f32],
+) -> Result<(Vec<(String, HostTensor)>, Vec<f32>, Option<Value>, String)> {
+    let m = Module {
+        path: path.to_string(),
+        class,
+        shape: shape.iter().map(|&d| d as i32).collect(),
+        format: super::source::SourceFormat::Dense(Dtype::F32),
+        tensors: Vec::new(),
+    };
+    let (target, _) = resolve(recipe, &m)?;
+    if matches!(target, Target::Tiered { .. }) {
+        return Err(Error::invalid("recipe", format!("'{path}': tiered stacks are not available here")));
+    }
+    let w =
+        if recipe.dtype == Dtype::F32 { w.to_vec() } else { rounded(&Array::from_slice(w, &m.shape)?, recipe.dtype)? };
+    let e = encode_plain(&w, shape, &target, recipe, None)?;
+    Ok((e.tensors, e.decoded, e.entry, target.label()))
+}
+
 /// Encodes an expert stack `[E, n, k]` with expert `e` in the high band when `promoted[e]`.
 fn encode_tiered(
     w: &[f32],

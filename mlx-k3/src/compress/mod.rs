@@ -21,6 +21,7 @@ pub mod convert;
 pub mod data;
 pub mod evalkl;
 pub mod gguf_import;
+pub mod gguf_tokenizer;
 pub mod progress;
 pub mod promotion;
 pub mod prune;

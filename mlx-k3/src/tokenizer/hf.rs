@@ -46,6 +46,13 @@ impl HfTokenizer {
         if self.is_special(id) {
             return Some(tok.into_bytes());
         }
+        // Byte-level BPE: each character of the token stands for one byte (GPT-2's map). Decoding the token
+        // alone would turn a partial UTF-8 sequence (a piece of a CJK character) into U+FFFD.
+        if matches!(self.inner.get_decoder(), Some(tokenizers::decoders::DecoderWrapper::ByteLevel(_))) {
+            if let Some(b) = byte_level_bytes(&tok) {
+                return Some(b);
+            }
+        }
         self.inner.decode(&[id], false).ok().map(String::into_bytes).or(Some(tok.into_bytes()))
     }
 
@@ -73,4 +80,27 @@ impl HfTokenizer {
     pub fn is_special(&self, id: u32) -> bool {
         self.inner.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special)
     }
+}
+
+/// The bytes a byte-level BPE token stands for: GPT-2's map sends the printable bytes `!..~`, `¡..¬`, `®..ÿ`
+/// to the same code points and the other 68 bytes, in order, to U+0100 onwards. None if a character is
+/// outside the map.
+fn byte_level_bytes(tok: &str) -> Option<Vec<u8>> {
+    static INVERSE: std::sync::OnceLock<std::collections::HashMap<char, u8>> = std::sync::OnceLock::new();
+    let inv = INVERSE.get_or_init(|| {
+        let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+        let mut extra = 0;
+        (0..256u32)
+            .map(|b| {
+                let c = if printable(b) {
+                    b
+                } else {
+                    extra += 1;
+                    255 + extra
+                };
+                (char::from_u32(c).unwrap_or('\0'), b as u8)
+            })
+            .collect()
+    });
+    tok.chars().map(|c| inv.get(&c).copied()).collect()
 }
