@@ -9,7 +9,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use mlx_k3::kernels::{indexer_topk, indexer_topk_reference};
-use mlx_k3::{random, Array, Dtype};
+use mlx_k3::{random, Array, Device, Dtype};
 
 fn randn(shape: &[i32], dtype: Dtype, seed: u64) -> Array {
     let a = random::normal(shape, Dtype::F32, 0.0, 1.0, Some(&random::key(seed).unwrap())).unwrap();
@@ -19,6 +19,11 @@ fn randn(shape: &[i32], dtype: Dtype, seed: u64) -> Array {
 }
 
 fn bench_indexer(c: &mut Criterion) {
+    // The CPU primitive and the CPU ops, whatever the default device.
+    mlx_k3::with_device(Device::Cpu, || bench_cpu(c)).unwrap();
+}
+
+fn bench_cpu(c: &mut Criterion) {
     let mut g = c.benchmark_group("indexer");
     g.sample_size(10);
     const TOPK: i32 = 2048;

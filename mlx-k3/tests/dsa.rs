@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use mlx_k3::io::Safetensors;
 use mlx_k3::model::config::Family;
 use mlx_k3::model::ModelConfig;
-use mlx_k3::{Array, Dtype};
+use mlx_k3::{Array, Device, Dtype};
 use serde_json::Value;
 
 mod logit_fixtures;
@@ -273,71 +273,85 @@ fn cache_slice(b: i32, s: i32, d: i32, dtype: Dtype, seed: u64) -> Array {
 
 #[test]
 fn fused_decode_topk_matches_mlx_ops() {
-    // K3.1's indexer shape (32 x 128, a topk of 2048 with 2500 cached positions), and small ones at and around
-    // topk; keys in f32, bf16 and f16 as a cache would store them; two batch rows.
-    let cases: [(i32, i32, i32, i32); 6] = [
-        (32, 128, 2500, 2048),
-        (8, 32, 40, 64),
-        (8, 32, 64, 64),
-        (8, 32, 65, 64),
-        (5, 24, 300, 17),
-        (64, 16, 1000, 100),
-    ];
-    let mut seed = 10;
-    for (h, d, s, topk) in cases {
-        for dt in [Dtype::F32, Dtype::BF16, Dtype::F16] {
-            seed += 1;
-            let q = randn(&[2, h, d], seed).astype(dt).unwrap();
-            let w = randn(&[2, h], seed + 100).multiply(0.1f32).unwrap().astype(dt).unwrap();
-            let keys = cache_slice(2, s, d, dt, seed + 200);
-            let got = mlx_k3::kernels::indexer_topk(&q, &w, &keys, topk).unwrap();
-            check_against_ops(&q, &w, &keys, &got, topk, &format!("H={h} d={d} S={s} topk={topk} {dt:?}"));
+    // A CPU primitive (GPU streams keep MLX's ops): on the CPU stream whatever the default device.
+    mlx_k3::with_device(Device::Cpu, || {
+        // K3.1's indexer shape (32 x 128, a topk of 2048 with 2500 cached positions), and small ones at and around
+        // topk; keys in f32, bf16 and f16 as a cache would store them; two batch rows.
+        let cases: [(i32, i32, i32, i32); 6] = [
+            (32, 128, 2500, 2048),
+            (8, 32, 40, 64),
+            (8, 32, 64, 64),
+            (8, 32, 65, 64),
+            (5, 24, 300, 17),
+            (64, 16, 1000, 100),
+        ];
+        let mut seed = 10;
+        for (h, d, s, topk) in cases {
+            for dt in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+                seed += 1;
+                let q = randn(&[2, h, d], seed).astype(dt).unwrap();
+                let w = randn(&[2, h], seed + 100).multiply(0.1f32).unwrap().astype(dt).unwrap();
+                let keys = cache_slice(2, s, d, dt, seed + 200);
+                let got = mlx_k3::kernels::indexer_topk(&q, &w, &keys, topk).unwrap();
+                check_against_ops(&q, &w, &keys, &got, topk, &format!("H={h} d={d} S={s} topk={topk} {dt:?}"));
+            }
         }
-    }
+    })
+    .unwrap();
 }
 
 #[test]
 fn fused_decode_topk_breaks_ties_toward_earlier_positions() {
-    // Keys repeating 5 rows (position s holds row s % 5) give 5 distinct scores, each bit-identical across its
-    // positions (the kernel scores every position with the same operations): the rows rank by their scores
-    // (from MLX's ops on positions 0..5), and the boundary row contributes its earliest positions.
-    let (h, d, s, topk) = (16, 32, 103, 30);
-    let q = randn(&[1, h, d], 1);
-    let w = randn(&[1, h], 2).multiply(0.1f32).unwrap();
-    let rows = randn(&[1, 5, d], 3);
-    let idx = mlx_k3::ops::arange(0.0, s as f64, 1.0, Dtype::I32).unwrap().remainder(5i32).unwrap();
-    let keys = rows.take(&idx, 1).unwrap();
-    let got = mlx_k3::kernels::indexer_topk(&q, &w, &keys, topk).unwrap().to_vec::<u32>().unwrap();
-    let row_scores = mlx_k3::kernels::indexer_scores_reference(&q, &w, &rows).unwrap().to_vec_f32().unwrap();
-    let mut order: Vec<usize> = (0..5).collect();
-    order.sort_by(|&a, &b| row_scores[b].partial_cmp(&row_scores[a]).unwrap());
-    let mut want = Vec::new();
-    for r in order {
-        want.extend((0..s as u32).filter(|p| *p as usize % 5 == r).take(topk as usize - want.len()));
-    }
-    want.sort_unstable();
-    assert_eq!(got, want, "row scores {row_scores:?}");
+    // A CPU primitive (GPU streams keep MLX's ops): on the CPU stream whatever the default device.
+    mlx_k3::with_device(Device::Cpu, || {
+        // Keys repeating 5 rows (position s holds row s % 5) give 5 distinct scores, each bit-identical across its
+        // positions (the kernel scores every position with the same operations): the rows rank by their scores
+        // (from MLX's ops on positions 0..5), and the boundary row contributes its earliest positions.
+        let (h, d, s, topk) = (16, 32, 103, 30);
+        let q = randn(&[1, h, d], 1);
+        let w = randn(&[1, h], 2).multiply(0.1f32).unwrap();
+        let rows = randn(&[1, 5, d], 3);
+        let idx = mlx_k3::ops::arange(0.0, s as f64, 1.0, Dtype::I32).unwrap().remainder(5i32).unwrap();
+        let keys = rows.take(&idx, 1).unwrap();
+        let got = mlx_k3::kernels::indexer_topk(&q, &w, &keys, topk).unwrap().to_vec::<u32>().unwrap();
+        let row_scores = mlx_k3::kernels::indexer_scores_reference(&q, &w, &rows).unwrap().to_vec_f32().unwrap();
+        let mut order: Vec<usize> = (0..5).collect();
+        order.sort_by(|&a, &b| row_scores[b].partial_cmp(&row_scores[a]).unwrap());
+        let mut want = Vec::new();
+        for r in order {
+            want.extend((0..s as u32).filter(|p| *p as usize % 5 == r).take(topk as usize - want.len()));
+        }
+        want.sort_unstable();
+        assert_eq!(got, want, "row scores {row_scores:?}");
 
-    // Every dot negative (q > 0, keys < 0): relu makes every score 0, and the first topk positions are kept.
-    let q = q.abs().unwrap().add(0.01f32).unwrap();
-    let keys = keys.abs().unwrap().negative().unwrap().subtract(0.01f32).unwrap();
-    let got = mlx_k3::kernels::indexer_topk(&q, &w, &keys, topk).unwrap().to_vec::<u32>().unwrap();
-    assert_eq!(got, (0..topk as u32).collect::<Vec<_>>());
+        // Every dot negative (q > 0, keys < 0): relu makes every score 0, and the first topk positions are kept.
+        let q = q.abs().unwrap().add(0.01f32).unwrap();
+        let keys = keys.abs().unwrap().negative().unwrap().subtract(0.01f32).unwrap();
+        let got = mlx_k3::kernels::indexer_topk(&q, &w, &keys, topk).unwrap().to_vec::<u32>().unwrap();
+        assert_eq!(got, (0..topk as u32).collect::<Vec<_>>());
+    })
+    .unwrap();
 }
 
 #[test]
 fn fused_decode_topk_bad_input_names_the_op() {
-    let q = randn(&[1, 4, 8], 1);
-    let keys = randn(&[1, 1, 20, 8], 2);
-    for (w, k, topk, what) in [
-        (randn(&[1, 3], 3), keys.clone(), 4, "w must be"),
-        (randn(&[1, 4], 3), randn(&[1, 20, 9], 4), 4, "keys must be"),
-        (randn(&[1, 4], 3), keys.clone(), 0, "topk"),
-    ] {
-        let e =
-            mlx_k3::kernels::indexer_topk(&q, &w, &k, topk).and_then(|a| a.eval().map(|_| a)).unwrap_err().to_string();
-        assert!(e.contains("indexer_topk") && e.contains(what), "{what}: {e}");
-    }
+    // A CPU primitive (GPU streams keep MLX's ops): on the CPU stream whatever the default device.
+    mlx_k3::with_device(Device::Cpu, || {
+        let q = randn(&[1, 4, 8], 1);
+        let keys = randn(&[1, 1, 20, 8], 2);
+        for (w, k, topk, what) in [
+            (randn(&[1, 3], 3), keys.clone(), 4, "w must be"),
+            (randn(&[1, 4], 3), randn(&[1, 20, 9], 4), 4, "keys must be"),
+            (randn(&[1, 4], 3), keys.clone(), 0, "topk"),
+        ] {
+            let e = mlx_k3::kernels::indexer_topk(&q, &w, &k, topk)
+                .and_then(|a| a.eval().map(|_| a))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("indexer_topk") && e.contains(what), "{what}: {e}");
+        }
+    })
+    .unwrap();
 }
 
 #[test]
