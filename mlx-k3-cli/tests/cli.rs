@@ -336,3 +336,26 @@ fn inspect_refuses_a_config_with_impossible_sizes_at_once() {
     assert!(stderr.contains("num_hidden_layers"), "{stderr}");
     assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
 }
+
+/// `bench --model` on a DeepSeek-V3.2 checkpoint (the DSA indexer; index_topk 4 under an 8-token prompt, so
+/// the decode steps take the fused indexer step): it runs, and the state bytes it reads per decoded token
+/// count every position's indexer key but only the kept positions' latents.
+#[test]
+fn bench_runs_a_deepseek_v32_model_and_counts_the_indexer_keys() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/deepseek_v32/b_plain_interleave");
+    let args = ["bench", "--model", dir.to_str().unwrap(), "--prompt-tokens", "8", "--gen-tokens", "4", "--json"];
+    let (ok, stdout, stderr) = mlx_k3(&args);
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(v["generated_tokens"].as_u64(), Some(4), "{v}");
+    assert!(v["decode_tok_s"].as_f64().unwrap() > 0.0, "{v}");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let n = |k: &str| cfg[k].as_u64().unwrap_or_else(|| panic!("{k} in the fixture's config"));
+    let context = 8 + 4 / 2; // the prompt plus half the generated tokens, as bench counts the mean context
+    let per_layer =
+        context.min(n("index_topk")) * (n("kv_lora_rank") + n("qk_rope_head_dim")) + context * n("index_head_dim");
+    let state = v["state_bytes_per_token"].as_u64().unwrap();
+    let units = n("num_hidden_layers") * per_layer;
+    assert!(state == units * 4 || state == units * 2, "state bytes {state}, expected {units} x 4 (f32) or x 2 (bf16)");
+}

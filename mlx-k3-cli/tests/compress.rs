@@ -1483,3 +1483,85 @@ fn convert_from_gguf_imports_and_the_result_runs() {
     let (ok, _, err) = run(&["convert", "--from-gguf", "/nonexistent/m.gguf", "--out", out.to_str().unwrap()]);
     assert!(!ok && err.contains("m.gguf"), "{err}");
 }
+
+#[test]
+fn deepseek_family_models_calibrate_and_prune_to_the_masked_original() {
+    // REAP pruning on DeepSeek-V3 and DeepSeek-V3.2 checkpoints (ungrouped routers; mlx-lm names, the router
+    // bias under mlp.gate): calibrate on two windows of token ids, keep 4 of 8 experts, and the pruned model
+    // computes the original's logits with the dropped experts masked out of routing by a -1e9 bias (1e-5 of
+    // the largest logit, as for Kimi K3 above: the same weights, fewer candidates in the top-k).
+    let tmp = tempfile::tempdir().unwrap();
+    for src in
+        [ds3_fixture("b_direct_q_plain_rope"), root().join("mlx-k3/tests/fixtures/deepseek_v32/b_plain_interleave")]
+    {
+        let name = src.file_name().unwrap().to_string_lossy().into_owned();
+        let cfg: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+        let vocab = cfg["vocab_size"].as_u64().unwrap() as i32;
+        let seq: Vec<i32> = (0..48).map(|i| (i * 37 + 11) % vocab).collect();
+        let data = tmp.path().join(format!("{name}-tokens.safetensors"));
+        save_safetensors(&data, &[("tokens", &Array::from_slice(&seq, &[48]).unwrap())], &[]).unwrap();
+        let stats = tmp.path().join(format!("{name}-calib.safetensors"));
+        let s = src.to_str().unwrap();
+        run_ok(&[
+            "calibrate",
+            "--model",
+            s,
+            "--data",
+            data.to_str().unwrap(),
+            "--ctx",
+            "24",
+            "--windows",
+            "2",
+            "--out",
+            stats.to_str().unwrap(),
+            "--quiet",
+        ]);
+        let pruned = tmp.path().join(format!("{name}-pruned"));
+        let report = run_ok(&[
+            "prune",
+            "--model",
+            s,
+            "--keep",
+            "4",
+            "--stats",
+            stats.to_str().unwrap(),
+            "--to",
+            pruned.to_str().unwrap(),
+            "--json",
+            "--quiet",
+        ]);
+        let report: Value = serde_json::from_str(&report).unwrap();
+        let mut masked: BTreeMap<String, Array> =
+            Safetensors::load(src.join("model.safetensors")).unwrap().arrays().unwrap();
+        let layers = report["layers"].as_array().unwrap();
+        assert!(!layers.is_empty(), "{name}: {report}");
+        for layer in layers {
+            let l = layer["layer"].as_u64().unwrap();
+            let kept: Vec<usize> =
+                layer["kept"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
+            assert_eq!(kept.len(), 4, "{name}");
+            let key = format!("model.layers.{l}.mlp.gate.e_score_correction_bias");
+            let mut b = masked.get(&key).unwrap_or_else(|| panic!("{name}: no {key}")).to_vec::<f32>().unwrap();
+            for (e, v) in b.iter_mut().enumerate() {
+                if !kept.contains(&e) {
+                    *v = -1e9;
+                }
+            }
+            masked.insert(key, Array::from_slice(&b, &[8]).unwrap());
+        }
+        let mdir = tmp.path().join(format!("{name}-masked"));
+        std::fs::create_dir_all(&mdir).unwrap();
+        std::fs::copy(src.join("config.json"), mdir.join("config.json")).unwrap();
+        let refs: Vec<(&str, &Array)> = masked.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        save_safetensors(mdir.join("model.safetensors"), &refs, &[("format", "mlx")]).unwrap();
+        let (a, b) = (logits(&load(&pruned), &seq[..24]), logits(&load(&mdir), &seq[..24]));
+        let e = rel(&a, &b);
+        println!("{name}: pruned (4 of 8) vs masked original: rel err {e:.2e}");
+        assert!(e < 1e-5, "{name}: rel err {e}");
+        // Not vacuous: dropping half the experts changes the unmasked original's routing and so its logits.
+        let orig = rel(&logits(&load(&src), &seq[..24]), &b);
+        assert!(orig > 1e-3, "{name}: the pruned model computes the unpruned one's logits ({orig})");
+        let pcfg: Value = serde_json::from_str(&std::fs::read_to_string(pruned.join("config.json")).unwrap()).unwrap();
+        assert_eq!(pcfg["n_routed_experts"], 4, "{name}");
+    }
+}

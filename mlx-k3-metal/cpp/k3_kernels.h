@@ -105,6 +105,15 @@ int k3_moe_router(k3_array* res, size_t cap, size_t* n_out, const k3_array logit
                   const k3_array protected_mask, int top_k, int n_group, int topk_group, float routed_scaling_factor,
                   bool renormalize, const k3_stream s);
 
+/* The DSA indexer's decode step (one query row per batch entry): score(s) = sum_h w[h] * relu(q[h] . keys[s]) over
+ * every cached position s, computed in f32, and the topk best positions. q [B, H, d] (after the indexer's
+ * rotation), w [B, H] (weights_proj times its scale), keys [B, S, d] or [B, 1, S, d] (the indexer key cache,
+ * f32/f16/bf16, read in place); writes uint32 [B, min(topk, S)]: every position scoring above the topk-th
+ * largest score T, then the lowest positions scoring exactly T, in ascending position order (-0 = +0; NaN
+ * above every number). One pass over the keys, radix selection (no sort). CPU streams only. */
+int k3_indexer_topk(k3_array* res, const k3_array q, const k3_array w, const k3_array keys, int topk,
+                    const k3_stream s);
+
 /* One-token KDA decode step (docs/formats.md#kimi-delta-attention-kda): short conv + SiLU over [conv_state; qkv], L2-normalized q/k,
  * beta = sigmoid(b), the per-channel decay from a (with gate_lower_bound when has_lower_bound), the gated
  * delta update of the f32 state, and RMSNorm(y; norm_weight, norm_eps) * sigmoid(gate). qkv [B, 1, 3P],

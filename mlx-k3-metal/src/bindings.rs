@@ -158,6 +158,16 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn k3_indexer_topk(
+        res: *mut k3_array,
+        q: k3_array,
+        w: k3_array,
+        keys: k3_array,
+        topk: ::std::os::raw::c_int,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn k3_kda_step(
         res: *mut k3_array,
         cap: usize,

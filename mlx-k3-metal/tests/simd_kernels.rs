@@ -1,6 +1,7 @@
 //! The packed-weight kernels' SIMD paths against their scalar paths (`tests/kernel_check/simd_vs_scalar.cpp`:
 //! affine 2/3/4/5/6/8-bit with f32/f16/bf16 scales, mxfp4, the codebook; 1-6 activation rows; K with short
-//! tails), built from the kernel sources alone:
+//! tails), and the DSA indexer's decode kernel (`tests/kernel_check/indexer_vs_scalar.cpp`: scores and top-k
+//! selection), built from the kernel sources alone:
 //! - natively, with the build script's compiler: the AVX2 paths, and the AVX-512 ones where the CPU has them (the
 //!   model tests also cover them through MLX);
 //! - for AArch64 with Debian's cross compiler (`aarch64-linux-gnu-g++`), for the baseline ISA and with the
@@ -19,17 +20,20 @@ fn kernel_sources() -> (Vec<PathBuf>, Vec<PathBuf>) {
     assert_eq!(includes.len(), 4, "include paths from build.rs");
     let cpp = &includes[0];
     let harness = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kernel_check/simd_vs_scalar.cpp");
-    // The packed-weight kernels (qmm_cpu.cpp and its per-concern files qmm_cpu_*.cpp) and the thread pool.
+    // The packed-weight kernels (qmm_cpu.cpp and its per-concern files qmm_cpu_*.cpp), the DSA indexer's decode
+    // kernel (indexer_cpu.cpp) and the thread pool.
     let mut sources: Vec<PathBuf> = std::fs::read_dir(cpp)
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| {
             let name = p.file_name().unwrap().to_string_lossy();
-            name.starts_with("qmm_cpu") && name.ends_with(".cpp")
+            (name.starts_with("qmm_cpu") || name.starts_with("indexer_cpu")) && name.ends_with(".cpp")
         })
         .collect();
     sources.sort();
     assert!(sources.len() >= 2, "the qmm_cpu sources not found in {}", cpp.display());
+    // The DSA indexer decode kernel's cases, which the harness runs on each path.
+    sources.insert(0, harness.with_file_name("indexer_vs_scalar.cpp"));
     sources.insert(0, harness);
     sources.push(cpp.join("parallel.cpp"));
     // The kernel sources, the generated grid table and the C ABI header; not MLX's headers (not needed, and

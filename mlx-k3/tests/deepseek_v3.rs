@@ -251,3 +251,116 @@ fn fp8_block_scales_are_refused_with_a_hint() {
         .to_string();
     assert!(e.contains("o_proj.weight_scale_inv") && e.contains("mlx_lm.convert"), "{e}");
 }
+
+/// The routed-expert stacks of a fixture rewritten as codebook stacks (`k3_codebook`) or tiered stacks
+/// (`k3_tiered`: codebook, MXFP4 and affine experts in one stack), loaded through config.json, against the same
+/// model with each stack replaced by its dequantization in f32 (the plain-ops reference): the same logits
+/// within f32 reassociation (1e-4 of the largest logit, as tests/tiered.rs for Kimi K3) and greedy tokens
+/// over a prompt plus decode steps with a cache (DeepSeek-V3.2's fixture takes the fused indexer path there).
+#[test]
+fn codebook_and_tiered_expert_stacks_match_their_dequantized_reference() {
+    use mlx_k3::codebook;
+    use mlx_k3::io::save_safetensors;
+    use mlx_k3::quant::QuantSpec;
+    use mlx_k3::tiered::{self, Tier};
+    use serde_json::json;
+    let tmp = tempfile::tempdir().unwrap();
+    let fixtures = [fixtures_dir().join("a_yarn_grouped"), logit_fixtures::dir("deepseek_v32").join("a_yarn_topk4")];
+    for src in fixtures {
+        let float = Safetensors::load(src.join("model.safetensors")).unwrap().arrays().unwrap();
+        let cfg: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+        let exp = expected(&src);
+        let paths: Vec<String> = float
+            .keys()
+            .filter(|k| k.contains("switch_mlp") && k.ends_with(".weight"))
+            .map(|k| k.trim_end_matches(".weight").to_string())
+            .collect();
+        assert!(!paths.is_empty());
+        for mode in ["codebook", "tiered"] {
+            let (mut packed, mut reference) = (float.clone(), float.clone());
+            let mut qcfg = serde_json::Map::new();
+            for path in &paths {
+                let w = packed.remove(&format!("{path}.weight")).unwrap();
+                let (e, n, k) = (w.dim(0).unwrap() as usize, w.dim(1).unwrap() as usize, w.dim(2).unwrap() as usize);
+                if mode == "codebook" {
+                    let host = w.to_vec::<f32>().unwrap();
+                    let parts: Vec<codebook::Codebook> = (0..e)
+                        .map(|i| {
+                            codebook::quantize(&host[i * n * k..(i + 1) * n * k], n, k, None)
+                                .unwrap()
+                                .0
+                                .to_arrays()
+                                .unwrap()
+                        })
+                        .collect();
+                    let st = |f: &dyn Fn(&codebook::Codebook) -> &Array| {
+                        mlx_k3::ops::stack(&parts.iter().map(f).collect::<Vec<_>>(), 0).unwrap()
+                    };
+                    let cb =
+                        codebook::Codebook { codes: st(&|c| &c.codes), qh: st(&|c| &c.qh), scales: st(&|c| &c.scales) };
+                    reference.insert(format!("{path}.weight"), codebook::dequantize_reference(&cb).unwrap());
+                    packed.insert(format!("{path}.codes"), cb.codes);
+                    packed.insert(format!("{path}.qh"), cb.qh);
+                    packed.insert(format!("{path}.scales"), cb.scales);
+                    qcfg.insert(path.clone(), json!({"mode": "k3_codebook"}));
+                } else {
+                    // Experts 0-3 codebook, 4-5 MXFP4, 6-7 affine 4-bit (group 32: the fixtures' K is 32).
+                    let tiers: Vec<Tier> = (0..e)
+                        .map(|i| match i {
+                            0..=3 => Tier::Codebook,
+                            4 | 5 => Tier::Mxfp4,
+                            _ => Tier::Affine,
+                        })
+                        .collect();
+                    let (t, _) = tiered::build_tiered(&w, &tiers, QuantSpec::affine(32, 4), None).unwrap();
+                    reference.insert(format!("{path}.weight"), tiered::dequantize_tiered(&t).unwrap());
+                    packed.insert(format!("{path}.tier"), t.tier.clone());
+                    packed.insert(format!("{path}.slot"), t.slot.clone());
+                    let c = t.codebook.as_ref().unwrap();
+                    packed.insert(format!("{path}.codebook.codes"), c.codes.clone());
+                    packed.insert(format!("{path}.codebook.qh"), c.qh.clone());
+                    packed.insert(format!("{path}.codebook.scales"), c.scales.clone());
+                    let q = t.mxfp4.as_ref().unwrap();
+                    packed.insert(format!("{path}.mxfp4.weight"), q.weight.clone());
+                    packed.insert(format!("{path}.mxfp4.scales"), q.scales.clone());
+                    let (q, _) = t.affine.as_ref().unwrap();
+                    packed.insert(format!("{path}.affine.weight"), q.weight.clone());
+                    packed.insert(format!("{path}.affine.scales"), q.scales.clone());
+                    packed.insert(format!("{path}.affine.biases"), q.biases.clone().unwrap());
+                    qcfg.insert(path.clone(), json!({"mode": "k3_tiered", "affine": {"group_size": 32, "bits": 4}}));
+                }
+            }
+            let write = |dir: &Path, cfg: &Value, t: &std::collections::BTreeMap<String, Array>| {
+                std::fs::create_dir_all(dir).unwrap();
+                std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+                let refs: Vec<(&str, &Array)> = t.iter().map(|(k, v)| (k.as_str(), v)).collect();
+                save_safetensors(dir.join("model.safetensors"), &refs, &[("format", "mlx")]).unwrap();
+            };
+            let name = format!("{}_{mode}", src.file_name().unwrap().to_string_lossy());
+            let (pdir, rdir) = (tmp.path().join(&name), tmp.path().join(format!("{name}_ref")));
+            let mut pcfg = cfg.clone();
+            pcfg["quantization"] = Value::Object(qcfg);
+            write(&pdir, &pcfg, &packed);
+            write(&rdir, &cfg, &reference);
+            let (pm, rm) = (load(&pdir, Dtype::F32), load(&rdir, Dtype::F32));
+            let t = exp.prompt.len() as i32;
+            let (a, b) = (pm.forward(&ids(&exp.prompt), None).unwrap(), rm.forward(&ids(&exp.prompt), None).unwrap());
+            let e = rel_err(&a.reshape(&[t, -1]).unwrap(), &b.reshape(&[t, -1]).unwrap());
+            println!("{name}: prefill logits rel err vs dequantized reference {e:.2e}");
+            assert!(e <= TOL, "{name}: prefill rel err {e}");
+            let (mut pc, mut rc) = (pm.make_cache(), rm.make_cache());
+            let (mut pa, mut rb) = (
+                pm.forward(&ids(&exp.prompt), Some(&mut pc)).unwrap(),
+                rm.forward(&ids(&exp.prompt), Some(&mut rc)).unwrap(),
+            );
+            for step in 0..6 {
+                let (ta, tb) = (argmax(&last_row(&pa)), argmax(&last_row(&rb)));
+                assert_eq!(ta, tb, "{name}: greedy token {step}");
+                pa = pm.forward(&ids(&[ta]), Some(&mut pc)).unwrap();
+                rb = rm.forward(&ids(&[tb]), Some(&mut rc)).unwrap();
+                let e = rel_err(&pa, &rb);
+                assert!(e <= TOL, "{name}: decode step {step} rel err {e}");
+            }
+        }
+    }
+}

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use mlx_k3::io::Safetensors;
 use mlx_k3::model::config::Family;
 use mlx_k3::model::ModelConfig;
-use mlx_k3::{Array, Dtype};
+use mlx_k3::{Array, Device, Dtype};
 use serde_json::Value;
 
 mod logit_fixtures;
@@ -49,6 +49,7 @@ fn every_fixture_matches_mlx_lm() {
         let pre = model.forward(&ids(&exp.prompt), Some(&mut cache)).unwrap();
         let mut tok = argmax(&last_row(&pre));
         let mut worst_decode = 0.0f32;
+        let fused_before = mlx_k3::kernels::fused_indexer_steps();
         for step in 0..exp.decode_tokens.len() {
             assert_eq!(tok, exp.decode_tokens[step], "{name}: greedy token {step} differs");
             let out = model.forward(&ids(&[tok]), Some(&mut cache)).unwrap();
@@ -60,6 +61,9 @@ fn every_fixture_matches_mlx_lm() {
         }
         let next = f["checks"]["next_token_after_decode"].as_i64().unwrap() as i32;
         assert_eq!(tok, next, "{name}: the token after the last decode step differs");
+        // The decode steps ran the fused CPU indexer step (kernels::indexer_topk), one per MLA layer and token.
+        let fused = mlx_k3::kernels::fused_indexer_steps() - fused_before;
+        assert!(fused >= exp.decode_tokens.len() as u64, "{name}: {fused} fused indexer steps");
 
         let all: Vec<i32> = exp.prompt.iter().chain(&exp.decode_tokens).copied().collect();
         let full = model.forward(&ids(&all), None).unwrap();
@@ -206,5 +210,176 @@ fn trimming_the_cache_rewinds_the_indexer_keys() {
         let again = model.forward(&ids(&[t]), Some(&mut cache)).unwrap();
         let e = rel_err(&again, &first[i]);
         assert!(e <= 1e-6, "step {i} after trim: rel err {e}");
+    }
+}
+
+// ---- the fused CPU decode step (kernels::indexer_topk) against MLX's ops ------------------------------------
+
+fn randn(shape: &[i32], seed: u64) -> Array {
+    mlx_k3::random::normal(shape, Dtype::F32, 0.0, 1.0, Some(&mlx_k3::random::key(seed).unwrap())).unwrap()
+}
+
+/// Checks `got` (the fused op's `[B, k]`) against MLX's ops on the same values in f32: per row, `k` distinct
+/// ascending positions, and the same set as the reference's argpartition except for positions whose reference
+/// score lies within `tol` of the row's threshold (the k-th largest score), where rounding decides.
+/// `tol`: both sides form the same products and sum them in different orders (MLX's SGEMM blocks over d, the
+/// kernel runs one FMA chain per head, then both sum over heads), so each score is within the recursive-
+/// summation bound (d + H) * eps * sum_h |w_h| sum_j |q_hj k_sj| of the exact one; twice that separates the two.
+fn check_against_ops(q: &Array, w: &Array, keys: &Array, got: &Array, topk: i32, what: &str) {
+    let (qf, wf, kf) = (q.astype(Dtype::F32).unwrap(), w.astype(Dtype::F32).unwrap(), keys.astype(Dtype::F32).unwrap());
+    let (b, h, d) = (q.dim(0).unwrap(), q.dim(1).unwrap(), q.dim(2).unwrap());
+    let scores = mlx_k3::kernels::indexer_scores_reference(&qf, &wf, &kf).unwrap();
+    let s = scores.dim(1).unwrap();
+    let reference = mlx_k3::kernels::indexer_topk_reference(&qf, &wf, &kf, topk).unwrap();
+    let mag = mlx_k3::kernels::indexer_scores_reference(&qf.abs().unwrap(), &wf.abs().unwrap(), &kf.abs().unwrap())
+        .unwrap()
+        .max_all(false)
+        .unwrap()
+        .item::<f32>()
+        .unwrap();
+    let tol = 2.0 * (d + h) as f32 * f32::EPSILON * mag;
+    let k = topk.min(s) as usize;
+    assert_eq!(got.shape(), vec![b, k as i32], "{what}: shape");
+    assert_eq!(got.dtype(), Dtype::U32, "{what}: dtype");
+    let (g, r, sc) = (got.to_vec::<u32>().unwrap(), reference.to_vec::<u32>().unwrap(), scores.to_vec_f32().unwrap());
+    let mut boundary = 0;
+    for row in 0..b as usize {
+        let gr = &g[row * k..(row + 1) * k];
+        assert!(gr.windows(2).all(|p| p[0] < p[1]), "{what}: row {row} not strictly ascending");
+        assert!(gr.iter().all(|&i| (i as i32) < s), "{what}: row {row} out of range");
+        let mut rr = r[row * k..(row + 1) * k].to_vec();
+        rr.sort_unstable();
+        let srow = &sc[row * s as usize..(row + 1) * s as usize];
+        let thr = rr.iter().map(|&i| srow[i as usize]).fold(f32::INFINITY, f32::min);
+        for i in
+            gr.iter().filter(|i| rr.binary_search(i).is_err()).chain(rr.iter().filter(|i| gr.binary_search(i).is_err()))
+        {
+            let v = srow[*i as usize];
+            assert!(
+                (v - thr).abs() <= tol,
+                "{what}: row {row} position {i} (score {v}) differs, threshold {thr}, tol {tol}"
+            );
+            boundary += 1;
+        }
+    }
+    println!("{what}: {boundary} boundary position(s) differ within tol {tol:.2e}");
+}
+
+/// The cache's layout: `[B, 1, capacity, d]` with the first `s` positions in use (the kernel reads in place).
+fn cache_slice(b: i32, s: i32, d: i32, dtype: Dtype, seed: u64) -> Array {
+    let full = randn(&[b, 1, s + 7, d], seed).astype(dtype).unwrap();
+    full.slice_axis(2, 0, s).unwrap()
+}
+
+#[test]
+fn fused_decode_topk_matches_mlx_ops() {
+    // A CPU primitive (GPU streams keep MLX's ops): on the CPU stream whatever the default device.
+    mlx_k3::with_device(Device::Cpu, || {
+        // K3.1's indexer shape (32 x 128, a topk of 2048 with 2500 cached positions), and small ones at and around
+        // topk; keys in f32, bf16 and f16 as a cache would store them; two batch rows.
+        let cases: [(i32, i32, i32, i32); 6] = [
+            (32, 128, 2500, 2048),
+            (8, 32, 40, 64),
+            (8, 32, 64, 64),
+            (8, 32, 65, 64),
+            (5, 24, 300, 17),
+            (64, 16, 1000, 100),
+        ];
+        let mut seed = 10;
+        for (h, d, s, topk) in cases {
+            for dt in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+                seed += 1;
+                let q = randn(&[2, h, d], seed).astype(dt).unwrap();
+                let w = randn(&[2, h], seed + 100).multiply(0.1f32).unwrap().astype(dt).unwrap();
+                let keys = cache_slice(2, s, d, dt, seed + 200);
+                let got = mlx_k3::kernels::indexer_topk(&q, &w, &keys, topk).unwrap();
+                check_against_ops(&q, &w, &keys, &got, topk, &format!("H={h} d={d} S={s} topk={topk} {dt:?}"));
+            }
+        }
+    })
+    .unwrap();
+}
+
+#[test]
+fn fused_decode_topk_breaks_ties_toward_earlier_positions() {
+    // A CPU primitive (GPU streams keep MLX's ops): on the CPU stream whatever the default device.
+    mlx_k3::with_device(Device::Cpu, || {
+        // Keys repeating 5 rows (position s holds row s % 5) give 5 distinct scores, each bit-identical across its
+        // positions (the kernel scores every position with the same operations): the rows rank by their scores
+        // (from MLX's ops on positions 0..5), and the boundary row contributes its earliest positions.
+        let (h, d, s, topk) = (16, 32, 103, 30);
+        let q = randn(&[1, h, d], 1);
+        let w = randn(&[1, h], 2).multiply(0.1f32).unwrap();
+        let rows = randn(&[1, 5, d], 3);
+        let idx = mlx_k3::ops::arange(0.0, s as f64, 1.0, Dtype::I32).unwrap().remainder(5i32).unwrap();
+        let keys = rows.take(&idx, 1).unwrap();
+        let got = mlx_k3::kernels::indexer_topk(&q, &w, &keys, topk).unwrap().to_vec::<u32>().unwrap();
+        let row_scores = mlx_k3::kernels::indexer_scores_reference(&q, &w, &rows).unwrap().to_vec_f32().unwrap();
+        let mut order: Vec<usize> = (0..5).collect();
+        order.sort_by(|&a, &b| row_scores[b].partial_cmp(&row_scores[a]).unwrap());
+        let mut want = Vec::new();
+        for r in order {
+            want.extend((0..s as u32).filter(|p| *p as usize % 5 == r).take(topk as usize - want.len()));
+        }
+        want.sort_unstable();
+        assert_eq!(got, want, "row scores {row_scores:?}");
+
+        // Every dot negative (q > 0, keys < 0): relu makes every score 0, and the first topk positions are kept.
+        let q = q.abs().unwrap().add(0.01f32).unwrap();
+        let keys = keys.abs().unwrap().negative().unwrap().subtract(0.01f32).unwrap();
+        let got = mlx_k3::kernels::indexer_topk(&q, &w, &keys, topk).unwrap().to_vec::<u32>().unwrap();
+        assert_eq!(got, (0..topk as u32).collect::<Vec<_>>());
+    })
+    .unwrap();
+}
+
+#[test]
+fn fused_decode_topk_bad_input_names_the_op() {
+    // A CPU primitive (GPU streams keep MLX's ops): on the CPU stream whatever the default device.
+    mlx_k3::with_device(Device::Cpu, || {
+        let q = randn(&[1, 4, 8], 1);
+        let keys = randn(&[1, 1, 20, 8], 2);
+        for (w, k, topk, what) in [
+            (randn(&[1, 3], 3), keys.clone(), 4, "w must be"),
+            (randn(&[1, 4], 3), randn(&[1, 20, 9], 4), 4, "keys must be"),
+            (randn(&[1, 4], 3), keys.clone(), 0, "topk"),
+        ] {
+            let e = mlx_k3::kernels::indexer_topk(&q, &w, &k, topk)
+                .and_then(|a| a.eval().map(|_| a))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("indexer_topk") && e.contains(what), "{what}: {e}");
+        }
+    })
+    .unwrap();
+}
+
+#[test]
+fn decode_steps_agree_with_the_ops_path() {
+    // The same decode steps through the fused op and through MLX's ops (kernels::set_fused_indexer(false)):
+    // same positions up to rounding (the fixtures' boundaries lead by >= 1e-4 of the row's largest score) and
+    // attention over them in a different order (ascending vs argpartition's): logits within the file's TOL.
+    let f = &manifest()[0];
+    let dir = fixtures_dir().join(f["dir"].as_str().unwrap());
+    let exp = expected(&dir);
+    let model = load(&dir, Dtype::F32);
+    let run = |fused: bool| {
+        mlx_k3::kernels::set_fused_indexer(fused);
+        let mut cache = model.make_cache();
+        model.forward(&ids(&exp.prompt), Some(&mut cache)).unwrap();
+        let out: Vec<Array> =
+            exp.decode_tokens.iter().map(|&t| model.forward(&ids(&[t]), Some(&mut cache)).unwrap()).collect();
+        mlx_k3::kernels::set_fused_indexer(true);
+        out
+    };
+    let before = mlx_k3::kernels::fused_indexer_steps();
+    let fused = run(true);
+    let steps = mlx_k3::kernels::fused_indexer_steps() - before;
+    // Every decode step of both MLA-with-indexer layers took the fused path (other tests may add to the count).
+    assert!(steps >= exp.decode_tokens.len() as u64, "{steps} fused steps for {} tokens", exp.decode_tokens.len());
+    let ops = run(false);
+    for (i, (a, b)) in fused.iter().zip(&ops).enumerate() {
+        let e = rel_err(a, b);
+        assert!(e <= TOL, "decode step {i}: fused vs ops rel err {e}");
     }
 }

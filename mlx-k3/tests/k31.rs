@@ -51,6 +51,7 @@ fn every_fixture_matches_the_reference() {
         let pre = model.forward(&ids(&exp.prompt), Some(&mut cache)).unwrap();
         let mut tok = argmax(&last_row(&pre));
         let mut worst_decode = 0.0f32;
+        let fused_before = mlx_k3::kernels::fused_indexer_steps();
         for step in 0..exp.decode_tokens.len() {
             assert_eq!(tok, exp.decode_tokens[step], "{name}: greedy token {step} differs");
             let out = model.forward(&ids(&[tok]), Some(&mut cache)).unwrap();
@@ -62,6 +63,9 @@ fn every_fixture_matches_the_reference() {
         }
         let next = f["checks"]["next_token_after_decode"].as_i64().unwrap() as i32;
         assert_eq!(tok, next, "{name}: the token after the last decode step differs");
+        // The decode steps ran the fused CPU indexer step (kernels::indexer_topk), one per MLA layer and token.
+        let fused = mlx_k3::kernels::fused_indexer_steps() - fused_before;
+        assert!(fused >= exp.decode_tokens.len() as u64, "{name}: {fused} fused indexer steps");
 
         let all: Vec<i32> = exp.prompt.iter().chain(&exp.decode_tokens).copied().collect();
         let full = model.forward(&ids(&all), None).unwrap();

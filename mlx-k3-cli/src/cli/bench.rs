@@ -93,7 +93,13 @@ fn bytes_per_token(model: &KimiK3, context: usize) -> (u64, u64) {
                 state += (la.short_conv_kernel_size as u64 - 1) * 3 * p * act;
             }
         } else if let Ok(m) = cfg.mla() {
-            state += context as u64 * (m.kv_lora_rank + m.qk_rope) as u64 * act;
+            // With the DSA indexer (DeepSeek-V3.2, Kimi K3.1) a decode step reads every position's indexer key
+            // and the latents of the kept positions only.
+            let (kept, index_keys) = match &cfg.indexer {
+                Some(ix) => (context.min(ix.topk), context * ix.head_dim),
+                None => (context, 0),
+            };
+            state += (kept * (m.kv_lora_rank + m.qk_rope) + index_keys) as u64 * act;
         }
     }
     (weights, state)

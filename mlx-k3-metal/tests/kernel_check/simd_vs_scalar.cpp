@@ -27,6 +27,9 @@
 
 namespace kk = k3::kernels;
 
+// The DSA indexer kernel's cases (indexer_vs_scalar.cpp).
+void run_indexer_cases(const std::string& tag, int& failures);
+
 namespace {
 
 int failures = 0;
@@ -177,6 +180,7 @@ void codebook_case(Rng& r, int rows, int N, int K, bool q8 = false) {
 // Every case once, names prefixed with `tag` (the path under test).
 void run_all(const std::string& tag) {
   prefix = tag;
+  run_indexer_cases(tag, failures);
   Rng r(20261201);
   // K: a multiple of 256, one with a short last super-block and a 128-chunk tail (416 = 256 + 160), and 96. Group
   // 256 takes the kernels' path for groups not known at compile time.

@@ -156,8 +156,17 @@ pub fn calibrate(job: &CalibrateJob) -> Result<Value> {
             Ok(a)
         };
         let bias = src.plain(&format!("model.layers.{l}.mlp.e_score_correction_bias"))?.astype(Dtype::F32)?;
+        let gate_path = format!("model.layers.{l}.mlp.gate");
+        let gate = if u.modules.iter().any(|m| m.path == gate_path) {
+            get("gate")?
+        } else {
+            // The DeepSeek-V3 family's router is no module (mlx-lm's MoEGate is not quantizable): a plain tensor.
+            let a = src.plain(&format!("{gate_path}.weight"))?.astype(Dtype::F32)?;
+            a.eval()?;
+            a
+        };
         let w = MoeWeights {
-            gate: get("gate")?,
+            gate,
             bias,
             latent_down: if cfg.routed_expert_hidden_size.is_some() {
                 Some(get("routed_expert_down_proj")?)

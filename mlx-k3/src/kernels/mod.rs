@@ -5,6 +5,7 @@ mod attn_res;
 mod combine;
 mod dense;
 mod gate_up;
+mod indexer;
 mod kda_step;
 mod norm;
 mod router;
@@ -14,6 +15,11 @@ pub use attn_res::{attn_res_mix, attn_res_mix_reference, attn_res_supported};
 pub use combine::{moe_combine, moe_combine_reference};
 pub use dense::{set_reference_blas, sgemm_calls, sgemm_path};
 pub use gate_up::{gate_up_fusable, gather_codebook_gate_up_situ, gather_gate_up_situ, Situ};
+pub(crate) use indexer::count_fused_indexer_step;
+pub use indexer::{
+    fused_indexer, fused_indexer_steps, indexer_scores_reference, indexer_topk, indexer_topk_reference,
+    set_fused_indexer,
+};
 pub use kda_step::{gated_delta_scan, kda_step, kda_step_reference, kda_step_supported, KdaStepInputs, KdaWeights};
 pub use norm::{log_softmax, rms_norm};
 pub use router::{moe_router, route_reference, RouterParams, Routing};

@@ -15,7 +15,7 @@ use super::config::IndexerConfig;
 use super::deepseek_v3::Rope;
 use super::linear::Linear;
 use super::weights::WeightStore;
-use crate::{fast, ops, Array, Result};
+use crate::{fast, kernels, ops, Array, Device, Result};
 
 /// nn.LayerNorm's default epsilon (mlx-lm builds the indexer's key norm without one).
 const K_NORM_EPS: f32 = 1e-5;
@@ -80,6 +80,15 @@ impl Indexer {
     /// The scores `[B, 1, L, S]` of every query of `x [B, L, D]` (query latent `qr [B, L, r_q]`) against the
     /// indexer keys `k [B, 1, S, d_i]`; `offset` is the position of the first query.
     pub fn scores(&self, x: &Array, qr: &Array, k: &Array, offset: i32) -> Result<Array> {
+        let (q, w) = self.queries(x, qr, offset)?;
+        let scores = q.matmul(&k.swapaxes(-1, -2)?)?.maximum(0.0f32)?;
+        // [B, L, H] -> [B, H, L, 1]
+        let w = w.swapaxes(-1, -2)?.expand_dims(&[-1])?;
+        scores.multiply(&w)?.sum(&[1], true)
+    }
+
+    /// The rotated queries `[B, H, L, d_i]` and the per-head weights `[B, L, H]` (scale included).
+    fn queries(&self, x: &Array, qr: &Array, offset: i32) -> Result<(Array, Array)> {
         let s = x.shape();
         let (b, l) = (s[0], s[1]);
         let q = self.wq_b.forward(qr)?.reshape(&[b, l, self.heads, self.head_dim])?.swapaxes(1, 2)?;
@@ -87,14 +96,12 @@ impl Indexer {
             Some(r) => r.apply(&q, offset)?,
             None => q,
         };
-        let scores = q.matmul(&k.swapaxes(-1, -2)?)?.maximum(0.0f32)?;
-        // [B, L, H] -> [B, H, L, 1]
-        let w = self.weights_proj.forward(x)?.multiply(self.weight_scale)?.swapaxes(-1, -2)?.expand_dims(&[-1])?;
-        scores.multiply(&w)?.sum(&[1], true)
+        Ok((q, self.weights_proj.forward(x)?.multiply(self.weight_scale)?))
     }
 
     /// The positions each query of `x` attends to: `[B, 1, L, topk]` indices into the `S` positions cached
-    /// after this step (unordered), or None while `S <= topk` (all of them). `mask` is the layer's boolean
+    /// after this step (unordered; ascending from the fused CPU decode step, [`kernels::indexer_topk`]), or
+    /// None while `S <= topk` (all of them). `mask` is the layer's boolean
     /// causal mask (`[L, S]`, None for one token); `cache` gets this step's indexer keys.
     pub fn select(
         &self,
@@ -112,6 +119,20 @@ impl Indexer {
         let total = k.dim(2)?;
         if total <= self.topk {
             return Ok(None);
+        }
+        if x.dim(1)? == 1
+            && mask.is_none()
+            && kernels::fused_indexer()
+            && crate::current_stream()?.device() == Device::Cpu
+        {
+            // A decode step on the CPU: one pass over the cached keys, f32 scores, a radix selection (ascending
+            // positions, ties to the earlier one) instead of the [H, S] product and an argpartition.
+            let (q, w) = self.queries(x, qr, offset)?;
+            let b = x.dim(0)?;
+            let q = q.reshape(&[b, self.heads, self.head_dim])?;
+            let w = w.reshape(&[b, self.heads])?;
+            kernels::count_fused_indexer_step();
+            return Ok(Some(kernels::indexer_topk(&q, &w, &k, self.topk)?.reshape(&[b, 1, 1, self.topk])?));
         }
         let mut scores = self.scores(x, qr, &k, offset)?;
         if let Some(m) = mask {
