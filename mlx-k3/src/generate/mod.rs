@@ -12,6 +12,7 @@
 
 mod pipeline;
 pub mod sample;
+pub mod speculative;
 
 use std::time::Instant;
 
@@ -248,6 +249,42 @@ fn step(
     Ok((token, logprobs))
 }
 
+/// Checks the prompt and options, makes `pcache` hold a prefix of `prompt` and prefills the rest but the
+/// last token (in chunks, evaluating the state after each), and snapshots the result. Returns the prompt
+/// statistics.
+fn prefill(
+    model: &KimiK3,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+) -> Result<GenerationStats> {
+    if prompt.is_empty() {
+        return Err(Error::invalid("generate", "the prompt is empty"));
+    }
+    let vocab = model.config().vocab_size;
+    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::invalid("generate", format!("prompt token {bad} is outside the vocabulary (0..{vocab})")));
+    }
+    opts.validate(vocab)?;
+    let cached = pcache.prepare(model, prompt)?;
+    let stats =
+        GenerationStats { prompt_tokens: prompt.len(), prefilled_tokens: prompt.len() - cached, ..Default::default() };
+    let chunk = opts.prefill_chunk.max(1);
+    let body_end = prompt.len() - 1;
+    let mut pos = cached;
+    while pos < body_end {
+        let end = (pos + chunk).min(body_end);
+        let ids = ids_array(&prompt[pos..end])?;
+        let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
+        model.forward(&ids, Some(cache))?;
+        crate::eval(&cache.arrays())?;
+        pcache.tokens.extend_from_slice(&prompt[pos..end]);
+        pos = end;
+    }
+    pcache.remember();
+    Ok(stats)
+}
+
 /// What the token callback sees.
 #[derive(Debug)]
 pub struct TokenEvent<'a> {
@@ -266,35 +303,11 @@ pub fn generate_tokens(
     opts: &GenerateOptions,
     mut on_token: impl FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<(Vec<u32>, FinishReason, GenerationStats)> {
-    if prompt.is_empty() {
-        return Err(Error::invalid("generate", "the prompt is empty"));
-    }
-    let vocab = model.config().vocab_size;
-    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-        return Err(Error::invalid("generate", format!("prompt token {bad} is outside the vocabulary (0..{vocab})")));
-    }
-    opts.validate(vocab)?;
     let mut sampler = Sampler::new(opts.sampler.clone())?;
     memory::reset_peak();
     let start = Instant::now();
-    let cached = pcache.prepare(model, prompt)?;
-    let mut stats =
-        GenerationStats { prompt_tokens: prompt.len(), prefilled_tokens: prompt.len() - cached, ..Default::default() };
-
-    // Prefill all but the last prompt token in chunks, evaluating the state after each chunk.
-    let chunk = opts.prefill_chunk.max(1);
+    let mut stats = prefill(model, pcache, prompt, opts)?;
     let body_end = prompt.len() - 1;
-    let mut pos = cached;
-    while pos < body_end {
-        let end = (pos + chunk).min(body_end);
-        let ids = ids_array(&prompt[pos..end])?;
-        let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
-        model.forward(&ids, Some(cache))?;
-        crate::eval(&cache.arrays())?;
-        pcache.tokens.extend_from_slice(&prompt[pos..end]);
-        pos = end;
-    }
-    pcache.remember();
 
     // The tokens the penalties see, extended lazily with each sampled token.
     let mut recent = RecentTokens::new(&opts.sampler, prompt)?;
