@@ -35,6 +35,14 @@ pub struct GenerateOptions {
     pub eos_ids: Vec<u32>,
     /// Stop when the text contains one of these (the text is cut before it).
     pub stop_strings: Vec<String>,
+    /// Let a drafter, when one is loaded, speed this generation up (speculative decoding); false decodes
+    /// plainly (a request's opt-out).
+    #[serde(default = "yes")]
+    pub speculative: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The most stop strings one generation takes ([`GenerateOptions::validate`]). OpenAI's API allows 4; 16
@@ -82,6 +90,7 @@ impl Default for GenerateOptions {
             prefill_chunk: 512,
             eos_ids: Vec::new(),
             stop_strings: Vec::new(),
+            speculative: true,
         }
     }
 }
@@ -124,6 +133,8 @@ pub struct GenerationStats {
     pub generation_tps: f64,
     /// MLX's peak memory during the call, in bytes.
     pub peak_memory: usize,
+    /// What speculative decoding did (None: plain decoding).
+    pub spec: Option<speculative::SpecStats>,
 }
 
 /// The KV/recurrent state of one conversation, with the tokens it holds, and snapshots taken at the end of
@@ -449,6 +460,20 @@ pub fn generate_text(
     pcache: &mut PromptCache,
     prompt: &[u32],
     opts: &GenerateOptions,
+    on_text: impl FnMut(&str) -> bool,
+) -> Result<TextGeneration> {
+    generate_text_with(model, None, tokenizer, pcache, prompt, opts, on_text)
+}
+
+/// [`generate_text`], speculatively when `draft` gives a drafter and its settings
+/// ([`speculative::generate_speculative`]; the statistics then carry [`GenerationStats::spec`]).
+pub fn generate_text_with(
+    model: &KimiK3,
+    draft: Option<(&mut dyn speculative::Drafter, &speculative::SpecOptions)>,
+    tokenizer: &Tokenizer,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    opts: &GenerateOptions,
     mut on_text: impl FnMut(&str) -> bool,
 ) -> Result<TextGeneration> {
     opts.validate(model.config().vocab_size)?;
@@ -459,7 +484,7 @@ pub fn generate_text(
     let stops = StopMatcher::new(&opts.stop_strings)?;
     let longest_stop = opts.stop_strings.iter().map(String::len).max().unwrap_or(0);
     let mut error = None;
-    let (tokens, mut reason, stats) = generate_tokens(model, pcache, prompt, opts, |ev| {
+    let on_token = |ev: TokenEvent<'_>| {
         let Some(bytes) = tokenizer.token_bytes(ev.token) else {
             error = Some(Error::invalid("generate", format!("token {} has no text", ev.token)));
             return false;
@@ -481,7 +506,16 @@ pub fn generate_text(
             emitted = safe;
         }
         go_on
-    })?;
+    };
+    let (tokens, mut reason, stats) = match draft {
+        None => generate_tokens(model, pcache, prompt, opts, on_token)?,
+        Some((drafter, spec)) => {
+            let (t, r, mut st, sst) =
+                speculative::generate_speculative(model, drafter, pcache, prompt, opts, spec, on_token)?;
+            st.spec = Some(sst);
+            (t, r, st)
+        }
+    };
     if let Some(e) = error {
         return Err(e);
     }

@@ -291,9 +291,9 @@ pub struct GateConfig {
     /// Acceptance rates (kept / drafted over the short window) at which the 2nd, 3rd, ... draft count is
     /// used.
     pub raise_at: Vec<f32>,
-    /// Plain tokens before drafting is probed again (doubles after each failed probe, up to 8x).
+    /// Plain tokens before drafting is probed again (doubles after each failed probe, up to 16x).
     pub probe_after: usize,
-    /// Cycles a probe drafts before it decides.
+    /// Cycles a probe drafts (the smallest draft count) before it decides; a request starts with a probe.
     pub probe_cycles: usize,
 }
 
@@ -302,12 +302,12 @@ impl Default for GateConfig {
         GateConfig {
             short_window: 8,
             long_window: 16,
-            fallback_short: 2.0,
-            fallback_long: 2.4,
+            fallback_short: 2.4,
+            fallback_long: 2.8,
             drafts: vec![3, 5, 7],
             raise_at: vec![0.6, 0.8],
-            probe_after: 32,
-            probe_cycles: 4,
+            probe_after: 64,
+            probe_cycles: 2,
         }
     }
 }
@@ -390,12 +390,21 @@ pub struct Gate {
 impl Gate {
     /// A gate drafting at most `max_draft` tokens; `enabled` false always drafts `max_draft`.
     pub fn new(cfg: GateConfig, max_draft: usize, enabled: bool) -> Gate {
-        Gate { cfg, max_draft, enabled, window: VecDeque::new(), mode: Mode::Drafting, backoff: 1, events: Vec::new() }
+        let mode = Mode::Probing { left: cfg.probe_cycles, got: Vec::new() };
+        Gate { cfg, max_draft, enabled, window: VecDeque::new(), mode, backoff: 1, events: Vec::new() }
     }
 
     fn mean_tpc(&self, n: usize) -> f32 {
         let w: Vec<_> = self.window.iter().rev().take(n).collect();
         w.iter().map(|(_, kept)| (*kept + 1) as f32).sum::<f32>() / w.len().max(1) as f32
+    }
+
+    /// Plain tokens left before the next probe (0 unless the gate has fallen back).
+    pub fn plain_left(&self) -> usize {
+        match &self.mode {
+            Mode::Plain { left } if self.enabled => *left,
+            _ => 0,
+        }
     }
 
     /// Tokens to draft in the next cycle (0: a plain decode step).
@@ -448,8 +457,8 @@ impl Gate {
                         self.backoff = 1;
                         self.events.push(GateEvent::Resume { at, mean });
                     } else {
-                        self.backoff = (self.backoff * 2).min(8);
                         self.mode = Mode::Plain { left: self.cfg.probe_after * self.backoff };
+                        self.backoff = (self.backoff * 2).min(16);
                         self.events.push(GateEvent::Fallback { at, short: mean, long: mean });
                     }
                 }
@@ -467,6 +476,7 @@ impl Gate {
                 if lose {
                     self.window.clear();
                     self.mode = Mode::Plain { left: self.cfg.probe_after * self.backoff };
+                    self.backoff = (self.backoff * 2).min(16);
                     self.events.push(GateEvent::Fallback { at, short, long });
                 }
             }
@@ -557,6 +567,39 @@ fn score(model: &KimiK3, cache: &mut ModelCache, fed: &[u32], sampler: &Sampler)
     Ok(rows)
 }
 
+/// Where generated tokens go: the stop conditions, the callback and the timing, shared by drafting cycles
+/// and plain stretches.
+struct Emitter<'a, F> {
+    opts: &'a GenerateOptions,
+    on_token: F,
+    out: Vec<u32>,
+    context: Vec<u32>,
+    start: Instant,
+    t_first: Option<Instant>,
+    stats: GenerationStats,
+}
+
+impl<F: FnMut(TokenEvent<'_>) -> bool> Emitter<'_, F> {
+    /// Hands on `token` (scored by `logprobs`); Some when generation ends here.
+    fn emit(&mut self, token: u32, logprobs: &Array) -> Option<FinishReason> {
+        if self.t_first.is_none() {
+            let t = self.start.elapsed().as_secs_f64();
+            self.t_first = Some(Instant::now());
+            self.stats.time_to_first_token = t;
+            self.stats.prompt_tps = self.stats.prefilled_tokens as f64 / t.max(1e-9);
+        }
+        if self.opts.eos_ids.contains(&token) {
+            return Some(FinishReason::Stop);
+        }
+        self.out.push(token);
+        self.context.push(token);
+        if !(self.on_token)(TokenEvent { token, logprobs }) {
+            return Some(FinishReason::Cancelled);
+        }
+        (self.out.len() == self.opts.max_tokens).then_some(FinishReason::Length)
+    }
+}
+
 /// [`super::generate_tokens`] with a drafter: the same prompt-cache handling, stop conditions and callback,
 /// and (greedy) the same tokens. Refuses models split over ranks; with a repetition or presence penalty
 /// (whose window would move within a cycle) it decodes plainly.
@@ -568,7 +611,7 @@ pub fn generate_speculative(
     prompt: &[u32],
     opts: &GenerateOptions,
     spec: &SpecOptions,
-    mut on_token: impl FnMut(TokenEvent<'_>) -> bool,
+    on_token: impl FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<(Vec<u32>, FinishReason, GenerationStats, SpecStats)> {
     if model.comm().is_some() {
         return Err(Error::invalid(
@@ -578,29 +621,43 @@ pub fn generate_speculative(
     }
     spec.validate()?;
     if opts.sampler.has_penalties() {
-        let (out, reason, stats) = super::generate_tokens(model, pcache, prompt, opts, on_token)?;
+        let (out, reason, mut stats) = super::generate_tokens(model, pcache, prompt, opts, on_token)?;
         let spec_stats = SpecStats { plain_steps: out.len(), ..Default::default() };
+        stats.spec = Some(spec_stats.clone());
         return Ok((out, reason, stats, spec_stats));
     }
-    let sampler = Sampler::new(opts.sampler.clone())?;
+    let mut sampler = Sampler::new(opts.sampler.clone())?;
     let greedy = opts.sampler.temperature == 0.0;
     let mut rng = SplitMix64::new(opts.sampler.seed ^ 0x5bec_0000_0000_0001);
     memory::reset_peak();
     let start = Instant::now();
-    let mut stats = prefill(model, pcache, prompt, opts)?;
+    let stats = prefill(model, pcache, prompt, opts)?;
+    let mut em = Emitter { opts, on_token, out: Vec::new(), context: prompt.to_vec(), start, t_first: None, stats };
 
     let mut gate = Gate::new(spec.gate_config.clone(), spec.num_draft, spec.gate);
     let mut sstats = SpecStats::default();
-    let mut context = prompt.to_vec();
     let mut y = prompt[prompt.len() - 1];
-    let mut out = Vec::new();
     let mut reason = FinishReason::Length;
-    let mut t_first = None;
-    'outer: while out.len() < opts.max_tokens {
-        // A cycle emits up to k + 1 tokens: no drafts past max_tokens.
-        let k = gate.next_k().min(opts.max_tokens - out.len() - 1);
+    while em.out.len() < opts.max_tokens {
+        let remaining = opts.max_tokens - em.out.len();
+        let k = gate.next_k().min(remaining - 1);
+        if k == 0 {
+            // Plain decoding, pipelined as generate_tokens does it: the gate's fallback stretch, or the last
+            // token.
+            let n = gate.plain_left().clamp(1, remaining);
+            let (t0, before) = (Instant::now(), em.out.len());
+            let (end, last) = plain_stretch(model, pcache, &mut sampler, y, n, &mut em, &mut gate)?;
+            sstats.plain_steps += em.out.len() - before;
+            sstats.verify_seconds += t0.elapsed().as_secs_f64();
+            y = last;
+            if let Some(r) = end {
+                reason = r;
+                break;
+            }
+            continue;
+        }
         let t0 = Instant::now();
-        let draft = if k > 0 { drafter.propose(&context, k, &sampler, &mut rng)? } else { Draft::default() };
+        let draft = drafter.propose(&em.context, k, &sampler, &mut rng)?;
         let k = draft.tokens.len().min(k);
         if let Some(bad) = draft.tokens.iter().find(|&&t| t as usize >= model.config().vocab_size) {
             return Err(Error::invalid(
@@ -657,37 +714,23 @@ pub fn generate_speculative(
         let t2 = Instant::now();
         sstats.draft_seconds += (t1 - t0).as_secs_f64();
         sstats.verify_seconds += (t2 - t1).as_secs_f64();
-        if k > 0 {
-            sstats.cycles += 1;
-            sstats.drafted += k;
-            sstats.accepted += kept;
-        } else {
-            sstats.plain_steps += 1;
-        }
+        sstats.cycles += 1;
+        sstats.drafted += k;
+        sstats.accepted += kept;
 
         let mut emitted: Vec<u32> = fed[1..keep].to_vec();
         emitted.push(next);
-        gate.record(k, kept, out.len() + emitted.len());
+        gate.record(k, kept, em.out.len() + emitted.len());
+        let mut end = None;
         for (j, &token) in emitted.iter().enumerate() {
-            if t_first.is_none() {
-                let t = start.elapsed().as_secs_f64();
-                t_first = Some(Instant::now());
-                stats.time_to_first_token = t;
-                stats.prompt_tps = stats.prefilled_tokens as f64 / t.max(1e-9);
+            end = em.emit(token, &rows[j]);
+            if end.is_some() {
+                break;
             }
-            if opts.eos_ids.contains(&token) {
-                reason = FinishReason::Stop;
-                break 'outer;
-            }
-            out.push(token);
-            context.push(token);
-            if !on_token(TokenEvent { token, logprobs: &rows[j] }) {
-                reason = FinishReason::Cancelled;
-                break 'outer;
-            }
-            if out.len() == opts.max_tokens {
-                break 'outer;
-            }
+        }
+        if let Some(r) = end {
+            reason = r;
+            break;
         }
         y = next;
     }
@@ -696,6 +739,7 @@ pub fn generate_speculative(
     }
     sstats.events = gate.events.clone();
     sstats.fallbacks = sstats.events.iter().filter(|e| matches!(e, GateEvent::Fallback { .. })).count();
+    let Emitter { out, t_first, mut stats, .. } = em;
     stats.generated_tokens = out.len();
     if let Some(t0) = t_first {
         let dt = t0.elapsed().as_secs_f64();
@@ -704,5 +748,49 @@ pub fn generate_speculative(
         }
     }
     stats.peak_memory = memory::peak();
+    stats.spec = Some(sstats.clone());
     Ok((out, reason, stats, sstats))
+}
+
+/// Up to `n` plain decode steps from the unfed token `y`, each enqueued before the previous token is read
+/// (as in [`super::generate_tokens`]); returns why generation ended (if it did) and the last token, not yet
+/// run. Every run token goes into `pcache`'s token list.
+fn plain_stretch<F: FnMut(TokenEvent<'_>) -> bool>(
+    model: &KimiK3,
+    pcache: &mut PromptCache,
+    sampler: &mut Sampler,
+    y: u32,
+    n: usize,
+    em: &mut Emitter<'_, F>,
+    gate: &mut Gate,
+) -> Result<(Option<FinishReason>, u32)> {
+    let recent = RecentTokens::new(sampler.config(), &[])?;
+    let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
+    let (mut tok, mut lp) = super::step(model, cache, &ids_array(&[y])?, sampler, &recent)?;
+    pcache.tokens.push(y);
+    crate::async_eval(&[&tok, &lp])?;
+    let mut last = y;
+    for i in 0..n {
+        let mut next = None;
+        if i + 1 < n {
+            let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
+            let (nt, nlp) = super::step(model, cache, &tok.reshape(&[1, 1])?, sampler, &recent)?;
+            crate::async_eval(&[&nt, &nlp])?;
+            next = Some((nt, nlp));
+        }
+        let token = tok.item::<u32>()?;
+        if next.is_some() {
+            pcache.tokens.push(token);
+        }
+        last = token;
+        gate.record(0, 0, em.out.len() + 1);
+        if let Some(r) = em.emit(token, &lp) {
+            return Ok((Some(r), last));
+        }
+        match next {
+            Some((nt, nlp)) => (tok, lp) = (nt, nlp),
+            None => break,
+        }
+    }
+    Ok((None, last))
 }
