@@ -302,8 +302,12 @@ impl Default for GateConfig {
         GateConfig {
             short_window: 8,
             long_window: 16,
-            fallback_short: 2.4,
-            fallback_long: 2.8,
+            // k3-nano on a 2-core CPU (docs/performance.md#speculative-decoding): a verify cycle with a
+            // drafter that costs nothing breaks even with plain decoding at 3.0-3.1 tokens per cycle for 3
+            // drafts and 3.3 for 5 (3.6 for 7), so drafting that stays below these loses even before the
+            // drafter's own cost.
+            fallback_short: 3.0,
+            fallback_long: 3.3,
             drafts: vec![3, 5, 7],
             raise_at: vec![0.6, 0.8],
             probe_after: 64,
