@@ -16,9 +16,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use mlx_k3::chat::{ParsedOutput, ThinkingEffort};
+use mlx_k3::generate::speculative::{DraftModel, SpecOptions};
 use mlx_k3::generate::{GenerateOptions, Pipeline, PromptCache, PromptEncoder, TextGeneration};
 use mlx_k3::model::shard::Comm;
-use mlx_k3::model::LoadOptions;
+use mlx_k3::model::{KimiK3, LoadOptions};
 use mlx_k3::{Error, Result};
 
 /// One generation request.
@@ -112,6 +113,9 @@ pub struct EngineConfig {
     /// A model split over ranks: this process is rank 0 of `comm` (it takes the requests; [`run_worker`]
     /// runs on the other ranks), and `load.shard` must be `comm`'s.
     pub comm: Option<Arc<Comm>>,
+    /// A draft model (sharing the tokenizer) for speculative decoding, and its settings; requests whose
+    /// options say `speculative: false` decode plainly. Not with `comm`.
+    pub draft: Option<(PathBuf, SpecOptions)>,
 }
 
 /// What rank 0 sends the other ranks of a split model for each request: everything that decides what the
@@ -123,6 +127,23 @@ struct WorkOrder {
     options: GenerateOptions,
     session: Option<String>,
     evict: Vec<String>,
+}
+
+/// The draft model of `cfg` for the target `p`.
+fn load_draft(cfg: &EngineConfig, p: &Pipeline) -> Result<Option<(DraftModel, SpecOptions)>> {
+    let Some((dir, spec)) = &cfg.draft else { return Ok(None) };
+    if cfg.comm.is_some() {
+        return Err(Error::invalid(
+            "engine",
+            "--draft-model: speculative decoding does not run over several ranks yet",
+        ));
+    }
+    spec.validate()?;
+    let load = LoadOptions { dtype: Some(p.model.dtype()), lazy: false, shard: None };
+    let model = KimiK3::load(dir, load)
+        .and_then(|m| DraftModel::new(m, p.model.config().vocab_size))
+        .map_err(|e| Error::invalid("engine", format!("--draft-model {}: {e}", dir.display())))?;
+    Ok(Some((model, spec.clone())))
 }
 
 fn load_pipeline(cfg: &EngineConfig) -> Result<Pipeline> {
@@ -194,6 +215,16 @@ pub struct EngineStats {
     pub session_bytes: AtomicUsize,
     /// Bytes held by MLX arrays (weights, session caches), read after each request.
     pub active_memory: AtomicUsize,
+    /// Speculative decoding: verify cycles that drafted.
+    pub spec_cycles: AtomicU64,
+    /// Tokens drafted.
+    pub spec_drafted: AtomicU64,
+    /// Drafted tokens accepted.
+    pub spec_accepted: AtomicU64,
+    /// Times the adaptive gate fell back to plain decoding.
+    pub spec_fallbacks: AtomicU64,
+    /// Tokens decoded plainly within speculative requests (gate fallback).
+    pub spec_plain_steps: AtomicU64,
 }
 
 struct Job {
@@ -241,6 +272,13 @@ impl EngineHandle {
                         return;
                     }
                 };
+                let mut draft = match load_draft(&cfg, &pipeline) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e.to_string()));
+                        return;
+                    }
+                };
                 let info = ModelInfo {
                     id: cfg
                         .model_dir
@@ -261,7 +299,7 @@ impl EngineHandle {
                 }
                 let mut sessions = Sessions::new(cfg.session_cache_bytes);
                 while let Ok(job) = rx.recv() {
-                    serve(&pipeline, &mut sessions, job, &thread_stats, cfg.comm.as_deref());
+                    serve(&pipeline, draft.as_mut(), &mut sessions, job, &thread_stats, cfg.comm.as_deref());
                     thread_stats.sessions.store(sessions.map.len(), Ordering::Relaxed);
                     thread_stats.session_bytes.store(sessions.bytes(), Ordering::Relaxed);
                     thread_stats.active_memory.store(mlx_k3::memory::active(), Ordering::Relaxed);
@@ -377,7 +415,14 @@ impl Sessions {
     }
 }
 
-fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats, comm: Option<&Comm>) {
+fn serve(
+    p: &Pipeline,
+    draft: Option<&mut (DraftModel, SpecOptions)>,
+    sessions: &mut Sessions,
+    job: Job,
+    stats: &EngineStats,
+    comm: Option<&Comm>,
+) {
     let Job { request, events } = job;
     let fail = |kind, message: String| {
         stats.failures.fetch_add(1, Ordering::Relaxed);
@@ -430,9 +475,11 @@ fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats, c
         }
     }
     let cancel = request.cancel.clone();
-    let result = p.generate(&mut cache, ids, &options, |piece| {
-        !cancel.load(Ordering::SeqCst) && events.send(Event::Text(piece.to_string())).is_ok()
-    });
+    let on_text = |piece: &str| !cancel.load(Ordering::SeqCst) && events.send(Event::Text(piece.to_string())).is_ok();
+    let result = match draft.filter(|_| options.speculative) {
+        Some((drafter, spec)) => p.generate_speculative(drafter, spec, &mut cache, ids, &options, on_text),
+        None => p.generate(&mut cache, ids, &options, on_text),
+    };
     match result {
         Ok(r) => {
             stats.requests.fetch_add(1, Ordering::Relaxed);
@@ -444,6 +491,13 @@ fn serve(p: &Pipeline, sessions: &mut Sessions, job: Job, stats: &EngineStats, c
             }
             stats.generated_tokens.fetch_add(r.stats.generated_tokens as u64, Ordering::Relaxed);
             stats.last_generation_tps_milli.store((r.stats.generation_tps * 1000.0) as u64, Ordering::Relaxed);
+            if let Some(sp) = &r.stats.spec {
+                stats.spec_cycles.fetch_add(sp.cycles as u64, Ordering::Relaxed);
+                stats.spec_drafted.fetch_add(sp.drafted as u64, Ordering::Relaxed);
+                stats.spec_accepted.fetch_add(sp.accepted as u64, Ordering::Relaxed);
+                stats.spec_fallbacks.fetch_add(sp.fallbacks as u64, Ordering::Relaxed);
+                stats.spec_plain_steps.fetch_add(sp.plain_steps as u64, Ordering::Relaxed);
+            }
             let parsed = thinking.map(|t| p.parse_reply(&r.text, t));
             let _ = events.send(Event::Done { result: Box::new(r), parsed });
         }

@@ -359,3 +359,31 @@ fn bench_runs_a_deepseek_v32_model_and_counts_the_indexer_keys() {
     let units = n("num_hidden_layers") * per_layer;
     assert!(state == units * 4 || state == units * 2, "state bytes {state}, expected {units} x 4 (f32) or x 2 (bf16)");
 }
+
+fn nano() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/k3-nano")
+}
+
+/// `generate --draft-model` prints what plain greedy `generate` prints, and reports the drafting; a draft
+/// model with another vocabulary is refused with a one-line error naming the flag.
+#[test]
+fn generate_with_a_draft_model_prints_the_same_text() {
+    let n = nano();
+    let base = ["generate", "--model", n.to_str().unwrap(), "--raw", "--prompt", "def", "--max-tokens", "24"];
+    let (ok, plain, stderr) = mlx_k3(&base);
+    assert!(ok, "{stderr}");
+    let mut args = base.to_vec();
+    args.extend(["--draft-model", n.to_str().unwrap(), "--num-draft", "4"]);
+    let (ok, spec, stderr) = mlx_k3(&args);
+    assert!(ok, "{stderr}");
+    assert_eq!(spec, plain);
+    assert!(stderr.contains("speculative: ") && stderr.contains("tokens per cycle"), "{stderr}");
+    let other = fixture("b_latent_fullrank_every2");
+    let mut args = base.to_vec();
+    args.extend(["--draft-model", other.to_str().unwrap()]);
+    let (ok, _, stderr) = mlx_k3(&args);
+    assert!(!ok);
+    assert!(stderr.starts_with("mlx-k3: error:") && stderr.contains("--draft-model"), "{stderr}");
+    assert!(stderr.contains("vocab_size"), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+}

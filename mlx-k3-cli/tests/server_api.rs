@@ -64,6 +64,32 @@ fn health_models_and_metrics_answer() {
     assert!(text.contains("mlx_k3_http_requests_total{route=\"/v1/completions\",status=\"200\"} 1"), "{text}");
 }
 
+/// `serve --draft-model`: greedy replies are the same with speculative decoding and with a request's opt-out
+/// (`"speculative": false`), and `/metrics` counts the drafting of the first only.
+#[test]
+fn speculative_decoding_serves_the_same_text_and_counts_its_cycles() {
+    let _g = serial();
+    let model = server_support::model_dir();
+    let s = Server::start(&["--draft-model", model.to_str().unwrap(), "--num-draft", "3"]);
+    let body = json!({"prompt": "def main():", "max_tokens": 12, "temperature": 0});
+    let (code, spec) = s.post("/v1/completions", &body);
+    assert_eq!(code, 200, "{spec}");
+    let cycles = s.metric("mlx_k3_spec_cycles_total");
+    assert!(cycles > 0.0);
+    assert!(s.metric("mlx_k3_spec_drafted_tokens_total") >= cycles);
+    let mut plain_body = body.clone();
+    plain_body["speculative"] = json!(false);
+    let (code, plain) = s.post("/v1/completions", &plain_body);
+    assert_eq!(code, 200, "{plain}");
+    assert_eq!(spec["choices"][0]["text"], plain["choices"][0]["text"]);
+    assert_eq!(s.metric("mlx_k3_spec_cycles_total"), cycles, "an opted-out request drafted");
+    let chat = json!({"messages": user("hi"), "max_tokens": 4, "temperature": 0, "speculative": false});
+    let (code, r) = s.post("/v1/chat/completions", &chat);
+    assert_eq!(code, 200, "{r}");
+    let (code, r) = s.post("/v1/completions", &json!({"prompt": "x", "speculative": "no"}));
+    assert_eq!(code, 400, "{r}");
+}
+
 #[test]
 fn chat_stream_and_non_stream_agree_for_greedy() {
     let _g = serial();

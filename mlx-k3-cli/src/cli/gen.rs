@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use clap::Args as ClapArgs;
 
 use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
-use mlx_k3::generate::{GenerateOptions, GenerationStats, Pipeline, PromptCache, SamplerConfig};
-use mlx_k3::model::LoadOptions;
+use mlx_k3::generate::speculative::{DraftModel, SpecOptions};
+use mlx_k3::generate::{GenerateOptions, GenerationStats, Pipeline, PromptCache, SamplerConfig, TextGeneration};
+use mlx_k3::model::{KimiK3, LoadOptions};
 use mlx_k3::{Dtype, Error, Result};
 
 /// Model and sampling flags shared by `generate` and `chat`.
@@ -59,9 +60,58 @@ pub struct ModelArgs {
     /// A system message for chat prompts.
     #[arg(long)]
     pub system: Option<String>,
+    /// Speculative decoding with this draft model (a checkpoint sharing the tokenizer, e.g. a pruned or
+    /// quantized build of the model): it proposes tokens, the model checks them in one forward. Greedy output
+    /// is unchanged; sampled output keeps the model's distribution.
+    #[arg(long, value_name = "DIR")]
+    pub draft_model: Option<PathBuf>,
+    /// The most tokens drafted per cycle (with --draft-model).
+    #[arg(long, default_value_t = 7)]
+    pub num_draft: usize,
+    /// With --draft-model: always draft --num-draft tokens (no adaptive gate choosing 3/5/7 drafts and
+    /// falling back to plain decoding when drafting loses).
+    #[arg(long)]
+    pub no_gate: bool,
     #[command(flatten)]
     /// Running over several ranks (`--distributed`, `--tp`).
     pub dist: super::dist::DistArgs,
+}
+
+/// A loaded draft model and the speculative settings of `--draft-model`, `--num-draft`, `--no-gate`.
+pub struct Speculation {
+    /// The drafter.
+    pub drafter: DraftModel,
+    /// Its settings.
+    pub options: SpecOptions,
+}
+
+impl Speculation {
+    /// Generates with `p` and this drafter.
+    pub fn generate(
+        &mut self,
+        p: &Pipeline,
+        cache: &mut PromptCache,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<TextGeneration> {
+        p.generate_speculative(&mut self.drafter, &self.options, cache, prompt, opts, on_text)
+    }
+}
+
+/// Generates with the drafter when there is one.
+fn generate_maybe(
+    spec: &mut Option<Speculation>,
+    p: &Pipeline,
+    cache: &mut PromptCache,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_text: impl FnMut(&str) -> bool,
+) -> Result<TextGeneration> {
+    match spec {
+        Some(s) => s.generate(p, cache, prompt, opts, on_text),
+        None => p.generate(cache, prompt, opts, on_text),
+    }
 }
 
 impl ModelArgs {
@@ -85,6 +135,24 @@ impl ModelArgs {
         Ok(p)
     }
 
+    /// The draft model of `--draft-model` for the loaded target `p` (None without the flag).
+    pub fn speculation(&self, p: &Pipeline) -> Result<Option<Speculation>> {
+        let Some(dir) = &self.draft_model else { return Ok(None) };
+        if self.dist.distributed.is_some() {
+            return Err(Error::invalid(
+                "cli",
+                "--draft-model: speculative decoding does not run over several ranks (--distributed) yet",
+            ));
+        }
+        let options = SpecOptions { num_draft: self.num_draft, gate: !self.no_gate, ..SpecOptions::default() };
+        options.validate()?;
+        let model = KimiK3::load(dir, LoadOptions { dtype: Some(p.model.dtype()), lazy: false, shard: None })
+            .map_err(|e| Error::invalid("cli", format!("--draft-model {}: {e}", dir.display())))?;
+        let drafter = DraftModel::new(model, p.model.config().vocab_size)
+            .map_err(|e| Error::invalid("cli", format!("--draft-model {}: {e}", dir.display())))?;
+        Ok(Some(Speculation { drafter, options }))
+    }
+
     fn options(&self) -> GenerateOptions {
         GenerateOptions {
             max_tokens: self.max_tokens,
@@ -102,6 +170,7 @@ impl ModelArgs {
             prefill_chunk: self.prefill_chunk,
             eos_ids: Vec::new(),
             stop_strings: self.stop.clone(),
+            speculative: true,
         }
     }
 
@@ -140,6 +209,18 @@ pub fn print_stats(s: &GenerationStats) {
         s.time_to_first_token,
         s.peak_memory as f64 / (1 << 20) as f64
     );
+    if let Some(sp) = &s.spec {
+        eprintln!(
+            "speculative: {} cycles, {:.2} tokens per cycle, {} of {} drafts accepted ({:.0}%), {} plain steps, {} fallbacks",
+            sp.cycles,
+            sp.tokens_per_cycle(),
+            sp.accepted,
+            sp.drafted,
+            100.0 * sp.accept_rate(),
+            sp.plain_steps,
+            sp.fallbacks
+        );
+    }
 }
 
 /// Options of `generate`.
@@ -180,7 +261,8 @@ pub(super) fn generate(args: GenerateArgs) -> Result<()> {
         // A raw prompt is continued: show it, then the continuation.
         print!("{}", args.prompt);
     }
-    let r = p.generate(&mut PromptCache::new(), &ids, &args.model.options(), |piece| {
+    let mut spec = args.model.speculation(&p)?;
+    let r = generate_maybe(&mut spec, &p, &mut PromptCache::new(), &ids, &args.model.options(), |piece| {
         if !speak {
             return true;
         }
@@ -212,6 +294,7 @@ pub(super) fn chat(args: ChatArgs) -> Result<()> {
     let p = args.model.load()?;
     let thinking = args.model.thinking()?;
     let opts = args.model.options();
+    let mut spec = args.model.speculation(&p)?;
     let mut history: Vec<ChatMessage> = Vec::new();
     if let Some(s) = &args.model.system {
         history.push(ChatMessage::new("system", s));
@@ -265,7 +348,7 @@ pub(super) fn chat(args: ChatArgs) -> Result<()> {
         }
         history.push(ChatMessage::new("user", line));
         let ids = p.encode_chat(&history, None, &ChatOptions::thinking(thinking))?;
-        let r = p.generate(&mut cache, &ids, &opts, |piece| {
+        let r = generate_maybe(&mut spec, &p, &mut cache, &ids, &opts, |piece| {
             if speak {
                 print!("{piece}");
                 out.flush().is_ok()

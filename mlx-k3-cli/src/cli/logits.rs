@@ -74,6 +74,7 @@ pub(super) fn run(args: Args) -> Result<()> {
             prefill_chunk: 512,
             eos_ids: Vec::new(),
             stop_strings: Vec::new(),
+            speculative: false,
         };
         let prompt: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
         generated = generate_tokens(&model, &mut PromptCache::new(), &prompt, &opts, |_| true)?.0;

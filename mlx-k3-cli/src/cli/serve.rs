@@ -7,6 +7,7 @@ use clap::Args as ClapArgs;
 
 use crate::engine::EngineConfig;
 use crate::server::{self, Access, Limits, ServerConfig};
+use mlx_k3::generate::speculative::SpecOptions;
 use mlx_k3::model::LoadOptions;
 use mlx_k3::{Dtype, Error, Result};
 
@@ -63,6 +64,16 @@ pub(super) struct Args {
     /// beyond it.
     #[arg(long, default_value_t = 2048)]
     session_cache_mib: usize,
+    /// Speculative decoding with this draft model (sharing the tokenizer); a request opts out with
+    /// `"speculative": false`.
+    #[arg(long, value_name = "DIR")]
+    draft_model: Option<PathBuf>,
+    /// The most tokens drafted per cycle (with --draft-model).
+    #[arg(long, default_value_t = 7)]
+    num_draft: usize,
+    /// With --draft-model: always draft --num-draft tokens (no adaptive gate).
+    #[arg(long)]
+    no_gate: bool,
     #[command(flatten)]
     dist: super::dist::DistArgs,
 }
@@ -152,6 +163,20 @@ pub(super) fn run(args: Args) -> Result<()> {
         max_queue: args.max_queue,
         session_cache_bytes: args.session_cache_mib.saturating_mul(1 << 20),
         comm: comm.clone(),
+        draft: match args.draft_model {
+            Some(d) => {
+                if comm.is_some() {
+                    return Err(Error::invalid(
+                        "cli",
+                        "--draft-model: speculative decoding does not run over several ranks (--distributed) yet",
+                    ));
+                }
+                let spec = SpecOptions { num_draft: args.num_draft, gate: !args.no_gate, ..SpecOptions::default() };
+                spec.validate()?;
+                Some((d, spec))
+            }
+            None => None,
+        },
     };
     if comm.as_ref().is_some_and(|c| c.shard().rank != 0) {
         // Rank 0 serves HTTP and sends every request to the other ranks, which compute their part of it.

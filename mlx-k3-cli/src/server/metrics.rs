@@ -73,6 +73,19 @@ pub async fn metrics(AxState(state): AxState<State>) -> Response {
         "Decode speed of the last finished generation.",
         format!("{tps}"),
     );
+    for (name, help, c) in [
+        ("mlx_k3_spec_cycles_total", "Speculative verify cycles that drafted.", &s.spec_cycles),
+        ("mlx_k3_spec_drafted_tokens_total", "Tokens the draft model proposed.", &s.spec_drafted),
+        ("mlx_k3_spec_accepted_tokens_total", "Drafted tokens the model accepted.", &s.spec_accepted),
+        ("mlx_k3_spec_fallbacks_total", "Times the adaptive gate fell back to plain decoding.", &s.spec_fallbacks),
+        (
+            "mlx_k3_spec_plain_steps_total",
+            "Tokens decoded plainly inside speculative requests (gate fallback).",
+            &s.spec_plain_steps,
+        ),
+    ] {
+        metric(name, "counter", help, load(c));
+    }
     let load_usize = |c: &std::sync::atomic::AtomicUsize| c.load(Ordering::Relaxed).to_string();
     metric("mlx_k3_sessions", "gauge", "Sessions whose prompt caches are kept.", load_usize(&s.sessions));
     metric(

@@ -34,6 +34,8 @@ pub struct Sampling {
     pub presence_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub logit_bias: Option<HashMap<String, f32>>,
+    /// `speculative`: false opts out of speculative decoding (when the server has a draft model).
+    pub speculative: Option<bool>,
 }
 
 impl Sampling {
@@ -118,6 +120,7 @@ impl Sampling {
                 ..SamplerConfig::default()
             },
             stop_strings,
+            speculative: self.speculative.unwrap_or(true),
             ..GenerateOptions::default()
         })
     }

@@ -54,6 +54,8 @@ pub struct WebChatRequest {
     top_p: Option<f32>,
     seed: Option<u64>,
     thinking_effort: Option<String>,
+    /// false: decode plainly even when the server has a draft model.
+    speculative: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -108,6 +110,7 @@ pub fn check(req: WebChatRequest) -> Result<CheckedWebChat, ApiError> {
         temperature: req.temperature,
         top_p: req.top_p,
         seed: req.seed,
+        speculative: req.speculative,
         ..Sampling::default()
     };
     let options = sampling.options(DEFAULT_MAX_TOKENS)?;

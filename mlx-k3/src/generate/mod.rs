@@ -12,6 +12,7 @@
 
 mod pipeline;
 pub mod sample;
+pub mod speculative;
 
 use std::time::Instant;
 
@@ -34,6 +35,14 @@ pub struct GenerateOptions {
     pub eos_ids: Vec<u32>,
     /// Stop when the text contains one of these (the text is cut before it).
     pub stop_strings: Vec<String>,
+    /// Let a drafter, when one is loaded, speed this generation up (speculative decoding); false decodes
+    /// plainly (a request's opt-out).
+    #[serde(default = "yes")]
+    pub speculative: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The most stop strings one generation takes ([`GenerateOptions::validate`]). OpenAI's API allows 4; 16
@@ -81,6 +90,7 @@ impl Default for GenerateOptions {
             prefill_chunk: 512,
             eos_ids: Vec::new(),
             stop_strings: Vec::new(),
+            speculative: true,
         }
     }
 }
@@ -123,6 +133,8 @@ pub struct GenerationStats {
     pub generation_tps: f64,
     /// MLX's peak memory during the call, in bytes.
     pub peak_memory: usize,
+    /// What speculative decoding did (None: plain decoding).
+    pub spec: Option<speculative::SpecStats>,
 }
 
 /// The KV/recurrent state of one conversation, with the tokens it holds, and snapshots taken at the end of
@@ -248,6 +260,42 @@ fn step(
     Ok((token, logprobs))
 }
 
+/// Checks the prompt and options, makes `pcache` hold a prefix of `prompt` and prefills the rest but the
+/// last token (in chunks, evaluating the state after each), and snapshots the result. Returns the prompt
+/// statistics.
+fn prefill(
+    model: &KimiK3,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+) -> Result<GenerationStats> {
+    if prompt.is_empty() {
+        return Err(Error::invalid("generate", "the prompt is empty"));
+    }
+    let vocab = model.config().vocab_size;
+    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::invalid("generate", format!("prompt token {bad} is outside the vocabulary (0..{vocab})")));
+    }
+    opts.validate(vocab)?;
+    let cached = pcache.prepare(model, prompt)?;
+    let stats =
+        GenerationStats { prompt_tokens: prompt.len(), prefilled_tokens: prompt.len() - cached, ..Default::default() };
+    let chunk = opts.prefill_chunk.max(1);
+    let body_end = prompt.len() - 1;
+    let mut pos = cached;
+    while pos < body_end {
+        let end = (pos + chunk).min(body_end);
+        let ids = ids_array(&prompt[pos..end])?;
+        let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
+        model.forward(&ids, Some(cache))?;
+        crate::eval(&cache.arrays())?;
+        pcache.tokens.extend_from_slice(&prompt[pos..end]);
+        pos = end;
+    }
+    pcache.remember();
+    Ok(stats)
+}
+
 /// What the token callback sees.
 #[derive(Debug)]
 pub struct TokenEvent<'a> {
@@ -266,35 +314,11 @@ pub fn generate_tokens(
     opts: &GenerateOptions,
     mut on_token: impl FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<(Vec<u32>, FinishReason, GenerationStats)> {
-    if prompt.is_empty() {
-        return Err(Error::invalid("generate", "the prompt is empty"));
-    }
-    let vocab = model.config().vocab_size;
-    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-        return Err(Error::invalid("generate", format!("prompt token {bad} is outside the vocabulary (0..{vocab})")));
-    }
-    opts.validate(vocab)?;
     let mut sampler = Sampler::new(opts.sampler.clone())?;
     memory::reset_peak();
     let start = Instant::now();
-    let cached = pcache.prepare(model, prompt)?;
-    let mut stats =
-        GenerationStats { prompt_tokens: prompt.len(), prefilled_tokens: prompt.len() - cached, ..Default::default() };
-
-    // Prefill all but the last prompt token in chunks, evaluating the state after each chunk.
-    let chunk = opts.prefill_chunk.max(1);
+    let mut stats = prefill(model, pcache, prompt, opts)?;
     let body_end = prompt.len() - 1;
-    let mut pos = cached;
-    while pos < body_end {
-        let end = (pos + chunk).min(body_end);
-        let ids = ids_array(&prompt[pos..end])?;
-        let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
-        model.forward(&ids, Some(cache))?;
-        crate::eval(&cache.arrays())?;
-        pcache.tokens.extend_from_slice(&prompt[pos..end]);
-        pos = end;
-    }
-    pcache.remember();
 
     // The tokens the penalties see, extended lazily with each sampled token.
     let mut recent = RecentTokens::new(&opts.sampler, prompt)?;
@@ -436,6 +460,20 @@ pub fn generate_text(
     pcache: &mut PromptCache,
     prompt: &[u32],
     opts: &GenerateOptions,
+    on_text: impl FnMut(&str) -> bool,
+) -> Result<TextGeneration> {
+    generate_text_with(model, None, tokenizer, pcache, prompt, opts, on_text)
+}
+
+/// [`generate_text`], speculatively when `draft` gives a drafter and its settings
+/// ([`speculative::generate_speculative`]; the statistics then carry [`GenerationStats::spec`]).
+pub fn generate_text_with(
+    model: &KimiK3,
+    draft: Option<(&mut dyn speculative::Drafter, &speculative::SpecOptions)>,
+    tokenizer: &Tokenizer,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    opts: &GenerateOptions,
     mut on_text: impl FnMut(&str) -> bool,
 ) -> Result<TextGeneration> {
     opts.validate(model.config().vocab_size)?;
@@ -446,7 +484,7 @@ pub fn generate_text(
     let stops = StopMatcher::new(&opts.stop_strings)?;
     let longest_stop = opts.stop_strings.iter().map(String::len).max().unwrap_or(0);
     let mut error = None;
-    let (tokens, mut reason, stats) = generate_tokens(model, pcache, prompt, opts, |ev| {
+    let on_token = |ev: TokenEvent<'_>| {
         let Some(bytes) = tokenizer.token_bytes(ev.token) else {
             error = Some(Error::invalid("generate", format!("token {} has no text", ev.token)));
             return false;
@@ -468,7 +506,16 @@ pub fn generate_text(
             emitted = safe;
         }
         go_on
-    })?;
+    };
+    let (tokens, mut reason, stats) = match draft {
+        None => generate_tokens(model, pcache, prompt, opts, on_token)?,
+        Some((drafter, spec)) => {
+            let (t, r, mut st, sst) =
+                speculative::generate_speculative(model, drafter, pcache, prompt, opts, spec, on_token)?;
+            st.spec = Some(sst);
+            (t, r, st)
+        }
+    };
     if let Some(e) = error {
         return Err(e);
     }

@@ -71,6 +71,20 @@ impl Pipeline {
         generate_text(&self.model, &self.tokenizer, cache, prompt, &self.options(opts.clone()), on_text)
     }
 
+    /// [`Pipeline::generate`] with a drafter ([`super::speculative`]); greedy output is the same.
+    pub fn generate_speculative(
+        &self,
+        drafter: &mut dyn super::speculative::Drafter,
+        spec: &super::speculative::SpecOptions,
+        cache: &mut PromptCache,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<TextGeneration> {
+        let opts = self.options(opts.clone());
+        super::generate_text_with(&self.model, Some((drafter, spec)), &self.tokenizer, cache, prompt, &opts, on_text)
+    }
+
     /// Splits a chat reply into reasoning, answer and tool calls.
     pub fn parse_reply(&self, text: &str, thinking: ThinkingEffort) -> ParsedOutput {
         self.chat.parse(text, thinking)

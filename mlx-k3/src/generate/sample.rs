@@ -142,10 +142,31 @@ impl Sampler {
 
     /// Draws the next token from `logprobs` `[1, V]`; returns a `[1]` uint32 array (not yet evaluated).
     pub fn sample(&mut self, logprobs: &Array) -> Result<Array> {
-        let c = &self.cfg;
-        if c.temperature == 0.0 {
+        if self.cfg.temperature == 0.0 {
             return logprobs.argmax(-1, false);
         }
+        let logits = self.filtered_logits(logprobs)?;
+        let key = self.key.take().ok_or_else(|| Error::invalid("sampler", "no random key"))?;
+        let keys = random::split(&key, 2)?;
+        let next = keys.slice_axis(0, 0, 1)?.squeeze(&[0])?;
+        let sub = keys.slice_axis(0, 1, 2)?.squeeze(&[0])?;
+        self.key = Some(next);
+        random::categorical(&logits, -1, Some(&sub))
+    }
+
+    /// The probabilities `[1, V]` (f32) that [`Sampler::sample`] draws from at a temperature above 0: the
+    /// filters applied to `logprobs`, divided by the temperature, normalized. Speculative sampling compares
+    /// the target's and the drafter's with it.
+    pub fn distribution(&self, logprobs: &Array) -> Result<Array> {
+        if self.cfg.temperature == 0.0 {
+            return Err(Error::invalid("sampler", "greedy decoding has no distribution to sample from"));
+        }
+        self.filtered_logits(logprobs)?.astype(Dtype::F32)?.softmax(&[-1], true)
+    }
+
+    /// The top-p, min-p and top-k filters, then the temperature: the logits of the categorical draw.
+    fn filtered_logits(&self, logprobs: &Array) -> Result<Array> {
+        let c = &self.cfg;
         let mut lp = logprobs.clone();
         let neg_inf = Array::scalar_as(f64::NEG_INFINITY, lp.dtype())?;
         if c.top_p > 0.0 && c.top_p < 1.0 {
@@ -163,12 +184,7 @@ impl Sampler {
             let drop = drop.slice_axis(-1, k, v)?;
             lp = lp.put_along_axis(&drop, &neg_inf, -1)?;
         }
-        let key = self.key.take().ok_or_else(|| Error::invalid("sampler", "no random key"))?;
-        let keys = random::split(&key, 2)?;
-        let next = keys.slice_axis(0, 0, 1)?.squeeze(&[0])?;
-        let sub = keys.slice_axis(0, 1, 2)?.squeeze(&[0])?;
-        self.key = Some(next);
-        random::categorical(&lp.multiply(1.0 / c.temperature)?, -1, Some(&sub))
+        lp.multiply(1.0 / c.temperature)
     }
 }
 

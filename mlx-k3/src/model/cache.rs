@@ -115,6 +115,11 @@ pub struct KdaCache {
     /// The gated-delta state.
     pub ssm: Option<Array>,
     offset: usize,
+    /// While set, a forward over several tokens also keeps the state after each of its positions in
+    /// `steps`, so that [`ModelCache::rollback`] can return to any of them (speculative decoding's verify).
+    pub(crate) record: bool,
+    /// With `record`: `(conv, ssm)` before the last forward (index 0) and after each of its positions.
+    pub(crate) steps: Vec<(Option<Array>, Option<Array>)>,
 }
 
 impl KdaCache {
@@ -125,6 +130,20 @@ impl KdaCache {
 
     pub(crate) fn advance(&mut self, n: usize) {
         self.offset += n;
+    }
+
+    /// Returns to the state after `keep` of the `fed` positions of the last recorded forward.
+    fn rollback(&mut self, fed: usize, keep: usize) -> Result<()> {
+        if keep == fed {
+            return Ok(());
+        }
+        let (conv, ssm) = self.steps.get(keep).cloned().ok_or_else(|| {
+            Error::invalid("cache", format!("no KDA state recorded for position {keep} of the last forward"))
+        })?;
+        self.conv = conv;
+        self.ssm = ssm;
+        self.offset -= fed - keep;
+        Ok(())
     }
 
     /// Bytes held.
@@ -188,6 +207,36 @@ impl ModelCache {
             }
         }
         Ok(dropped)
+    }
+
+    /// Makes later forwards over several tokens keep every KDA layer's state after each position (on), or
+    /// stops that and forgets what was kept (off). Costs one state per layer and position of the forward;
+    /// MLA layers need nothing (they are trimmed).
+    pub fn set_recording(&mut self, on: bool) {
+        for l in &mut self.layers {
+            if let LayerCache::Kda(c) = l {
+                c.record = on;
+                c.steps.clear();
+            }
+        }
+    }
+
+    /// After a forward over `fed` tokens that ran with [`ModelCache::set_recording`] on, keeps only the
+    /// first `keep` of them: MLA (and DSA indexer) caches are trimmed, KDA layers take the state recorded
+    /// after position `keep`. The result is the state a forward over only those `keep` tokens leaves.
+    pub fn rollback(&mut self, fed: usize, keep: usize) -> Result<()> {
+        if keep > fed {
+            return Err(Error::invalid("cache", format!("cannot keep {keep} of {fed} positions")));
+        }
+        for l in &mut self.layers {
+            match l {
+                LayerCache::Kda(c) => c.rollback(fed, keep)?,
+                LayerCache::Mla(c) => {
+                    c.trim(fed - keep);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// A copy of the current state (shares the arrays; later steps do not change it).

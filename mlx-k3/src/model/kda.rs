@@ -91,7 +91,7 @@ impl Kda {
 
     /// `x [B, T, D]` -> `[B, T, D]`, updating `cache` when given. With tensor parallel, `comm` sums the
     /// heads' partial outputs over the ranks.
-    pub fn forward(&self, x: &Array, cache: Option<&mut KdaCache>, comm: Option<&Comm>) -> Result<Array> {
+    pub fn forward(&self, x: &Array, mut cache: Option<&mut KdaCache>, comm: Option<&Comm>) -> Result<Array> {
         let shape = x.shape();
         let (b, t) = (shape[0], shape[1]);
         let (h, d) = (self.heads, self.head_dim);
@@ -171,7 +171,12 @@ impl Kda {
         let beta = self.b_proj.forward(x)?.reshape(&[b, t, h])?.sigmoid()?;
         let g = self.decay(&a)?;
 
-        let (out, state) = if crate::current_stream()?.device() == crate::Device::Cpu {
+        let record = cache.as_ref().is_some_and(|c| c.record);
+        let (out, state) = if record {
+            // Speculative verify: one scan per position, so the state after each is kept for a rollback
+            // (the same sequential arithmetic as one scan over all of them).
+            self.scan_recording(&q, &k, &v, &g, &beta, ssm_state, &conv_in, cache.as_deref_mut())?
+        } else if crate::current_stream()?.device() == crate::Device::Cpu {
             // All T tokens in one primitive (tests/kda_step.rs checks it against the per-step ops below).
             crate::kernels::gated_delta_scan(&q, &k, &v, &g, &beta, ssm_state.as_ref())?
         } else {
@@ -191,6 +196,51 @@ impl Kda {
         let gate = self.gate_logits(x)?.reshape(&[b, t, h, d])?.sigmoid()?;
         let out = self.o_norm.forward(&out.reshape(&[b, t, h, d])?)?.multiply(&gate)?.reshape(&[b, t, p])?;
         self.project_out(&out, comm)
+    }
+
+    /// The gated delta rule over the T tokens of a forward one position at a time, recording in `cache` the
+    /// `(conv, ssm)` state before the forward and after each position (`conv_in` is the conv window followed by
+    /// the T new inputs).
+    #[allow(clippy::too_many_arguments)]
+    fn scan_recording(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        g: &Array,
+        beta: &Array,
+        ssm_state: Option<Array>,
+        conv_in: &Array,
+        cache: Option<&mut KdaCache>,
+    ) -> Result<(Array, Array)> {
+        let t = q.dim(1)?;
+        let kw = self.kernel - 1;
+        let mut steps = vec![(Some(conv_in.slice_axis(1, 0, kw)?), ssm_state.clone())];
+        let mut state = match ssm_state {
+            Some(s) => s,
+            None => {
+                let s = q.shape();
+                zeros(&[s[0], self.heads, self.head_dim, self.head_dim], Dtype::F32)?
+            }
+        };
+        let cpu = crate::current_stream()?.device() == crate::Device::Cpu;
+        let mut ys = Vec::with_capacity(t as usize);
+        for j in 0..t {
+            let at = |a: &Array| a.slice_axis(1, j, j + 1);
+            let (y, s) = if cpu {
+                crate::kernels::gated_delta_scan(&at(q)?, &at(k)?, &at(v)?, &at(g)?, &at(beta)?, Some(&state))?
+            } else {
+                gated_delta_steps(&at(q)?, &at(k)?, &at(v)?, &at(g)?, &at(beta)?, state)?
+            };
+            ys.push(y);
+            state = s;
+            steps.push((Some(conv_in.slice_axis(1, j + 1, j + 1 + kw)?.contiguous()?), Some(state.clone())));
+        }
+        if let Some(c) = cache {
+            c.steps = steps;
+        }
+        let refs: Vec<&Array> = ys.iter().collect();
+        Ok((ops::concatenate(&refs, 1)?, state))
     }
 
     /// The output gate's logits `[B, T, P]`.

@@ -64,6 +64,8 @@ pub struct ChatRequest {
     session: Option<String>,
     thinking_effort: Option<String>,
     reasoning_effort: Option<String>,
+    /// false: decode plainly even when the server has a draft model.
+    speculative: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -164,6 +166,7 @@ pub fn check(req: ChatRequest, chat_format: &str) -> Result<CheckedChat, ApiErro
         presence_penalty: req.presence_penalty,
         repetition_penalty: req.repetition_penalty,
         logit_bias: req.logit_bias,
+        speculative: req.speculative,
     };
     // No max_tokens: as many as the context allows (the engine stops there).
     let options = sampling.options(usize::MAX)?;

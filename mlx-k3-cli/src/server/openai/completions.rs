@@ -50,6 +50,8 @@ pub struct CompletionRequest {
     #[allow(dead_code)]
     user: Option<String>,
     session: Option<String>,
+    /// false: decode plainly even when the server has a draft model.
+    speculative: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -133,6 +135,7 @@ pub fn check(req: CompletionRequest) -> Result<CheckedCompletion, ApiError> {
         presence_penalty: req.presence_penalty,
         repetition_penalty: req.repetition_penalty,
         logit_bias: req.logit_bias,
+        speculative: req.speculative,
     };
     let options = sampling.options(DEFAULT_MAX_TOKENS)?;
     let session = check_session(req.session)?;

@@ -1,0 +1,800 @@
+//! Speculative decoding: a [`Drafter`] proposes k tokens, the target scores all of them in one forward
+//! over k+1 positions (the last generated token and the drafts), keeps the drafts it agrees with and one
+//! token of its own, and rolls its caches back past the rest. docs/architecture.md#speculative-decoding
+//! describes the loop; [`Gate`] decides per cycle how many tokens to draft, or to decode plainly.
+//!
+//! Greedy: a draft is kept while it equals the target's argmax, so the output is the target's greedy
+//! output. Sampling: the standard speculative-sampling rule ([`accept_sampled`]): draft `x` drawn from the
+//! drafter's `q` is kept with probability `min(1, p(x)/q(x))`, a rejection draws from `norm(max(0, p-q))`,
+//! and when every draft is kept a bonus token is drawn from the target's next `p`; the tokens then follow the
+//! target's own distribution (`p` and `q` are what [`Sampler::sample`] would draw from: filters and
+//! temperature applied). The draws use a host generator seeded from the sampler's seed.
+//!
+//! Rollback: MLA caches (and the DSA indexer's keys) are trimmed; KDA's recurrent and conv state cannot be
+//! rewound, so the verify forward records the state after each of its positions ([`Rollback::Record`],
+//! the default) or the cache is restored to before the forward and the kept tokens run again
+//! ([`Rollback::Recompute`]).
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use super::{ids_array, prefill, FinishReason, GenerateOptions, GenerationStats, PromptCache, TokenEvent};
+use crate::model::{KimiK3, ModelCache};
+use crate::{memory, Array, Error, Result};
+
+use super::sample::{RecentTokens, Sampler};
+
+/// SplitMix64: the host random stream of speculative sampling (seeded, so a seed fixes the output).
+#[derive(Clone, Debug)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// A stream from `seed`.
+    pub fn new(seed: u64) -> Self {
+        SplitMix64(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1) with 53 random bits.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// An index drawn from the weights `w` (not necessarily normalized; all zero gives the last index).
+    pub fn draw(&mut self, w: &[f32]) -> u32 {
+        let total: f64 = w.iter().map(|&x| x.max(0.0) as f64).sum();
+        let mut r = self.uniform() * total;
+        for (i, &x) in w.iter().enumerate() {
+            r -= x.max(0.0) as f64;
+            if r < 0.0 {
+                return i as u32;
+            }
+        }
+        // Rounding left a sliver: the last token with weight.
+        w.iter().rposition(|&x| x > 0.0).unwrap_or(w.len().saturating_sub(1)) as u32
+    }
+}
+
+/// The speculative-sampling rule for one cycle. `p[j]` is the target's distribution after the context and
+/// the first `j` drafts (`drafts.len() + 1` rows), `q[j]` the drafter's distribution `drafts[j]` was drawn
+/// from. Returns how many drafts are kept and the token that follows them (drawn from the residual
+/// `norm(max(0, p - q))` at the first rejection, or from `p[k]` when all are kept).
+pub fn accept_sampled(p: &[&[f32]], q: &[&[f32]], drafts: &[u32], rng: &mut SplitMix64) -> (usize, u32) {
+    for (j, &x) in drafts.iter().enumerate() {
+        let (pj, qj) = (p[j], q[j]);
+        let (px, qx) = (pj[x as usize] as f64, qj[x as usize] as f64);
+        // Accept with probability min(1, p/q): u < p/q, written without the division.
+        if qx > 0.0 && rng.uniform() * qx < px {
+            continue;
+        }
+        let residual: Vec<f32> = pj.iter().zip(qj).map(|(a, b)| (a - b).max(0.0)).collect();
+        let token = if residual.iter().any(|&r| r > 0.0) { rng.draw(&residual) } else { rng.draw(pj) };
+        return (j, token);
+    }
+    (drafts.len(), rng.draw(p[drafts.len()]))
+}
+
+/// The greedy rule: drafts are kept while they equal the target's argmax `best[j]` (`drafts.len() + 1`
+/// entries); returns how many are kept and the target's token after them.
+pub fn accept_greedy(best: &[u32], drafts: &[u32]) -> (usize, u32) {
+    let n = drafts.iter().zip(best).take_while(|(d, b)| d == b).count();
+    (n, best[n])
+}
+
+/// Tokens a drafter proposes, with (when sampling) the distribution each was drawn from.
+#[derive(Clone, Debug, Default)]
+pub struct Draft {
+    /// The proposed tokens, in order.
+    pub tokens: Vec<u32>,
+    /// When sampling: for each token, the drafter's probabilities over the vocabulary it was drawn from.
+    pub probs: Option<Vec<Vec<f32>>>,
+}
+
+/// Something that proposes the next tokens of a sequence.
+pub trait Drafter {
+    /// Proposes `k` tokens to follow `context` (the whole sequence: prompt and generated tokens). With a
+    /// sampler at a temperature above 0 the tokens are drawn (from `rng`) and [`Draft::probs`] says from
+    /// what; greedy drafters propose their argmax. A drafter keeps whatever state it likes between calls;
+    /// `context` may continue the previous call's context or not (a new request).
+    fn propose(&mut self, context: &[u32], k: usize, sampler: &Sampler, rng: &mut SplitMix64) -> Result<Draft>;
+
+    /// A short name for logs and reports.
+    fn name(&self) -> String;
+}
+
+/// A separate, usually smaller, model sharing the target's tokenizer (mlx-lm's `--draft-model`). It keeps
+/// its own cache, and snapshots taken while drafting so that it returns to the point the target accepted
+/// (its KDA state cannot be rewound either); a context that leaves what it holds otherwise is prefilled
+/// from the start.
+pub struct DraftModel {
+    model: KimiK3,
+    cache: ModelCache,
+    fed: Vec<u32>,
+    snaps: Vec<(usize, ModelCache)>,
+    prefill_chunk: usize,
+}
+
+impl DraftModel {
+    /// Wraps `model`, which must have `vocab` tokens (the target's vocabulary size).
+    pub fn new(model: KimiK3, vocab: usize) -> Result<DraftModel> {
+        let dv = model.config().vocab_size;
+        if dv != vocab {
+            return Err(Error::invalid(
+                "draft model",
+                format!("vocab_size {dv} differs from the target's {vocab}: the draft must share the tokenizer"),
+            ));
+        }
+        if model.comm().is_some() || model.shard().is_some() {
+            return Err(Error::invalid("draft model", "a draft model split over ranks is not supported"));
+        }
+        let cache = model.make_cache();
+        Ok(DraftModel { model, cache, fed: Vec::new(), snaps: Vec::new(), prefill_chunk: 512 })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &KimiK3 {
+        &self.model
+    }
+
+    /// Returns the cache to the longest held state that is a prefix of `context` (leaving at least its
+    /// last token to run).
+    fn rewind(&mut self, context: &[u32]) -> Result<()> {
+        let limit = context.len().saturating_sub(1);
+        let common = self.fed.iter().zip(context).take_while(|(a, b)| a == b).count().min(limit);
+        if common == self.fed.len() {
+            return Ok(());
+        }
+        if self.cache.is_trimmable() {
+            self.cache.trim(self.fed.len() - common)?;
+            self.fed.truncate(common);
+            return Ok(());
+        }
+        match self.snaps.iter().filter(|(n, _)| *n <= common).max_by_key(|(n, _)| *n) {
+            Some((n, snap)) => {
+                self.cache = snap.snapshot();
+                self.fed.truncate(*n);
+            }
+            None => {
+                self.cache = self.model.make_cache();
+                self.fed.clear();
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drafter for DraftModel {
+    fn propose(&mut self, context: &[u32], k: usize, sampler: &Sampler, rng: &mut SplitMix64) -> Result<Draft> {
+        if context.is_empty() || k == 0 {
+            return Ok(Draft::default());
+        }
+        self.rewind(context)?;
+        self.snaps.clear();
+        // Run what the cache lacks (the tokens accepted since the last cycle, or a whole new prompt).
+        let mut logits = None;
+        let mut pos = self.fed.len();
+        while pos < context.len() {
+            let end = (pos + self.prefill_chunk).min(context.len());
+            let l = self.model.forward(&ids_array(&context[pos..end])?, Some(&mut self.cache))?;
+            if end < context.len() {
+                crate::eval(&self.cache.arrays())?;
+            }
+            logits = Some(l);
+            pos = end;
+        }
+        self.fed.extend_from_slice(&context[self.fed.len()..]);
+        let last = |l: &Array| -> Result<Array> {
+            let t = l.dim(1)?;
+            l.slice_axis(1, t - 1, t)?.squeeze(&[1])
+        };
+        let mut logits = last(&logits.ok_or_else(|| Error::invalid("draft model", "nothing to run"))?)?;
+        let recent = RecentTokens::new(sampler.config(), &[])?;
+        let greedy = sampler.config().temperature == 0.0;
+        let mut lazy = Vec::with_capacity(k);
+        let mut tokens = Vec::with_capacity(k);
+        let mut probs = Vec::new();
+        for i in 0..k {
+            let lp = crate::kernels::log_softmax(&sampler.process_recent(&logits, &recent)?)?;
+            let tok = if greedy {
+                lp.argmax(-1, false)?
+            } else {
+                let q = sampler.distribution(&lp)?.to_vec::<f32>()?;
+                let t = rng.draw(&q);
+                probs.push(q);
+                tokens.push(t);
+                Array::from_slice(&[t], &[1])?
+            };
+            if i + 1 < k {
+                // The state before this draft runs: where the next cycle resumes if the target keeps
+                // exactly the drafts before it.
+                self.snaps.push((self.fed.len() + i, self.cache.snapshot()));
+                let next = self.model.forward(&tok.reshape(&[1, 1])?, Some(&mut self.cache))?;
+                logits = last(&next)?;
+            }
+            lazy.push(tok);
+        }
+        if greedy {
+            // One wait for the whole chain: each draft ran on the previous one's lazy argmax.
+            let mut outs: Vec<&Array> = lazy.iter().collect();
+            outs.extend(self.cache.arrays());
+            crate::eval(&outs)?;
+            for t in &lazy {
+                tokens.push(t.item::<u32>()?);
+            }
+        }
+        self.fed.extend_from_slice(&tokens[..k - 1]);
+        Ok(Draft { tokens, probs: if greedy { None } else { Some(probs) } })
+    }
+
+    fn name(&self) -> String {
+        "draft model".into()
+    }
+}
+
+/// An adversarial drafter: uniformly random tokens (the gate's worst case; tests and benchmarks).
+pub struct RandomDrafter {
+    vocab: usize,
+    rng: SplitMix64,
+}
+
+impl RandomDrafter {
+    /// Random tokens below `vocab`, from `seed`.
+    pub fn new(vocab: usize, seed: u64) -> RandomDrafter {
+        RandomDrafter { vocab: vocab.max(1), rng: SplitMix64::new(seed) }
+    }
+}
+
+impl Drafter for RandomDrafter {
+    fn propose(&mut self, _context: &[u32], k: usize, sampler: &Sampler, _rng: &mut SplitMix64) -> Result<Draft> {
+        let tokens: Vec<u32> = (0..k).map(|_| (self.rng.next_u64() % self.vocab as u64) as u32).collect();
+        let probs = (sampler.config().temperature > 0.0).then(|| vec![vec![1.0 / self.vocab as f32; self.vocab]; k]);
+        Ok(Draft { tokens, probs })
+    }
+
+    fn name(&self) -> String {
+        "random".into()
+    }
+}
+
+/// How the target's KDA state returns to the last kept position after a rejected draft.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Rollback {
+    /// The verify forward keeps the state after each position (one scan call per position); a rollback
+    /// picks one. Measured faster on k3-nano (docs/performance.md#speculative-decoding).
+    #[default]
+    Record,
+    /// Snapshot before the verify forward; after a rejection, restore it and run the kept tokens again.
+    Recompute,
+}
+
+/// The adaptive gate's settings (tokens per cycle: tokens a drafting cycle emits, kept drafts + 1).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GateConfig {
+    /// Cycles in the short window.
+    pub short_window: usize,
+    /// Cycles in the long window.
+    pub long_window: usize,
+    /// Fall back to plain decoding when the short window's mean tokens per cycle is below this...
+    pub fallback_short: f32,
+    /// ...or the long window's is below this.
+    pub fallback_long: f32,
+    /// Draft counts to choose from, smallest first; the acceptance rate picks one.
+    pub drafts: Vec<usize>,
+    /// Acceptance rates (kept / drafted over the short window) at which the 2nd, 3rd, ... draft count is
+    /// used.
+    pub raise_at: Vec<f32>,
+    /// Plain tokens before drafting is probed again (doubles after each failed probe, up to 16x).
+    pub probe_after: usize,
+    /// Cycles a probe drafts (the smallest draft count) before it decides; a request starts with a probe.
+    pub probe_cycles: usize,
+}
+
+impl Default for GateConfig {
+    fn default() -> Self {
+        GateConfig {
+            short_window: 8,
+            long_window: 16,
+            // k3-nano on a 2-core CPU (docs/performance.md#speculative-decoding): a verify cycle with a
+            // drafter that costs nothing breaks even with plain decoding at 3.0-3.1 tokens per cycle for 3
+            // drafts and 3.3 for 5 (3.6 for 7), so drafting that stays below these loses even before the
+            // drafter's own cost.
+            fallback_short: 3.0,
+            fallback_long: 3.3,
+            drafts: vec![3, 5, 7],
+            raise_at: vec![0.6, 0.8],
+            probe_after: 64,
+            probe_cycles: 2,
+        }
+    }
+}
+
+impl GateConfig {
+    /// Rejects settings the gate cannot work with, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::invalid("gate", m));
+        if self.short_window == 0 || self.long_window < self.short_window {
+            return bad(format!(
+                "windows must satisfy 0 < short ({}) <= long ({})",
+                self.short_window, self.long_window
+            ));
+        }
+        if self.drafts.is_empty() || self.drafts.contains(&0) || self.drafts.windows(2).any(|w| w[0] >= w[1]) {
+            return bad(format!("drafts must be increasing positive counts, got {:?}", self.drafts));
+        }
+        if self.raise_at.len() + 1 != self.drafts.len() {
+            return bad(format!(
+                "raise_at needs {} entries (one per draft count after the first)",
+                self.drafts.len() - 1
+            ));
+        }
+        if !(self.fallback_short.is_finite() && self.fallback_long.is_finite()) {
+            return bad("fallback thresholds must be finite".into());
+        }
+        if self.probe_after == 0 || self.probe_cycles == 0 {
+            return bad("probe_after and probe_cycles must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// What the gate did, for statistics and reports.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GateEvent {
+    /// Fell back to plain decoding.
+    Fallback {
+        /// Output length then.
+        at: usize,
+        /// The short window's mean tokens per cycle (a failed probe: the probe's).
+        short: f32,
+        /// The long window's.
+        long: f32,
+    },
+    /// Started a probe.
+    Probe {
+        /// Output length then.
+        at: usize,
+    },
+    /// A probe won: drafting resumes.
+    Resume {
+        /// Output length then.
+        at: usize,
+        /// The probe's mean tokens per cycle.
+        mean: f32,
+    },
+}
+
+#[derive(Debug)]
+enum Mode {
+    Drafting,
+    Plain { left: usize },
+    Probing { left: usize, got: Vec<(usize, usize)> },
+}
+
+/// The adaptive gate of one request: rolling windows of (drafted, kept) per cycle.
+#[derive(Debug)]
+pub struct Gate {
+    cfg: GateConfig,
+    max_draft: usize,
+    enabled: bool,
+    window: VecDeque<(usize, usize)>,
+    mode: Mode,
+    backoff: usize,
+    /// What it decided, in order.
+    pub events: Vec<GateEvent>,
+}
+
+impl Gate {
+    /// A gate drafting at most `max_draft` tokens; `enabled` false always drafts `max_draft`.
+    pub fn new(cfg: GateConfig, max_draft: usize, enabled: bool) -> Gate {
+        let mode = Mode::Probing { left: cfg.probe_cycles, got: Vec::new() };
+        Gate { cfg, max_draft, enabled, window: VecDeque::new(), mode, backoff: 1, events: Vec::new() }
+    }
+
+    fn mean_tpc(&self, n: usize) -> f32 {
+        let w: Vec<_> = self.window.iter().rev().take(n).collect();
+        w.iter().map(|(_, kept)| (*kept + 1) as f32).sum::<f32>() / w.len().max(1) as f32
+    }
+
+    /// Plain tokens left before the next probe (0 unless the gate has fallen back).
+    pub fn plain_left(&self) -> usize {
+        match &self.mode {
+            Mode::Plain { left } if self.enabled => *left,
+            _ => 0,
+        }
+    }
+
+    /// Tokens to draft in the next cycle (0: a plain decode step).
+    pub fn next_k(&self) -> usize {
+        if !self.enabled {
+            return self.max_draft;
+        }
+        let k = match &self.mode {
+            Mode::Plain { .. } => return 0,
+            Mode::Probing { .. } => self.cfg.drafts[0],
+            Mode::Drafting => {
+                let w: Vec<_> = self.window.iter().rev().take(self.cfg.short_window).collect();
+                if w.is_empty() {
+                    // No evidence yet: the middle count.
+                    self.cfg.drafts[self.cfg.drafts.len() / 2]
+                } else {
+                    let drafted: usize = w.iter().map(|(d, _)| d).sum();
+                    let kept: usize = w.iter().map(|(_, k)| k).sum();
+                    let rate = kept as f32 / drafted.max(1) as f32;
+                    let i = self.cfg.raise_at.iter().take_while(|&&r| rate >= r).count();
+                    self.cfg.drafts[i]
+                }
+            }
+        };
+        k.min(self.max_draft).max(1)
+    }
+
+    /// Records a cycle that drafted `drafted` tokens (0: a plain step) and kept `kept`; `at` is the output
+    /// length after it.
+    pub fn record(&mut self, drafted: usize, kept: usize, at: usize) {
+        if !self.enabled || (drafted == 0 && !matches!(self.mode, Mode::Plain { .. })) {
+            return;
+        }
+        match &mut self.mode {
+            Mode::Plain { left } => {
+                *left = left.saturating_sub(1);
+                if *left == 0 {
+                    self.mode = Mode::Probing { left: self.cfg.probe_cycles, got: Vec::new() };
+                    self.events.push(GateEvent::Probe { at });
+                }
+            }
+            Mode::Probing { left, got } => {
+                got.push((drafted, kept));
+                *left -= 1;
+                if *left == 0 {
+                    let mean = got.iter().map(|(_, k)| (*k + 1) as f32).sum::<f32>() / got.len() as f32;
+                    if mean >= self.cfg.fallback_short {
+                        self.window = got.drain(..).collect();
+                        self.mode = Mode::Drafting;
+                        self.backoff = 1;
+                        self.events.push(GateEvent::Resume { at, mean });
+                    } else {
+                        self.mode = Mode::Plain { left: self.cfg.probe_after * self.backoff };
+                        self.backoff = (self.backoff * 2).min(16);
+                        self.events.push(GateEvent::Fallback { at, short: mean, long: mean });
+                    }
+                }
+            }
+            Mode::Drafting => {
+                self.window.push_back((drafted, kept));
+                while self.window.len() > self.cfg.long_window {
+                    self.window.pop_front();
+                }
+                let n = self.window.len();
+                let short = self.mean_tpc(self.cfg.short_window);
+                let long = self.mean_tpc(self.cfg.long_window);
+                let lose = (n >= self.cfg.short_window && short < self.cfg.fallback_short)
+                    || (n >= self.cfg.long_window && long < self.cfg.fallback_long);
+                if lose {
+                    self.window.clear();
+                    self.mode = Mode::Plain { left: self.cfg.probe_after * self.backoff };
+                    self.backoff = (self.backoff * 2).min(16);
+                    self.events.push(GateEvent::Fallback { at, short, long });
+                }
+            }
+        }
+    }
+}
+
+/// Settings of speculative decoding.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SpecOptions {
+    /// The most tokens drafted per cycle (mlx-lm's `--num-draft-tokens`); without the gate, always this many.
+    pub num_draft: usize,
+    /// Whether the adaptive gate chooses the count and falls back to plain decoding.
+    pub gate: bool,
+    /// The gate's settings.
+    pub gate_config: GateConfig,
+    /// How KDA state is rolled back.
+    pub rollback: Rollback,
+}
+
+impl Default for SpecOptions {
+    fn default() -> Self {
+        SpecOptions { num_draft: 7, gate: true, gate_config: GateConfig::default(), rollback: Rollback::Record }
+    }
+}
+
+impl SpecOptions {
+    /// Rejects settings speculative decoding cannot honour, naming the setting.
+    pub fn validate(&self) -> Result<()> {
+        if self.num_draft == 0 || self.num_draft > 64 {
+            return Err(Error::invalid("num_draft", format!("must be 1 to 64, got {}", self.num_draft)));
+        }
+        self.gate_config.validate()
+    }
+}
+
+/// What speculative decoding did in one generation.
+#[derive(Clone, Debug, Default)]
+pub struct SpecStats {
+    /// Verify cycles that drafted (plain steps excluded).
+    pub cycles: usize,
+    /// Tokens drafted.
+    pub drafted: usize,
+    /// Drafted tokens the target kept.
+    pub accepted: usize,
+    /// Tokens decoded plainly (gate fallback).
+    pub plain_steps: usize,
+    /// Times the gate fell back to plain decoding.
+    pub fallbacks: usize,
+    /// The gate's decisions in order.
+    pub events: Vec<GateEvent>,
+    /// Seconds spent drafting.
+    pub draft_seconds: f64,
+    /// Seconds spent verifying (and rolling back).
+    pub verify_seconds: f64,
+}
+
+impl SpecStats {
+    /// Mean tokens a drafting cycle emitted (kept drafts + 1).
+    pub fn tokens_per_cycle(&self) -> f64 {
+        if self.cycles == 0 {
+            0.0
+        } else {
+            (self.accepted + self.cycles) as f64 / self.cycles as f64
+        }
+    }
+
+    /// Kept drafts / drafted.
+    pub fn accept_rate(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+}
+
+/// Runs `fed` (the last emitted token, then the drafts) through the target, continuing `cache`; returns
+/// the log-probabilities `[T, V]` after each position (logits processors applied), evaluated with the cache.
+fn score(model: &KimiK3, cache: &mut ModelCache, fed: &[u32], sampler: &Sampler) -> Result<Vec<Array>> {
+    let logits = model.forward(&ids_array(fed)?, Some(cache))?;
+    let recent = RecentTokens::new(sampler.config(), &[])?;
+    let mut rows = Vec::with_capacity(fed.len());
+    for j in 0..fed.len() as i32 {
+        let row = logits.slice_axis(1, j, j + 1)?.squeeze(&[1])?;
+        rows.push(crate::kernels::log_softmax(&sampler.process_recent(&row, &recent)?)?);
+    }
+    Ok(rows)
+}
+
+/// Where generated tokens go: the stop conditions, the callback and the timing, shared by drafting cycles
+/// and plain stretches.
+struct Emitter<'a, F> {
+    opts: &'a GenerateOptions,
+    on_token: F,
+    out: Vec<u32>,
+    context: Vec<u32>,
+    start: Instant,
+    t_first: Option<Instant>,
+    stats: GenerationStats,
+}
+
+impl<F: FnMut(TokenEvent<'_>) -> bool> Emitter<'_, F> {
+    /// Hands on `token` (scored by `logprobs`); Some when generation ends here.
+    fn emit(&mut self, token: u32, logprobs: &Array) -> Option<FinishReason> {
+        if self.t_first.is_none() {
+            let t = self.start.elapsed().as_secs_f64();
+            self.t_first = Some(Instant::now());
+            self.stats.time_to_first_token = t;
+            self.stats.prompt_tps = self.stats.prefilled_tokens as f64 / t.max(1e-9);
+        }
+        if self.opts.eos_ids.contains(&token) {
+            return Some(FinishReason::Stop);
+        }
+        self.out.push(token);
+        self.context.push(token);
+        if !(self.on_token)(TokenEvent { token, logprobs }) {
+            return Some(FinishReason::Cancelled);
+        }
+        (self.out.len() == self.opts.max_tokens).then_some(FinishReason::Length)
+    }
+}
+
+/// [`super::generate_tokens`] with a drafter: the same prompt-cache handling, stop conditions and callback,
+/// and (greedy) the same tokens. Refuses models split over ranks; with a repetition or presence penalty
+/// (whose window would move within a cycle) it decodes plainly.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_speculative(
+    model: &KimiK3,
+    drafter: &mut dyn Drafter,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    spec: &SpecOptions,
+    on_token: impl FnMut(TokenEvent<'_>) -> bool,
+) -> Result<(Vec<u32>, FinishReason, GenerationStats, SpecStats)> {
+    if model.comm().is_some() {
+        return Err(Error::invalid(
+            "speculative decoding",
+            "not available with a model split over ranks yet; run without a draft model",
+        ));
+    }
+    spec.validate()?;
+    if opts.sampler.has_penalties() {
+        let (out, reason, mut stats) = super::generate_tokens(model, pcache, prompt, opts, on_token)?;
+        let spec_stats = SpecStats { plain_steps: out.len(), ..Default::default() };
+        stats.spec = Some(spec_stats.clone());
+        return Ok((out, reason, stats, spec_stats));
+    }
+    let mut sampler = Sampler::new(opts.sampler.clone())?;
+    let greedy = opts.sampler.temperature == 0.0;
+    let mut rng = SplitMix64::new(opts.sampler.seed ^ 0x5bec_0000_0000_0001);
+    memory::reset_peak();
+    let start = Instant::now();
+    let stats = prefill(model, pcache, prompt, opts)?;
+    let mut em = Emitter { opts, on_token, out: Vec::new(), context: prompt.to_vec(), start, t_first: None, stats };
+
+    let mut gate = Gate::new(spec.gate_config.clone(), spec.num_draft, spec.gate);
+    let mut sstats = SpecStats::default();
+    let mut y = prompt[prompt.len() - 1];
+    let mut reason = FinishReason::Length;
+    while em.out.len() < opts.max_tokens {
+        let remaining = opts.max_tokens - em.out.len();
+        let k = gate.next_k().min(remaining - 1);
+        if k == 0 {
+            // Plain decoding, pipelined as generate_tokens does it: the gate's fallback stretch, or the last
+            // token.
+            let n = gate.plain_left().clamp(1, remaining);
+            let (t0, before) = (Instant::now(), em.out.len());
+            let (end, last) = plain_stretch(model, pcache, &mut sampler, y, n, &mut em, &mut gate)?;
+            sstats.plain_steps += em.out.len() - before;
+            sstats.verify_seconds += t0.elapsed().as_secs_f64();
+            y = last;
+            if let Some(r) = end {
+                reason = r;
+                break;
+            }
+            continue;
+        }
+        let t0 = Instant::now();
+        let draft = drafter.propose(&em.context, k, &sampler, &mut rng)?;
+        let k = draft.tokens.len().min(k);
+        if let Some(bad) = draft.tokens.iter().find(|&&t| t as usize >= model.config().vocab_size) {
+            return Err(Error::invalid(
+                "draft",
+                format!("{} drafted token {bad}, outside the vocabulary", drafter.name()),
+            ));
+        }
+        let t1 = Instant::now();
+        let mut fed = Vec::with_capacity(k + 1);
+        fed.push(y);
+        fed.extend_from_slice(&draft.tokens[..k]);
+        let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
+        let before = (k > 0 && spec.rollback == Rollback::Recompute).then(|| cache.snapshot());
+        cache.set_recording(k > 0 && spec.rollback == Rollback::Record);
+        let rows = score(model, cache, &fed, &sampler)?;
+        let (kept, next) = if greedy {
+            let best: Vec<Array> = rows.iter().map(|r| r.argmax(-1, false)).collect::<Result<_>>()?;
+            let mut outs: Vec<&Array> = best.iter().collect();
+            outs.extend(cache.arrays());
+            crate::eval(&outs)?;
+            let best: Vec<u32> = best.iter().map(|b| b.item::<u32>()).collect::<Result<_>>()?;
+            accept_greedy(&best, &fed[1..])
+        } else {
+            let dist: Vec<Array> = rows.iter().map(|r| sampler.distribution(r)).collect::<Result<_>>()?;
+            let mut outs: Vec<&Array> = dist.iter().collect();
+            outs.extend(cache.arrays());
+            crate::eval(&outs)?;
+            let p: Vec<Vec<f32>> = dist.iter().map(|d| d.to_vec::<f32>()).collect::<Result<_>>()?;
+            let q = draft.probs.as_deref().unwrap_or(&[]);
+            if q.len() < k || q.iter().take(k).any(|r| r.len() != p[0].len()) {
+                return Err(Error::invalid(
+                    "draft",
+                    format!("{} gave no distribution of the vocabulary's size for its drafts", drafter.name()),
+                ));
+            }
+            let pr: Vec<&[f32]> = p.iter().map(Vec::as_slice).collect();
+            let qr: Vec<&[f32]> = q.iter().map(Vec::as_slice).collect();
+            accept_sampled(&pr, &qr, &fed[1..], &mut rng)
+        };
+        // Keep y and the kept drafts; drop the rest.
+        let keep = kept + 1;
+        if keep < fed.len() {
+            match before {
+                Some(snap) => {
+                    cache.restore(&snap);
+                    model.forward(&ids_array(&fed[..keep])?, Some(cache))?;
+                    crate::eval(&cache.arrays())?;
+                }
+                None => cache.rollback(fed.len(), keep)?,
+            }
+        }
+        cache.set_recording(false);
+        pcache.tokens.extend_from_slice(&fed[..keep]);
+        let t2 = Instant::now();
+        sstats.draft_seconds += (t1 - t0).as_secs_f64();
+        sstats.verify_seconds += (t2 - t1).as_secs_f64();
+        sstats.cycles += 1;
+        sstats.drafted += k;
+        sstats.accepted += kept;
+
+        let mut emitted: Vec<u32> = fed[1..keep].to_vec();
+        emitted.push(next);
+        gate.record(k, kept, em.out.len() + emitted.len());
+        let mut end = None;
+        for (j, &token) in emitted.iter().enumerate() {
+            end = em.emit(token, &rows[j]);
+            if end.is_some() {
+                break;
+            }
+        }
+        if let Some(r) = end {
+            reason = r;
+            break;
+        }
+        y = next;
+    }
+    if let Some(c) = pcache.cache.as_ref() {
+        crate::eval(&c.arrays())?;
+    }
+    sstats.events = gate.events.clone();
+    sstats.fallbacks = sstats.events.iter().filter(|e| matches!(e, GateEvent::Fallback { .. })).count();
+    let Emitter { out, t_first, mut stats, .. } = em;
+    stats.generated_tokens = out.len();
+    if let Some(t0) = t_first {
+        let dt = t0.elapsed().as_secs_f64();
+        if out.len() > 1 {
+            stats.generation_tps = (out.len() - 1) as f64 / dt.max(1e-9);
+        }
+    }
+    stats.peak_memory = memory::peak();
+    stats.spec = Some(sstats.clone());
+    Ok((out, reason, stats, sstats))
+}
+
+/// Up to `n` plain decode steps from the unfed token `y`, each enqueued before the previous token is read
+/// (as in [`super::generate_tokens`]); returns why generation ended (if it did) and the last token, not yet
+/// run. Every run token goes into `pcache`'s token list.
+fn plain_stretch<F: FnMut(TokenEvent<'_>) -> bool>(
+    model: &KimiK3,
+    pcache: &mut PromptCache,
+    sampler: &mut Sampler,
+    y: u32,
+    n: usize,
+    em: &mut Emitter<'_, F>,
+    gate: &mut Gate,
+) -> Result<(Option<FinishReason>, u32)> {
+    let recent = RecentTokens::new(sampler.config(), &[])?;
+    let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
+    let (mut tok, mut lp) = super::step(model, cache, &ids_array(&[y])?, sampler, &recent)?;
+    pcache.tokens.push(y);
+    crate::async_eval(&[&tok, &lp])?;
+    let mut last = y;
+    for i in 0..n {
+        let mut next = None;
+        if i + 1 < n {
+            let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
+            let (nt, nlp) = super::step(model, cache, &tok.reshape(&[1, 1])?, sampler, &recent)?;
+            crate::async_eval(&[&nt, &nlp])?;
+            next = Some((nt, nlp));
+        }
+        let token = tok.item::<u32>()?;
+        if next.is_some() {
+            pcache.tokens.push(token);
+        }
+        last = token;
+        gate.record(0, 0, em.out.len() + 1);
+        if let Some(r) = em.emit(token, &lp) {
+            return Ok((Some(r), last));
+        }
+        match next {
+            Some((nt, nlp)) => (tok, lp) = (nt, nlp),
+            None => break,
+        }
+    }
+    Ok((None, last))
+}
