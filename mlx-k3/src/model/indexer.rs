@@ -100,7 +100,7 @@ impl Indexer {
     }
 
     /// The positions each query of `x` attends to: `[B, 1, L, topk]` indices into the `S` positions cached
-    /// after this step (unordered; ascending from the fused CPU decode step, [`kernels::indexer_topk`]), or
+    /// after this step (best first from MLX's ops; ascending from the fused CPU decode step, [`kernels::indexer_topk`]), or
     /// None while `S <= topk` (all of them). `mask` is the layer's boolean
     /// causal mask (`[L, S]`, None for one token); `cache` gets this step's indexer keys.
     pub fn select(
@@ -139,8 +139,11 @@ impl Indexer {
             let dt = scores.dtype();
             scores = ops::where_(m, &scores, &Array::scalar_as(f64::NEG_INFINITY, dt)?)?;
         }
-        // argpartition puts the topk largest last, as mlx-lm takes them.
-        let idx = scores.argpartition(total - self.topk, -1)?;
-        Ok(Some(idx.slice_axis(-1, total - self.topk, total)?))
+        // The topk best by a stable sort of the negated scores: ties go to the earlier position, as the fused
+        // CPU decode step keeps them, so that a call over several queries (prefill, speculative verification)
+        // and one-token decode steps select the same positions. mlx-lm's argpartition breaks ties in no
+        // defined order; the two agree wherever the topk-th and (topk+1)-th scores differ.
+        let idx = scores.negative()?.argsort(-1)?;
+        Ok(Some(idx.slice_axis(-1, 0, self.topk)?))
     }
 }
