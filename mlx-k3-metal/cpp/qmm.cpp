@@ -577,12 +577,13 @@ int check_weights(const char* op, Format f, const std::vector<mx::array>& w, int
     case WeightFormat::codebook:
       if (K % 32 != 0) fail(op, "K = " + std::to_string(K) + " is not a multiple of 32 (the codebook block)");
       // codes [.., N, K/8], or the ternary layout's trits [.., N, ternary_row_bytes(K)] (codebook_to_ternary).
+      // qh first: its shape does not depend on the layout (a compact plane for 2K has a ternary plane's width).
+      expect(op, "qh", w[1], with(K / 32), mx::uint16);
       if (w[0].shape(-1) == K / 8) {
         expect(op, "codes", w[0], with(K / 8), mx::uint8);
       } else {
         expect(op, "codes (ternary trits)", w[0], with((int)ternary_row_bytes(K)), mx::uint8);
       }
-      expect(op, "qh", w[1], with(K / 32), mx::uint16);
       expect(op, "scales", w[2], with(codebook_super_blocks(K)), mx::float16);
       break;
     case WeightFormat::affine:

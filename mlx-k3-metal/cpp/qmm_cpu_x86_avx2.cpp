@@ -372,13 +372,36 @@ __attribute__((target("avx2,fma,f16c"))) static void ternary_q8_row(const Codebo
     __m256i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
     const uint8_t* t = tr + 64 * sb;
-    for (int bi = 0; bi < nblk; ++bi) {
-      const __m256i u = ternary_block_u8(t, bi);
-      const __m256i l16 = _mm256_permutevar8x32_epi32(ls8, _mm256_set1_epi32(bi));
-      for (int m = 0; m < MB; ++m) {
-        const __m256i qv =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 256 * sb + 32 * bi));
-        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, qv), l16));
+    if (nblk == 8) {
+      // A full super-block: both 32-byte chunks loaded once; shift s gives blocks s and 4 + s.
+      const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t));
+      const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32));
+      const __m256i m3 = _mm256_set1_epi8(3);
+      auto step = [&](__m256i u0, __m256i u1, int s) K3_AVX2_LAMBDA {
+        const __m256i l0 = _mm256_permutevar8x32_epi32(ls8, _mm256_set1_epi32(s));
+        const __m256i l1 = _mm256_permutevar8x32_epi32(ls8, _mm256_set1_epi32(4 + s));
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* q = a.q8 + (size_t)(m0 + m) * K + 256 * sb + 32 * s;
+          const __m256i p0 =
+              _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))), l0);
+          const __m256i p1 = _mm256_madd_epi16(
+              _mm256_maddubs_epi16(u1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128))), l1);
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(p0, p1));
+        }
+      };
+      step(_mm256_and_si256(c0, m3), _mm256_and_si256(c1, m3), 0);
+      step(_mm256_and_si256(_mm256_srli_epi16(c0, 2), m3), _mm256_and_si256(_mm256_srli_epi16(c1, 2), m3), 1);
+      step(_mm256_and_si256(_mm256_srli_epi16(c0, 4), m3), _mm256_and_si256(_mm256_srli_epi16(c1, 4), m3), 2);
+      step(_mm256_and_si256(_mm256_srli_epi16(c0, 6), m3), _mm256_and_si256(_mm256_srli_epi16(c1, 6), m3), 3);
+    } else {
+      for (int bi = 0; bi < nblk; ++bi) {
+        const __m256i u = ternary_block_u8(t, bi);
+        const __m256i l16 = _mm256_permutevar8x32_epi32(ls8, _mm256_set1_epi32(bi));
+        for (int m = 0; m < MB; ++m) {
+          const __m256i qv =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 256 * sb + 32 * bi));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, qv), l16));
+        }
       }
     }
     const float d = _cvtsh_ss(w.scales[(size_t)n * nsb + sb]);
