@@ -83,6 +83,13 @@ fn cbytes(c: &Codebook) -> u64 {
     (c.codes.nbytes() + c.qh.nbytes() + c.scales.nbytes()) as u64
 }
 
+/// The codebook in the ternary execution layout (`--codebook-layout ternary`), evaluated.
+fn ternary(cb: &Codebook) -> Codebook {
+    let t = cb.to_ternary().unwrap();
+    t.codes.eval().unwrap();
+    t
+}
+
 /// Where the CPU has AVX-512, times `f` once more with the AVX2 kernels (`K3_AVX512` off for that row), so the
 /// two kernels meet in the same run; elsewhere adds nothing.
 fn bench_avx2(g: &mut BenchmarkGroup<'_, WallTime>, id: BenchmarkId, mut f: impl FnMut()) {
@@ -120,6 +127,21 @@ fn gemv(c: &mut Criterion) {
             b.iter(|| codebook::codebook_qmm(&x, &cb).and_then(|y| y.eval()).unwrap());
             kernels::set_qmm_activations(None);
         });
+        // The ternary layout of the same weights (`*_ternary*`: its resident bytes as the throughput).
+        let cbt = ternary(&cb);
+        g.throughput(Throughput::Bytes(cbytes(&cbt)));
+        g.bench_function(id("codebook_ternary_k3"), |b| {
+            b.iter(|| codebook::codebook_qmm(&x, &cbt).and_then(|y| y.eval()).unwrap())
+        });
+        bench_avx2(&mut g, id("codebook_ternary_avx2_k3"), || {
+            codebook::codebook_qmm(&x, &cbt).and_then(|y| y.eval()).unwrap();
+        });
+        g.bench_function(id("codebook_ternary_q8_k3"), |b| {
+            kernels::set_qmm_activations(Some(QmmActivations::Q8));
+            b.iter(|| codebook::codebook_qmm(&x, &cbt).and_then(|y| y.eval()).unwrap());
+            kernels::set_qmm_activations(None);
+        });
+        drop(cbt);
         for (name, spec) in [
             ("affine4", QuantSpec::affine(64, 4)),
             ("affine2", QuantSpec::affine(64, 2)),
@@ -191,6 +213,20 @@ fn experts(c: &mut Criterion) {
         b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
         kernels::set_qmm_activations(None);
     });
+    let cbt = ternary(&cb);
+    g.throughput(Throughput::Bytes(per_expert(cbytes(&cbt))));
+    g.bench_function("codebook_ternary_k3", |b| {
+        b.iter(|| codebook::gather_codebook_qmm(&x, &cbt, None, Some(&rhs)).and_then(|y| y.eval()).unwrap())
+    });
+    bench_avx2(&mut g, BenchmarkId::from_parameter("codebook_ternary_avx2_k3"), || {
+        codebook::gather_codebook_qmm(&x, &cbt, None, Some(&rhs)).and_then(|y| y.eval()).unwrap();
+    });
+    g.bench_function("codebook_ternary_q8_k3", |b| {
+        kernels::set_qmm_activations(Some(QmmActivations::Q8));
+        b.iter(|| codebook::gather_codebook_qmm(&x, &cbt, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
+        kernels::set_qmm_activations(None);
+    });
+    drop(cbt);
     let w = randn(&[e, n, k], 6);
     for (name, spec) in [
         ("affine2", QuantSpec::affine(64, 2)),
@@ -239,6 +275,20 @@ fn experts(c: &mut Criterion) {
         b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
         kernels::set_qmm_activations(None);
     });
+    let cbt = ternary(&cb);
+    g.throughput(Throughput::Bytes(cbytes(&cbt)));
+    g.bench_function("codebook_ternary_k3", |b| {
+        b.iter(|| codebook::gather_codebook_qmm(&x, &cbt, None, Some(&rhs)).and_then(|y| y.eval()).unwrap())
+    });
+    bench_avx2(&mut g, BenchmarkId::from_parameter("codebook_ternary_avx2_k3"), || {
+        codebook::gather_codebook_qmm(&x, &cbt, None, Some(&rhs)).and_then(|y| y.eval()).unwrap();
+    });
+    g.bench_function("codebook_ternary_q8_k3", |b| {
+        kernels::set_qmm_activations(Some(QmmActivations::Q8));
+        b.iter(|| codebook::gather_codebook_qmm(&x, &cbt, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
+        kernels::set_qmm_activations(None);
+    });
+    drop(cbt);
     let w = randn(&[e, n, k], 9);
     for (name, spec) in [("affine2", QuantSpec::affine(64, 2)), ("affine4", QuantSpec::affine(64, 4))] {
         let q = packed(&w, spec);

@@ -50,8 +50,9 @@ void proj_rows(const GateUpFormat& f, const mx::array* w, int e, int N, int K, c
                float* out, int ldo) {
   switch (f.kind) {
     case WeightFormat::codebook: {
-      CodebookRows r{w[0].data<uint8_t>() + (size_t)e * N * (K / 8), w[1].data<uint16_t>() + (size_t)e * N * (K / 32),
-                     reinterpret_cast<const uint16_t*>(w[2].data<mx::float16_t>()) + (size_t)e * N * codebook_super_blocks(K), K};
+      const CodebookRows r = codebook_view(w[0].data<uint8_t>(), w[1].data<uint16_t>(),
+                                           reinterpret_cast<const uint16_t*>(w[2].data<mx::float16_t>()),
+                                           (size_t)e * N, K, w[0].shape(-1) != K / 8);
       return codebook_rows(r, a, n0, n1, out, ldo, f.simd);
     }
     case WeightFormat::affine: {
@@ -222,7 +223,9 @@ std::pair<int, int> check_proj(const char* which, const GateUpFormat& f, const s
   switch (f.kind) {
     case WeightFormat::codebook:
       if (K % 32 != 0) fail("K = " + std::to_string(K) + " is not a multiple of 32 (the codebook block)");
-      expect("codes", w[0], K / 8, mx::uint8);
+      // codes [E, N, K/8], or the ternary layout's trits [E, N, ternary_row_bytes(K)] (codebook_to_ternary).
+      expect(w[0].shape(-1) == K / 8 ? "codes" : "trits", w[0], w[0].shape(-1) == K / 8 ? K / 8 : (int)ternary_row_bytes(K),
+             mx::uint8);
       expect("qh", w[1], K / 32, mx::uint16);
       expect("scales", w[2], codebook_super_blocks(K), mx::float16);
       break;

@@ -72,6 +72,11 @@ int k3_fast_gather_qmm(k3_array* res, const k3_array x, const k3_array w, const 
                        const k3_array lhs, const k3_array rhs, int group_size, int bits, const char* mode,
                        bool sorted_indices, const k3_stream s);
 
+/* The ternary execution layout of a codebook matrix or stack (lossless; docs/formats.md): trits uint8
+ * [.., N, 32 * ceil(K/128)] from codes uint8 [.., N, K/8] and qh uint16 [.., N, K/32], computed on a CPU stream.
+ * The codebook ops take the trits in place of codes (same qh and scales) and run the ternary CPU kernels. */
+int k3_codebook_ternary(k3_array* res, const k3_array codes, const k3_array qh, const k3_stream s);
+
 /* The IQ1_S grid (2048 x 8 int8 in {-1, 0, 1}, entry i = 8 bytes) the kernels use. */
 int k3_iq1s_grid_data(const uint64_t** res);
 

@@ -66,9 +66,9 @@ struct Weights {
   void rows(int e, const Activations& a, int n0, int n1, float* out, int ldo) const {
     switch (f.kind) {
       case WeightFormat::codebook: {
-        CodebookRows r{w[0]->data<uint8_t>() + (size_t)e * N * (K / 8),
-                       w[1]->data<uint16_t>() + (size_t)e * N * (K / 32),
-                       reinterpret_cast<const uint16_t*>(w[2]->data<mx::float16_t>()) + (size_t)e * N * codebook_super_blocks(K), K};
+        const CodebookRows r = codebook_view(w[0]->data<uint8_t>(), w[1]->data<uint16_t>(),
+                                             reinterpret_cast<const uint16_t*>(w[2]->data<mx::float16_t>()),
+                                             (size_t)e * N, K, w[0]->shape(-1) != K / 8);
         return codebook_rows(r, a, n0, n1, out, ldo, f.simd);
       }
       case WeightFormat::affine: {
@@ -122,8 +122,33 @@ struct Gather {
 // zeros (piecewise-constant selectors); the packed weight bits have no gradient and asking for one is an error.
 
 // The codebook planes as f32 [.., N, K] with MLX ops (docs/formats.md: w = d · (2L + 1) · (grid[idx] + δ)).
+// The ternary layout's trits [.., N, ternary_row_bytes(K)] as the grid values (f32, {-1, 0, 1}) [.., N, nb, 32].
+mx::array ternary_values(const mx::array& trits, int nb, mx::Stream s) {
+  const int chunks = trits.shape(-1) / 32;
+  mx::Shape c(trits.shape().begin(), trits.shape().end() - 1);
+  c.push_back(chunks);
+  c.push_back(1);
+  c.push_back(32);
+  auto t = mx::reshape(mx::astype(trits, mx::uint32, s), c, s);  // [.., N, chunks, 1, 32]
+  // Byte j of chunk c holds block 4c + i's weight j at bits 2i, 2i + 1.
+  const uint32_t sh[4] = {0, 2, 4, 6};
+  auto v = mx::bitwise_and(mx::right_shift(t, mx::reshape(mx::array(sh, {4}, mx::uint32), {4, 1}, s), s),
+                           mx::array(3u, mx::uint32), s);  // [.., N, chunks, 4, 32]
+  mx::Shape blocks(trits.shape().begin(), trits.shape().end() - 1);
+  blocks.push_back(4 * chunks);
+  blocks.push_back(32);
+  v = mx::reshape(v, blocks, s);
+  if (4 * chunks != nb) {
+    mx::Shape start(v.ndim(), 0), stop = v.shape();
+    stop[v.ndim() - 2] = nb;
+    v = mx::slice(v, start, stop, s);
+  }
+  return mx::subtract(mx::astype(v, mx::float32, s), mx::array(1.0f), s);
+}
+
 mx::array codebook_dequantize(const mx::array& codes, const mx::array& qh, const mx::array& scales, mx::Stream s) {
-  const int K8 = codes.shape(-1), nb = K8 / 4;
+  const int nb = qh.shape(-1), K8 = 4 * nb;
+  const bool ternary = codes.shape(-1) != K8;
   std::vector<float> g(2048 * 8);
   const uint64_t* grid = iq1s_grid();
   for (int i = 0; i < 2048; ++i) {
@@ -138,12 +163,12 @@ mx::array codebook_dequantize(const mx::array& codes, const mx::array& qh, const
   auto high = mx::repeat(q, 4, -1, s);
   high = mx::left_shift(mx::bitwise_and(mx::right_shift(high, mx::array(sh.data(), {K8}, mx::uint32), s), u32(7), s),
                         u32(8), s);
-  auto idx = mx::bitwise_or(mx::astype(codes, mx::uint32, s), high, s);
-  auto vals = mx::take(table, idx, 0, s);  // [.., N, K/8, 8]
   mx::Shape blocks(codes.shape().begin(), codes.shape().end() - 1);
   blocks.push_back(nb);
   blocks.push_back(32);
-  vals = mx::reshape(vals, blocks, s);  // [.., N, nb, 32]
+  mx::array vals = ternary ? ternary_values(codes, nb, s)
+                           : mx::reshape(mx::take(table, mx::bitwise_or(mx::astype(codes, mx::uint32, s), high, s), 0, s),
+                                         blocks, s);  // [.., N, nb, 32]
   auto L = mx::astype(mx::bitwise_and(mx::right_shift(q, u32(12), s), u32(7), s), mx::float32, s);
   auto neg = mx::not_equal(mx::bitwise_and(q, u32(0x8000), s), u32(0), s);
   auto delta = mx::where(neg, mx::array(-0.125f), mx::array(0.125f), s);
@@ -551,8 +576,14 @@ int check_weights(const char* op, Format f, const std::vector<mx::array>& w, int
   switch (f.kind) {
     case WeightFormat::codebook:
       if (K % 32 != 0) fail(op, "K = " + std::to_string(K) + " is not a multiple of 32 (the codebook block)");
-      expect(op, "codes", w[0], with(K / 8), mx::uint8);
+      // codes [.., N, K/8], or the ternary layout's trits [.., N, ternary_row_bytes(K)] (codebook_to_ternary).
+      // qh first: its shape does not depend on the layout (a compact plane for 2K has a ternary plane's width).
       expect(op, "qh", w[1], with(K / 32), mx::uint16);
+      if (w[0].shape(-1) == K / 8) {
+        expect(op, "codes", w[0], with(K / 8), mx::uint8);
+      } else {
+        expect(op, "codes (ternary trits)", w[0], with((int)ternary_row_bytes(K)), mx::uint8);
+      }
       expect(op, "scales", w[2], with(codebook_super_blocks(K)), mx::float16);
       break;
     case WeightFormat::affine:
@@ -570,6 +601,13 @@ int check_weights(const char* op, Format f, const std::vector<mx::array>& w, int
       expect(op, "scales", w[1], with(K / 32), mx::uint8);
   }
   return w0.shape(-2);
+}
+
+// The ternary layout is a CPU execution layout: the GPU kernels read the compact one.
+void cpu_only_ternary(const char* op, const std::vector<mx::array>& w, int K) {
+  if (w[0].shape(-1) != K / 8) {
+    fail(op, "the ternary codebook layout has CPU kernels only; load the model with the compact layout for GPU streams");
+  }
 }
 
 // The GPU branch of the codebook and tiered ops: kernels/packed_qmm.cu (CUDA) and kernels/packed_qmm.metal.
@@ -676,6 +714,7 @@ mx::array packed_qmm(Format f, const mx::array& x_in, const std::vector<mx::arra
   int K = x_in.shape(-1);
   int N = check_weights(op, f, w, K, false);
   if (K == 0) fail(op, "x has K = 0");
+  if (f.kind == WeightFormat::codebook && gpu_branch(s)) cpu_only_ternary(op, w, K);
   if (f.kind == WeightFormat::codebook && gpu_branch(s)) {  // one pair (expert 0 of a one-expert stack), all of x's rows as M
     const size_t rows = x_in.size() / K;
     if (rows > (size_t)std::numeric_limits<int>::max()) fail(op, "more than 2^31 rows of x in one call");
@@ -732,6 +771,7 @@ mx::array gather_packed_qmm(Format f, const mx::array& x_in, const std::vector<m
   if (K == 0 || M == 0) fail(op, "x has an empty M or K axis");
   auto g = gather_index_inputs(op, x_in, w[0].shape(0), lhs_in, rhs_in, s);
   if (f.kind == WeightFormat::codebook && gpu_branch(s)) {
+    cpu_only_ternary(op, w, K);
     GpuStacks st;
     st.cb = w;
     return gather_packed_qmm_gpu(op, x_in, g, w[0].shape(0), nullptr, nullptr, st, N, s);
@@ -782,6 +822,7 @@ mx::array gather_tiered_qmm(const mx::array& x_in, const mx::array& tier, const 
   if (K == 0 || M == 0) fail(op, "x has an empty M or K axis");
   auto g = gather_index_inputs(op, x_in, E, lhs_in, rhs_in, s);
   if (gpu_branch(s)) {
+    if (!stacks[kTierCodebook].empty()) cpu_only_ternary(op, stacks[kTierCodebook], K);
     GpuStacks st{stacks[kTierCodebook], stacks[kTierMxfp4], stacks[kTierAffine], aff_bits, aff_group};
     return gather_packed_qmm_gpu(op, x_in, g, E, &tier, &slot, st, N, s);
   }
@@ -913,6 +954,63 @@ extern "C" int k3_fast_gather_qmm(k3_array* res, const k3_array x, const k3_arra
                                   k3::opt_int(group_size), k3::opt_int(bits), m, std::nullopt, sorted_indices, st));
     }
   })
+}
+
+namespace k3::kernels {
+namespace {
+
+// The ternary layout of a codebook matrix or stack, built on the CPU from codes and qh (codebook_to_ternary), rows
+// split over the thread pool.
+class CodebookTernary : public mx::UnaryPrimitive {
+ public:
+  explicit CodebookTernary(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& in : inputs) enc.set_input_array(in);
+    enc.set_output_array(out);
+    enc.dispatch([codes = mx::array::unsafe_weak_copy(inputs[0]), qh = mx::array::unsafe_weak_copy(inputs[1]),
+                  o = out.data<uint8_t>()]() {
+      const int K = 32 * qh.shape(-1);
+      const size_t rows = K > 0 ? qh.size() / (size_t)(K / 32) : 0;
+      constexpr size_t kRowsPerTask = 256;
+      parallel_for((rows + kRowsPerTask - 1) / kRowsPerTask, [&](size_t t) {
+        const size_t r0 = t * kRowsPerTask, r1 = std::min(rows, r0 + kRowsPerTask);
+        codebook_to_ternary(codes.data<uint8_t>() + r0 * (size_t)(K / 8), qh.data<uint16_t>() + r0 * (size_t)(K / 32),
+                            r1 - r0, K, o + r0 * ternary_row_bytes(K));
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[codebook_ternary] the ternary layout is built on CPU streams only");
+  }
+
+  const char* name() const override { return "K3CodebookTernary"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+}  // namespace
+
+mx::array codebook_ternary(const mx::array& codes, const mx::array& qh, mx::StreamOrDevice sd) {
+  const char* op = "codebook_ternary";
+  auto s = mx::to_stream(sd);
+  if (s.device != mx::Device::cpu) fail(op, "the ternary layout is built on CPU streams only");
+  if (qh.ndim() < 2 || qh.dtype() != mx::uint16) fail(op, "qh must be a uint16 array [.., N, K/32]");
+  const int K = 32 * qh.shape(-1);
+  if (K == 0) fail(op, "qh has K = 0");
+  mx::Shape want(qh.shape().begin(), qh.shape().end() - 1);
+  want.push_back(K / 8);
+  expect(op, "codes", codes, want, mx::uint8);
+  want.back() = (int)ternary_row_bytes(K);
+  return mx::array(want, mx::uint8, std::make_shared<CodebookTernary>(s), {contiguous_input(codes, s), contiguous_input(qh, s)});
+}
+
+}  // namespace k3::kernels
+
+extern "C" int k3_codebook_ternary(k3_array* res, const k3_array codes, const k3_array qh, const k3_stream s) {
+  K3_TRY(k3::put(res, k3::kernels::codebook_ternary(k3::arr(codes), k3::arr(qh), k3::stream(s))))
 }
 
 extern "C" int k3_iq1s_grid_data(const uint64_t** res) {

@@ -110,15 +110,12 @@ static void codebook_rows_scalar(const CodebookRows& w, const float* x, const fl
       float acc[kMaxRows] = {0, 0, 0, 0};
       for (int b = 0; b < nb; ++b) {
         float dl, delta;
-        int idx[4];
-        codebook_block(w, n, b, dl, delta, idx);
+        int8_t g[32];
+        codebook_block_values(w, n, b, dl, delta, g);
         for (int m = 0; m < mb; ++m) {
           const float* xm = x + (size_t)(m0 + m) * K + 32 * b;
           float s = 0;
-          for (int l = 0; l < 4; ++l) {
-            const int8_t* g = reinterpret_cast<const int8_t*>(&k3_iq1s_grid[idx[l]]);
-            for (int j = 0; j < 8; ++j) s += (float)g[j] * xm[8 * l + j];
-          }
+          for (int i = 0; i < 32; ++i) s += (float)g[i] * xm[i];
           acc[m] += dl * (s + delta * xsums[(size_t)(m0 + m) * nb + b]);
         }
       }
@@ -140,15 +137,12 @@ static void codebook_rows_q8_scalar(const CodebookRows& w, const Activations& a,
         int32_t S = 0;
         for (int b = 8 * sb; b < std::min(8 * sb + 8, nb); ++b) {
           float dl, delta;
-          int idx[4];
-          codebook_block(w, n, b, dl, delta, idx);
+          int8_t g[32];
+          codebook_block_values(w, n, b, dl, delta, g);
           const uint16_t qh = w.qh[(size_t)n * nb + b];
           const int ls = 2 * ((qh >> 12) & 7) + 1, d8 = (qh & 0x8000) ? -1 : 1;
           int dot = 0;
-          for (int l = 0; l < 4; ++l) {
-            const int8_t* g = reinterpret_cast<const int8_t*>(&k3_iq1s_grid[idx[l]]);
-            for (int j = 0; j < 8; ++j) dot += (g[j] + 1) * q[32 * b + 8 * l + j];
-          }
+          for (int i = 0; i < 32; ++i) dot += (g[i] + 1) * q[32 * b + i];
           S += ls * (8 * dot + (d8 - 8) * bs[b]);
         }
         acc += f16_to_f32(w.scales[(size_t)n * nsb + sb]) * a.q8_d[(size_t)m * nsb + sb] * 0.125f * (float)S;
@@ -158,8 +152,34 @@ static void codebook_rows_q8_scalar(const CodebookRows& w, const Activations& a,
   }
 }
 
+void codebook_to_ternary(const uint8_t* codes, const uint16_t* qh, size_t rows, int K, uint8_t* trits) {
+  const int nb = K / 32;
+  const size_t tb = ternary_row_bytes(K);
+  for (size_t n = 0; n < rows; ++n) {
+    uint8_t* t = trits + n * tb;
+    std::memset(t, 0, tb);
+    for (int b = 0; b < nb; ++b) {
+      const uint16_t q = qh[n * nb + b];
+      const int sh = 2 * (b % 4);
+      for (int l = 0; l < 4; ++l) {
+        const int idx = codes[n * (size_t)(K / 8) + 4 * b + l] | (((q >> (3 * l)) & 7) << 8);
+        const uint64_t g = k3_iq1s_grid[idx];
+        for (int j = 0; j < 8; ++j) {
+          const int v = (int)(int8_t)((g >> (8 * j)) & 0xff) + 1;  // {0, 1, 2}
+          t[32 * (b / 4) + 8 * l + j] |= (uint8_t)(v << sh);
+        }
+      }
+    }
+  }
+}
+
 void codebook_rows(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
 #ifdef K3_X86
+  if (simd && w.trits) {
+    if (a.q8) return ternary_rows_q8_avx2(w, a, n0, n1, out, ldo);
+    if (cpu_has_avx512()) return ternary_rows_avx512(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+    return ternary_rows_avx2(w, a.x, a.sums, a.rows, n0, n1, out, ldo);
+  }
   if (simd && a.q8) return codebook_rows_q8_avx2(w, a, n0, n1, out, ldo);
   if (simd && cpu_has_avx512() && w.K % 256 == 0) {  // (other K take the AVX2 tile)
     return codebook_rows_avx512(w, a.x, a.sums, a.rows, n0, n1, out, ldo);

@@ -146,7 +146,34 @@ struct CodebookRows {
   const uint16_t* qh;
   const uint16_t* scales;  // f16 bits
   int K;
+  // The ternary execution layout (codebook_to_ternary), when set: the kernels read `trits` in place of `codes`
+  // (which may then be null) and take from qh only its scale and delta bits.
+  const uint8_t* trits = nullptr;
 };
+
+// The ternary execution layout of a codebook matrix: the same values with every grid entry spelled out, built at
+// load from codes and qh (lossless), so that SIMD kernels decode weights with shifts and masks instead of looking
+// grid entries up. Per row, ternary_row_bytes(K) bytes: chunk c (weights 128c .. 128c + 127) is 32 bytes, and byte
+// 32c + j holds at bits 2s, 2s + 1 the trit t = grid value + 1 (in {0, 1, 2}) of weight 128c + 32s + j (s = 0..3;
+// the bits of blocks past K are zero). qh and scales are shared with the compact layout unchanged, so
+// w[32b + i] = d[b / 8] * (2L + 1) * (t - 1 + delta).
+inline size_t ternary_row_bytes(int K) {
+  return (size_t)32 * (size_t)((K + 127) / 128);
+}
+// trits [rows, ternary_row_bytes(K)] from codes [rows, K/8] and qh [rows, K/32].
+void codebook_to_ternary(const uint8_t* codes, const uint16_t* qh, size_t rows, int K, uint8_t* trits);
+// The rows of a codebook stack from row `first` on; `plane` holds codes (compact) or trits (ternary). The layout of
+// an array is told by its last axis: K/8 (compact) or ternary_row_bytes(K), which is always larger.
+inline CodebookRows codebook_view(const uint8_t* plane, const uint16_t* qh, const uint16_t* scales, size_t first,
+                                  int K, bool ternary) {
+  CodebookRows r{nullptr, qh + first * (size_t)(K / 32), scales + first * (size_t)((K + 255) / 256), K};
+  if (ternary) {
+    r.trits = plane + first * ternary_row_bytes(K);
+  } else {
+    r.codes = plane + first * (size_t)(K / 8);
+  }
+  return r;
+}
 
 // out[m * ldo + n] = dot(x_m, W_n) for n in [n0, n1), m in [0, rows). With q8 activations (a.q8 set) the
 // block dots are exact integers: per super-block s, S = sum_b (2L_b + 1) * (8 * dot(grid_b + 1, q_b) +

@@ -44,6 +44,28 @@ static inline void fma_block_neon(const float32x4_t f[8], const float* x, int K,
 
 // ------------------------------------------------------------------------------------------------ codebook
 
+// Block b's dl, delta and 32 grid values in {-1, 0, 1} (g0: weights 0-15, g1: 16-31), from the grid (compact
+// layout) or with a shift and a mask of the trits (ternary layout, w.trits set).
+static inline void codebook_block_neon(const CodebookRows& w, int n, int b, float& dl, float& delta, int8x16_t& g0,
+                                       int8x16_t& g1) {
+  if (w.trits) {
+    const uint16_t q = w.qh[(size_t)n * (w.K / 32) + b];
+    dl = f16_to_f32(w.scales[(size_t)n * codebook_super_blocks(w.K) + b / 8]) * (float)(2 * ((q >> 12) & 7) + 1);
+    delta = (q & 0x8000) ? -0.125f : 0.125f;
+    const uint8_t* t = w.trits + (size_t)n * ternary_row_bytes(w.K) + 32 * (b / 4);
+    const int8x16_t sh = vdupq_n_s8((int8_t)(-2 * (b % 4)));  // (a negative count shifts right)
+    const uint8x16_t three = vdupq_n_u8(3);
+    g0 = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(vshlq_u8(vld1q_u8(t), sh), three)), vdupq_n_s8(1));
+    g1 = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(vshlq_u8(vld1q_u8(t + 16), sh), three)), vdupq_n_s8(1));
+    return;
+  }
+  int idx[4];
+  codebook_block(w, n, b, dl, delta, idx);
+  const int8_t* grid = reinterpret_cast<const int8_t*>(k3_iq1s_grid);
+  g0 = vcombine_s8(vld1_s8(grid + 8 * idx[0]), vld1_s8(grid + 8 * idx[1]));
+  g1 = vcombine_s8(vld1_s8(grid + 8 * idx[2]), vld1_s8(grid + 8 * idx[3]));
+}
+
 template <int MB>
 static void codebook_rows_neon_mb(const CodebookRows& w, const Activations& a, int m0, int n0, int n1, float* out,
                                   int ldo) {
@@ -57,12 +79,11 @@ static void codebook_rows_neon_mb(const CodebookRows& w, const Activations& a, i
     }
     for (int b = 0; b < nb; ++b) {
       float dl, delta;
-      int idx[4];
-      codebook_block(w, n, b, dl, delta, idx);
-      const int8_t* grid = reinterpret_cast<const int8_t*>(k3_iq1s_grid);
+      int8x16_t g0, g1;
+      codebook_block_neon(w, n, b, dl, delta, g0, g1);
       float32x4_t f[8];
-      widen_s8x16(vcombine_s8(vld1_s8(grid + 8 * idx[0]), vld1_s8(grid + 8 * idx[1])), f);
-      widen_s8x16(vcombine_s8(vld1_s8(grid + 8 * idx[2]), vld1_s8(grid + 8 * idx[3])), f + 4);
+      widen_s8x16(g0, f);
+      widen_s8x16(g1, f + 4);
       float32x4_t p[MB][2];
       for (int m = 0; m < MB; ++m) p[m][0] = p[m][1] = vdupq_n_f32(0.0f);
       fma_block_neon<MB>(f, a.x, K, m0, b, p);
@@ -98,7 +119,6 @@ template <int MB>
 static void codebook_rows_q8_neon_mb(const CodebookRows& w, const Activations& a, int m0, int n0, int n1, float* out,
                                      int ldo) {
   const int K = w.K, nb = K / 32, nsb = codebook_super_blocks(K);
-  const int8_t* grid = reinterpret_cast<const int8_t*>(k3_iq1s_grid);
   for (int n = n0; n < n1; ++n) {
     float acc[MB] = {};
     for (int sb = 0; sb < nsb; ++sb) {
@@ -107,12 +127,10 @@ static void codebook_rows_q8_neon_mb(const CodebookRows& w, const Activations& a
       for (int m = 0; m < MB; ++m) S[m] = vdupq_n_s32(0);
       for (int b = 8 * sb; b < std::min(8 * sb + 8, nb); ++b) {
         float dl, delta;
-        int idx[4];
-        codebook_block(w, n, b, dl, delta, idx);
+        int8x16_t g0, g1;
+        codebook_block_neon(w, n, b, dl, delta, g0, g1);
         const uint16_t qh = w.qh[(size_t)n * nb + b];
         const int ls = 2 * ((qh >> 12) & 7) + 1, sign = (qh & 0x8000) ? -1 : 1;
-        const int8x16_t g0 = vcombine_s8(vld1_s8(grid + 8 * idx[0]), vld1_s8(grid + 8 * idx[1]));
-        const int8x16_t g1 = vcombine_s8(vld1_s8(grid + 8 * idx[2]), vld1_s8(grid + 8 * idx[3]));
         for (int m = 0; m < MB; ++m) {
           const int8_t* q = a.q8 + (size_t)(m0 + m) * K + 32 * b;
           S[m] = vmlaq_n_s32(S[m], s8_block_dot(g0, g1, vld1q_s8(q), vld1q_s8(q + 16)), 8 * ls);

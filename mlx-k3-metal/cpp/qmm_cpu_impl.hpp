@@ -51,6 +51,23 @@ static inline void codebook_block(const CodebookRows& w, int n, int b, float& dl
   for (int l = 0; l < 4; ++l) idx[l] = c[l] | (((q >> (3 * l)) & 7) << 8);
 }
 
+// Block b's scale factor dl = d * (2L + 1) and delta (both layouts), and its 32 grid values in {-1, 0, 1} (from the
+// grid for the compact layout, from the trits for the ternary one).
+static inline void codebook_block_values(const CodebookRows& w, int n, int b, float& dl, float& delta, int8_t g[32]) {
+  const uint16_t q = w.qh[(size_t)n * (w.K / 32) + b];
+  dl = f16_to_f32(w.scales[(size_t)n * codebook_super_blocks(w.K) + b / 8]) * (float)(2 * ((q >> 12) & 7) + 1);
+  delta = (q & 0x8000) ? -0.125f : 0.125f;
+  if (w.trits) {
+    const uint8_t* t = w.trits + (size_t)n * ternary_row_bytes(w.K) + 32 * (b / 4);
+    const int sh = 2 * (b % 4);
+    for (int i = 0; i < 32; ++i) g[i] = (int8_t)(((t[i] >> sh) & 3) - 1);
+    return;
+  }
+  int idx[4];
+  codebook_block(w, n, b, dl, delta, idx);
+  for (int l = 0; l < 4; ++l) std::memcpy(g + 8 * l, &iq1s_grid()[idx[l]], 8);
+}
+
 // --------------------------------------------------------------------------------------------------- mxfp4
 
 // E2M1 values times 2 (integers), by code: the f32 and q8 kernels' decoding table.
@@ -83,6 +100,12 @@ __attribute__((target("avx2,fma,f16c"))) void codebook_rows_avx2(const CodebookR
 // The codebook with q8 activations.
 __attribute__((target("avx2,fma,f16c"))) void codebook_rows_q8_avx2(const CodebookRows& w, const Activations& a,
                                                                     int n0, int n1, float* out, int ldo);
+// The codebook's ternary layout (w.trits set), f32 activations (natural order) and q8 activations.
+__attribute__((target("avx2,fma,f16c"))) void ternary_rows_avx2(const CodebookRows& w, const float* x,
+                                                                const float* xsums, int rows, int n0, int n1,
+                                                                float* out, int ldo);
+__attribute__((target("avx2,fma,f16c"))) void ternary_rows_q8_avx2(const CodebookRows& w, const Activations& a,
+                                                                   int n0, int n1, float* out, int ldo);
 // Whether the AVX2 affine kernels take these rows (f32 activations), and those kernels.
 bool affine_avx2_applies(const AffineRows& w, const Activations& a, bool simd);
 void affine_rows_avx2(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo);
@@ -100,6 +123,9 @@ void mxfp4_rows_q8_avx2(const Mxfp4Rows& w, const Activations& a, int n0, int n1
 // The codebook, K % 256 == 0.
 void codebook_rows_avx512(const CodebookRows& w, const float* x, const float* xsums, int rows, int n0, int n1,
                           float* out, int ldo);
+// The codebook's ternary layout, any K.
+void ternary_rows_avx512(const CodebookRows& w, const float* x, const float* xsums, int rows, int n0, int n1,
+                         float* out, int ldo);
 // Whether the AVX-512 affine kernels take these rows, and those kernels.
 bool affine_avx512_applies(const AffineRows& w, const Activations& a);
 void affine_rows_avx512(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo);

@@ -208,6 +208,38 @@ __attribute__((target("avx2,fma,f16c"))) static inline void codebook_superblock(
   _mm256_storeu_ps(dd, _mm256_mul_ps(vdl, delta));
 }
 
+// The ternary layout's super-block metadata (f32 kernels): per 32-block dl = d * (2L + 1) and dd = dl * (delta - 1),
+// the coefficient of the block's activation sum (the trits are grid values + 1). Blocks past a short super-block's
+// end get zeros.
+__attribute__((target("avx2,fma,f16c"))) static inline void ternary_superblock(const CodebookRows& w, int n, int sb,
+                                                                               int nblk, float dl[8], float dd[8]) {
+  const int K = w.K;
+  const float d = _cvtsh_ss(w.scales[(size_t)n * codebook_super_blocks(K) + sb]);
+  const uint16_t* q = w.qh + (size_t)n * (K / 32) + 8 * sb;
+  if (nblk < 8) {
+    for (int bi = 0; bi < 8; ++bi) {
+      dl[bi] = bi < nblk ? d * (float)(2 * ((q[bi] >> 12) & 7) + 1) : 0.0f;
+      dd[bi] = dl[bi] * ((q[bi] & 0x8000) ? -1.125f : -0.875f);
+    }
+    return;
+  }
+  const __m256i qh = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m256i seven = _mm256_set1_epi32(7);
+  const __m256 mult = _mm256_cvtepi32_ps(
+      _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 12), seven), 1), _mm256_set1_epi32(1)));
+  const __m256 vdl = _mm256_mul_ps(_mm256_set1_ps(d), mult);
+  // delta - 1: -0.875 (bit 15 clear) or -1.125 (set).
+  const __m256 neg = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_srli_epi32(qh, 15), _mm256_set1_epi32(1)));
+  const __m256 dm1 = _mm256_blendv_ps(_mm256_set1_ps(-0.875f), _mm256_set1_ps(-1.125f), neg);
+  _mm256_storeu_ps(dl, vdl);
+  _mm256_storeu_ps(dd, _mm256_mul_ps(vdl, dm1));
+}
+// A ternary row's streams at super-block sb: 64 bytes of trits and 16 bytes of qh.
+static inline void prefetch_ternary(const CodebookRows& w, int n, int sb) {
+  prefetch_ahead(w.trits + (size_t)n * ternary_row_bytes(w.K) + 64 * sb);
+  if (starts_line(sb, 16)) prefetch_ahead(w.qh + (size_t)n * (w.K / 32) + 8 * sb);
+}
+
 // Per (activation row, group) sums of x for rows m0 .. m0 + mb: [mb][ng], the factor each group's bias multiplies.
 static inline void affine_group_sums(const AffineRows& w, const float* xsums, int m0, int mb, std::vector<float>& gx) {
   const int nb = w.K / 32, ng = w.K / w.group, bpg = w.group / 32;

@@ -246,6 +246,191 @@ __attribute__((target("avx2,fma,f16c"))) void codebook_rows_q8_avx2(const Codebo
   }
 }
 
+// ------------------------------------------------------------------------------------ codebook, ternary layout
+
+// The 32 trits (0, 1, 2) of block bi of a super-block, from its 64 bytes at t: one load and a shift and a mask.
+__attribute__((target("avx2,fma"))) static inline __m256i ternary_block_u8(const uint8_t* t, int bi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * (bi >> 2)));
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * (bi & 3))), _mm256_set1_epi8(3));
+}
+
+// 32 trits as four vectors of 8 floats (weights 0-7, 8-15, 16-23, 24-31 of the block).
+__attribute__((target("avx2,fma"))) static inline void ternary_f32(__m256i u, __m256 f[4]) {
+  const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+  f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
+  f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+}
+
+// f32 activations, MB activation rows x NB weight rows per pass (as codebook_tile_avx2): each block's trits are
+// widened to floats once per weight row and multiplied into MB rows; per block dl * sum(t * x), plus per block
+// dd * (block sum of x) for the grid's -1 offset and the delta.
+template <int MB, int NB>
+__attribute__((target("avx2,fma,f16c"))) static void ternary_tile_avx2(const CodebookRows& w, const float* x,
+                                                                       const float* xsums, int m0, int n, float* out,
+                                                                       int ldo) {
+  const int K = w.K, nb = K / 32;
+  const size_t tb = ternary_row_bytes(K);
+  __m256 acc[MB][NB];
+  float dacc[MB][NB];
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      acc[m][j] = _mm256_setzero_ps();
+      dacc[m][j] = 0;
+    }
+  }
+  alignas(32) float dl[NB][8], dd[NB][8];
+  for (int sb = 0; sb < codebook_super_blocks(K); ++sb) {
+    const int nblk = std::min(8, nb - 8 * sb);
+    for (int j = 0; j < NB; ++j) {
+      prefetch_ternary(w, n + j, sb);
+      ternary_superblock(w, n + j, sb, nblk, dl[j], dd[j]);
+    }
+    for (int bi = 0; bi < nblk; ++bi) {
+      const int b = sb * 8 + bi;
+      __m256 f[NB][4];
+      for (int j = 0; j < NB; ++j) ternary_f32(ternary_block_u8(w.trits + (size_t)(n + j) * tb + 64 * sb, bi), f[j]);
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = x + (size_t)(m0 + m) * K + 32 * b;
+        const __m256 x0 = _mm256_loadu_ps(xm), x1 = _mm256_loadu_ps(xm + 8);
+        const __m256 x2 = _mm256_loadu_ps(xm + 16), x3 = _mm256_loadu_ps(xm + 24);
+        const float xs = xsums[(size_t)(m0 + m) * nb + b];
+        for (int j = 0; j < NB; ++j) {
+          __m256 p0 = _mm256_mul_ps(f[j][0], x0);
+          __m256 p1 = _mm256_mul_ps(f[j][1], x1);
+          p0 = _mm256_fmadd_ps(f[j][2], x2, p0);
+          p1 = _mm256_fmadd_ps(f[j][3], x3, p1);
+          acc[m][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), _mm256_set1_ps(dl[j][bi]), acc[m][j]);
+          dacc[m][j] += dd[j][bi] * xs;
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) out[(size_t)(m0 + m) * ldo + n + j] = hsum(acc[m][j]) + dacc[m][j];
+  }
+}
+
+template <int MB>
+__attribute__((target("avx2,fma,f16c"))) static void ternary_rows_mb(const CodebookRows& w, const float* x,
+                                                                     const float* xsums, int m0, int n0, int n1,
+                                                                     float* out, int ldo) {
+  int n = n0;
+  for (; n + 2 <= n1; n += 2) ternary_tile_avx2<MB, 2>(w, x, xsums, m0, n, out, ldo);
+  for (; n < n1; ++n) ternary_tile_avx2<MB, 1>(w, x, xsums, m0, n, out, ldo);
+}
+
+__attribute__((target("avx2,fma,f16c"))) void ternary_rows_avx2(const CodebookRows& w, const float* x,
+                                                                const float* xsums, int rows, int n0, int n1,
+                                                                float* out, int ldo) {
+  for (int m0 = 0; m0 < rows; m0 += kMaxRows) {
+    switch (std::min(kMaxRows, rows - m0)) {
+      case 1: ternary_rows_mb<1>(w, x, xsums, m0, n0, n1, out, ldo); break;
+      case 2: ternary_rows_mb<2>(w, x, xsums, m0, n0, n1, out, ldo); break;
+      case 3: ternary_rows_mb<3>(w, x, xsums, m0, n0, n1, out, ldo); break;
+      default: ternary_rows_mb<4>(w, x, xsums, m0, n0, n1, out, ldo); break;
+    }
+  }
+}
+
+// q8 activations: codebook_q8_row's integers with the grid lookups replaced by a shift and a mask per block (the
+// trits are grid + 1, the unsigned operand maddubs wants), so S, and the result, equal the compact layout's bit
+// for bit.
+template <int MB>
+__attribute__((target("avx2,fma,f16c"))) static void ternary_q8_row(const CodebookRows& w, const Activations& a,
+                                                                    int m0, int n, float* out, int ldo) {
+  const int K = w.K, nb = K / 32, nsb = codebook_super_blocks(K);
+  const uint8_t* tr = w.trits + (size_t)n * ternary_row_bytes(K);
+  const uint16_t* qr = w.qh + (size_t)n * nb;
+  __m256 accf[MB];
+  for (int m = 0; m < MB; ++m) accf[m] = _mm256_setzero_ps();
+  const __m256i seven = _mm256_set1_epi32(7);
+  for (int sb = 0; sb < nsb; ++sb) {
+    const int nblk = std::min(8, nb - 8 * sb);
+    prefetch_ternary(w, n, sb);
+    __m256i qh;
+    if (nblk == 8) {
+      qh = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + 8 * sb)));
+    } else {
+      alignas(32) int q[8] = {0};
+      for (int bi = 0; bi < nblk; ++bi) q[bi] = qr[8 * sb + bi];
+      qh = _mm256_load_si256(reinterpret_cast<const __m256i*>(q));
+    }
+    // Per block: 8 * (2L + 1) in both 16-bit halves; (2L + 1) * (8 * delta - 8), zero past a short super-block's end
+    // (whose bsums entries belong to the next row).
+    const __m256i ls =
+        _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 12), seven), 1), _mm256_set1_epi32(1));
+    __m256i ls8 = _mm256_slli_epi32(ls, 3);
+    ls8 = _mm256_or_si256(ls8, _mm256_slli_epi32(ls8, 16));
+    const __m256i dm = _mm256_sub_epi32(_mm256_set1_epi32(-7), _mm256_slli_epi32(_mm256_srli_epi32(qh, 15), 1));
+    __m256i coef = _mm256_mullo_epi32(ls, dm);
+    if (nblk < 8) {
+      const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nblk), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      coef = _mm256_and_si256(coef, live);
+    }
+    __m256i isum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
+    const uint8_t* t = tr + 64 * sb;
+    if (nblk == 8) {
+      // A full super-block: both 32-byte chunks loaded once; shift s gives blocks s and 4 + s.
+      const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t));
+      const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32));
+      const __m256i m3 = _mm256_set1_epi8(3);
+      auto step = [&](__m256i u0, __m256i u1, int s) K3_AVX2_LAMBDA {
+        const __m256i l0 = _mm256_permutevar8x32_epi32(ls8, _mm256_set1_epi32(s));
+        const __m256i l1 = _mm256_permutevar8x32_epi32(ls8, _mm256_set1_epi32(4 + s));
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* q = a.q8 + (size_t)(m0 + m) * K + 256 * sb + 32 * s;
+          const __m256i p0 =
+              _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))), l0);
+          const __m256i p1 = _mm256_madd_epi16(
+              _mm256_maddubs_epi16(u1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128))), l1);
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(p0, p1));
+        }
+      };
+      step(_mm256_and_si256(c0, m3), _mm256_and_si256(c1, m3), 0);
+      step(_mm256_and_si256(_mm256_srli_epi16(c0, 2), m3), _mm256_and_si256(_mm256_srli_epi16(c1, 2), m3), 1);
+      step(_mm256_and_si256(_mm256_srli_epi16(c0, 4), m3), _mm256_and_si256(_mm256_srli_epi16(c1, 4), m3), 2);
+      step(_mm256_and_si256(_mm256_srli_epi16(c0, 6), m3), _mm256_and_si256(_mm256_srli_epi16(c1, 6), m3), 3);
+    } else {
+      for (int bi = 0; bi < nblk; ++bi) {
+        const __m256i u = ternary_block_u8(t, bi);
+        const __m256i l16 = _mm256_permutevar8x32_epi32(ls8, _mm256_set1_epi32(bi));
+        for (int m = 0; m < MB; ++m) {
+          const __m256i qv =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + (size_t)(m0 + m) * K + 256 * sb + 32 * bi));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, qv), l16));
+        }
+      }
+    }
+    const float d = _cvtsh_ss(w.scales[(size_t)n * nsb + sb]);
+    for (int m = 0; m < MB; ++m) {
+      const __m256i bs = _mm256_cvtepi16_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.q8_bsums + (size_t)(m0 + m) * nb + 8 * sb)));
+      const __m256i S = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(bs, coef));
+      const float sc = d * a.q8_d[(size_t)(m0 + m) * nsb + sb] * 0.125f;
+      accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_set1_ps(sc), accf[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[(size_t)(m0 + m) * ldo + n] = hsum(accf[m]);
+}
+
+__attribute__((target("avx2,fma,f16c"))) void ternary_rows_q8_avx2(const CodebookRows& w, const Activations& a,
+                                                                   int n0, int n1, float* out, int ldo) {
+  for (int m0 = 0; m0 < a.rows; m0 += kMaxRows) {
+    const int mb = std::min(kMaxRows, a.rows - m0);
+    for (int n = n0; n < n1; ++n) {
+      switch (mb) {
+        case 1: ternary_q8_row<1>(w, a, m0, n, out, ldo); break;
+        case 2: ternary_q8_row<2>(w, a, m0, n, out, ldo); break;
+        case 3: ternary_q8_row<3>(w, a, m0, n, out, ldo); break;
+        default: ternary_q8_row<4>(w, a, m0, n, out, ldo); break;
+      }
+    }
+  }
+}
+
 // -------------------------------------------------------------------------------------------------- affine
 
 // 32 codes of 2, 4 or 8 bits -> four __m256 of floats, in the order the activations were permuted to

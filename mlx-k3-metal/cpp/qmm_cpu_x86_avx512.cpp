@@ -106,6 +106,84 @@ void codebook_rows_avx512(const CodebookRows& w, const float* x, const float* xs
   }
 }
 
+// ------------------------------------------------------------------------------------ codebook, ternary layout
+
+// The ternary tile with f32 activations (any K): a block's 32 trits (a shift and a mask of its super-block's
+// bytes) widen to two zmm of floats, so a block takes two multiply-adds per weight row, and no grid lookups.
+// Metadata and the offset/delta term as ternary_tile_avx2 (ternary_superblock).
+template <int MB, int NB>
+K3_AVX512_TARGET static void ternary_tile_avx512(const CodebookRows& w, const float* x, const float* xsums, int m0,
+                                                 int n, float* out, int ldo) {
+  const int K = w.K, nb = K / 32;
+  const size_t tb = ternary_row_bytes(K);
+  __m512 acc[MB][NB];
+  float dacc[MB][NB];
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      acc[m][j] = _mm512_setzero_ps();
+      dacc[m][j] = 0;
+    }
+  }
+  alignas(32) float dl[NB][8], dd[NB][8];
+  const __m256i three = _mm256_set1_epi8(3);
+  for (int sb = 0; sb < codebook_super_blocks(K); ++sb) {
+    const int nblk = std::min(8, nb - 8 * sb);
+    __m256i raw[NB][2];
+    for (int j = 0; j < NB; ++j) {
+      prefetch_ternary(w, n + j, sb);
+      ternary_superblock(w, n + j, sb, nblk, dl[j], dd[j]);
+      const uint8_t* t = w.trits + (size_t)(n + j) * tb + 64 * sb;
+      raw[j][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t));
+      raw[j][1] = nblk > 4 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)) : _mm256_setzero_si256();
+    }
+    for (int bi = 0; bi < nblk; ++bi) {
+      const int b = sb * 8 + bi;
+      __m512 g0[NB], g1[NB];
+      for (int j = 0; j < NB; ++j) {
+        const __m256i u = _mm256_and_si256(_mm256_srl_epi16(raw[j][bi >> 2], _mm_cvtsi32_si128(2 * (bi & 3))), three);
+        g0[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u)));
+        g1[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1)));
+      }
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = x + (size_t)(m0 + m) * K + 32 * b;
+        const __m512 x0 = _mm512_loadu_ps(xm), x1 = _mm512_loadu_ps(xm + 16);
+        const float xs = xsums[(size_t)(m0 + m) * nb + b];
+        for (int j = 0; j < NB; ++j) {
+          const __m512 p = _mm512_fmadd_ps(g1[j], x1, _mm512_mul_ps(g0[j], x0));
+          acc[m][j] = _mm512_fmadd_ps(p, _mm512_set1_ps(dl[j][bi]), acc[m][j]);
+          dacc[m][j] += dd[j][bi] * xs;
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < NB; ++j) out[(size_t)(m0 + m) * ldo + n + j] = _mm512_reduce_add_ps(acc[m][j]) + dacc[m][j];
+  }
+}
+
+template <int MB>
+K3_AVX512_TARGET static void ternary_rows_mb_avx512(const CodebookRows& w, const float* x, const float* xsums, int m0,
+                                                    int n0, int n1, float* out, int ldo) {
+  int n = n0;
+  if constexpr (MB == 1) {
+    for (; n + 4 <= n1; n += 4) ternary_tile_avx512<MB, 4>(w, x, xsums, m0, n, out, ldo);
+  }
+  for (; n + 2 <= n1; n += 2) ternary_tile_avx512<MB, 2>(w, x, xsums, m0, n, out, ldo);
+  for (; n < n1; ++n) ternary_tile_avx512<MB, 1>(w, x, xsums, m0, n, out, ldo);
+}
+
+void ternary_rows_avx512(const CodebookRows& w, const float* x, const float* xsums, int rows, int n0, int n1,
+                         float* out, int ldo) {
+  for (int m0 = 0; m0 < rows; m0 += kMaxRows) {
+    switch (std::min(kMaxRows, rows - m0)) {
+      case 1: ternary_rows_mb_avx512<1>(w, x, xsums, m0, n0, n1, out, ldo); break;
+      case 2: ternary_rows_mb_avx512<2>(w, x, xsums, m0, n0, n1, out, ldo); break;
+      case 3: ternary_rows_mb_avx512<3>(w, x, xsums, m0, n0, n1, out, ldo); break;
+      default: ternary_rows_mb_avx512<4>(w, x, xsums, m0, n0, n1, out, ldo); break;
+    }
+  }
+}
+
 // -------------------------------------------------------------------------------------------------- affine
 
 // The AVX-512 affine tiles read scales and biases in their stored dtype T (f16/bf16 widened as they are used, which

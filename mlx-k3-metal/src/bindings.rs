@@ -118,6 +118,14 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    pub fn k3_codebook_ternary(
+        res: *mut k3_array,
+        codes: k3_array,
+        qh: k3_array,
+        s: k3_stream,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     pub fn k3_iq1s_grid_data(res: *mut *const u64) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {

@@ -1,7 +1,8 @@
 //! The packed-weight kernels' SIMD paths against their scalar paths (`tests/kernel_check/simd_vs_scalar.cpp`:
-//! affine 2/3/4/5/6/8-bit with f32/f16/bf16 scales, mxfp4, the codebook; 1-6 activation rows; K with short
-//! tails), and the DSA indexer's decode kernel (`tests/kernel_check/indexer_vs_scalar.cpp`: scores and top-k
-//! selection), built from the kernel sources alone:
+//! affine 2/3/4/5/6/8-bit with f32/f16/bf16 scales, mxfp4, the codebook in both layouts (compact, and ternary
+//! against the compact scalar path); 1-6 activation rows; K with short tails), and the DSA indexer's decode
+//! kernel (`tests/kernel_check/indexer_vs_scalar.cpp`: scores and top-k selection), built from the kernel
+//! sources alone:
 //! - natively, with the build script's compiler: the AVX2 paths, and the AVX-512 ones where the CPU has them (the
 //!   model tests also cover them through MLX);
 //! - for AArch64 with Debian's cross compiler (`aarch64-linux-gnu-g++`), for the baseline ISA and with the

@@ -58,6 +58,169 @@ pub struct Codebook {
     pub scales: Array,
 }
 
+/// How a loaded codebook's first plane holds the grid indices (the checkpoint always stores `Compact`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CodebookLayout {
+    /// `codes` as stored: 8-bit index parts, looked up in the grid at run time (1.5625 bits per weight).
+    #[default]
+    Compact,
+    /// The ternary execution layout built at load ([`Codebook::to_ternary`]): every weight's grid value + 1 as a
+    /// 2-bit trit, `[.., N, 32·⌈K/128⌉]` bytes in place of `codes` (2.5625 bits per weight with qh and scales).
+    /// The CPU kernels decode it with a shift and a mask; GPU streams need the compact layout.
+    Ternary,
+}
+
+impl CodebookLayout {
+    /// Parses `compact` / `ternary` (the `--codebook-layout` and `K3_CODEBOOK_LAYOUT` values).
+    pub fn parse(s: &str) -> Result<CodebookLayout> {
+        match s {
+            "compact" => Ok(CodebookLayout::Compact),
+            "ternary" => Ok(CodebookLayout::Ternary),
+            _ => Err(Error::invalid("codebook layout", format!("'{s}' is not 'compact' or 'ternary'"))),
+        }
+    }
+
+    /// The layout `K3_CODEBOOK_LAYOUT` names (unset: the default, compact); an error names the variable.
+    pub fn from_env() -> Result<CodebookLayout> {
+        match std::env::var("K3_CODEBOOK_LAYOUT") {
+            Ok(v) => CodebookLayout::parse(&v)
+                .map_err(|_| Error::invalid("K3_CODEBOOK_LAYOUT", format!("'{v}' is not 'compact' or 'ternary'"))),
+            Err(_) => Ok(CodebookLayout::default()),
+        }
+    }
+
+    /// The name `parse` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            CodebookLayout::Compact => "compact",
+            CodebookLayout::Ternary => "ternary",
+        }
+    }
+}
+
+/// The layout loaders give codebook weights: set by [`set_load_layout`] (the CLI's `--codebook-layout`), else
+/// `K3_CODEBOOK_LAYOUT`, else compact. 0 = not set, 1 compact, 2 ternary.
+static LOAD_LAYOUT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Sets the layout that model loading gives codebook weights (`None`: back to `K3_CODEBOOK_LAYOUT`, unset =
+/// compact). Process-wide, read when a model is loaded.
+pub fn set_load_layout(layout: Option<CodebookLayout>) {
+    let v = match layout {
+        None => 0,
+        Some(CodebookLayout::Compact) => 1,
+        Some(CodebookLayout::Ternary) => 2,
+    };
+    LOAD_LAYOUT.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The layout model loading gives codebook weights now (see [`set_load_layout`]); an error names
+/// `K3_CODEBOOK_LAYOUT` when it holds anything but `compact` or `ternary`.
+pub fn load_layout() -> Result<CodebookLayout> {
+    match LOAD_LAYOUT.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => Ok(CodebookLayout::Compact),
+        2 => Ok(CodebookLayout::Ternary),
+        _ => CodebookLayout::from_env(),
+    }
+}
+
+/// Bytes of one row of the ternary layout's trits (K weights: 32 bytes per 128, the last chunk padded).
+pub fn ternary_row_bytes(k: usize) -> usize {
+    32 * k.div_ceil(128)
+}
+
+impl Codebook {
+    /// K, the number of weights per row (32 per `qh` entry).
+    pub fn k(&self) -> usize {
+        32 * self.qh.shape().last().copied().unwrap_or(0).max(0) as usize
+    }
+
+    /// Which layout the first plane holds (told by its last axis: K/8 for compact).
+    pub fn layout(&self) -> CodebookLayout {
+        if self.codes.shape().last().copied().unwrap_or(0) as usize == self.k() / 8 {
+            CodebookLayout::Compact
+        } else {
+            CodebookLayout::Ternary
+        }
+    }
+
+    /// Bytes the three planes hold (resident in memory once evaluated).
+    pub fn nbytes(&self) -> usize {
+        self.codes.nbytes() + self.qh.nbytes() + self.scales.nbytes()
+    }
+
+    /// Bytes the checkpoint stores for it (the compact layout's: K/8 code bytes per row), whatever the layout.
+    pub fn stored_bytes(&self) -> usize {
+        4 * self.qh.size() + self.qh.nbytes() + self.scales.nbytes()
+    }
+
+    /// The same matrix (or stack) in the ternary execution layout: trits built from `codes` and `qh` on the CPU
+    /// (lossless: every weight keeps its value bit for bit), `qh` and `scales` shared. Lazy, like any op.
+    pub fn to_ternary(&self) -> Result<Codebook> {
+        if self.layout() == CodebookLayout::Ternary {
+            return Ok(self.clone());
+        }
+        let st = s();
+        // SAFETY: live handles in, new handle out.
+        let trits = Array::try_from_op("codebook_ternary", |res| unsafe {
+            mlx_k3_metal::k3_codebook_ternary(res, self.codes.as_raw(), self.qh.as_raw(), st)
+        })?;
+        Ok(Codebook { codes: trits, qh: self.qh.clone(), scales: self.scales.clone() })
+    }
+
+    /// This codebook in `layout` (compact stays as stored; ternary builds the trits).
+    pub fn with_layout(&self, layout: CodebookLayout) -> Result<Codebook> {
+        match layout {
+            CodebookLayout::Compact if self.layout() == CodebookLayout::Ternary => Err(Error::invalid(
+                "codebook layout",
+                "a ternary codebook cannot go back to the compact layout (load the checkpoint again)",
+            )),
+            CodebookLayout::Compact => Ok(self.clone()),
+            CodebookLayout::Ternary => self.to_ternary(),
+        }
+    }
+}
+
+/// The ternary layout's trits of host planes, written out independently of the kernels' converter (tests
+/// compare the two): byte 32c + j of a row holds at bits 2s, 2s + 1 the value + 1 of weight 128c + 32s + j.
+pub fn ternary_host(h: &CodebookHost) -> Vec<u8> {
+    let (g, tb) = (grid(), ternary_row_bytes(h.k));
+    let mut out = vec![0u8; h.n * tb];
+    for r in 0..h.n {
+        for b in 0..h.k / 32 {
+            let q = h.qh[r * h.k / 32 + b];
+            for l in 0..4 {
+                let idx = h.codes[r * h.k / 8 + 4 * b + l] as usize | ((((q >> (3 * l)) & 7) as usize) << 8);
+                for j in 0..8 {
+                    let pos = 32 * b + 8 * l + j;
+                    out[r * tb + 32 * (pos / 128) + pos % 32] |= ((g[idx][j] + 1) as u8) << (2 * ((pos / 32) % 4));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Decodes the ternary layout's trits (with the host planes' qh and scales) to f32 on the host, with the same
+/// arithmetic as [`decode_host`]: equal to it bit for bit when the trits came from the same planes.
+pub fn decode_ternary_host(h: &CodebookHost, trits: &[u8]) -> Vec<f32> {
+    let tb = ternary_row_bytes(h.k);
+    let mut out = vec![0f32; h.n * h.k];
+    for r in 0..h.n {
+        for b in 0..h.k / 32 {
+            let q = h.qh[r * h.k / 32 + b];
+            let d = h.scales[r * super_blocks(h.k) + b / 8].to_f32();
+            let dl = d * (2 * ((q >> 12) & 7) + 1) as f32;
+            let delta = if q & 0x8000 != 0 { -0.125f32 } else { 0.125 };
+            for i in 0..32 {
+                let pos = 32 * b + i;
+                let t = (trits[r * tb + 32 * (pos / 128) + i] >> (2 * (b % 4))) & 3;
+                out[r * h.k + pos] = dl * ((t as i32 - 1) as f32 + delta);
+            }
+        }
+    }
+    out
+}
+
 /// Host-side planes of a codebook matrix.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CodebookHost {
@@ -155,24 +318,38 @@ pub fn decode_host(h: &CodebookHost) -> Vec<f32> {
 }
 
 /// The plain-ops reference: dequantizes with MLX ops (grid gather, shifts, masks) to f32 `[.., N, K]`.
+/// Either layout (the ternary one: its trits unpacked with shifts and masks).
 pub fn dequantize_reference(cb: &Codebook) -> Result<Array> {
-    let flat: Vec<i8> = grid().iter().flatten().copied().collect();
-    let grid = Array::from_slice(&flat, &[2048, 8])?.astype(Dtype::F32)?;
     let shape = cb.codes.shape();
     let nd = shape.len();
-    let k8 = shape[nd - 1];
-    let k = k8 * 8;
+    let k = cb.k() as i32;
+    let k8 = k / 8;
     let qh = cb.qh.astype(Dtype::U32)?;
-    // qh repeated per group (4 groups per 32-block), shifted by 3 * (group % 4).
-    let qh4 = qh.repeat(4, -1)?;
-    let shifts: Vec<u32> = (0..k8).map(|i| 3 * (i as u32 % 4)).collect();
-    let shifts = Array::from_slice(&shifts, &[k8])?;
-    let high = qh4.right_shift(&shifts)?.bitwise_and(7u32)?.left_shift(8u32)?;
-    let idx = cb.codes.astype(Dtype::U32)?.bitwise_or(&high)?;
-    let vals = grid.take(&idx, 0)?; // [.., N, K/8, 8]
     let mut vshape = shape[..nd - 1].to_vec();
     vshape.extend([k / 32, 32]);
-    let vals = vals.reshape(&vshape)?; // [.., N, K/32, 32]
+    let vals = if cb.layout() == CodebookLayout::Ternary {
+        // [.., N, chunks, 32] bytes -> [.., N, chunks, 4 (shift), 32] trits -> blocks in order, the padding cut.
+        let chunks = shape[nd - 1] / 32;
+        let mut cshape = shape[..nd - 1].to_vec();
+        cshape.extend([chunks, 1, 32]);
+        let t = cb.codes.astype(Dtype::U32)?.reshape(&cshape)?;
+        let sh = Array::from_slice(&[0u32, 2, 4, 6], &[4, 1])?;
+        let v = t.right_shift(&sh)?.bitwise_and(3u32)?;
+        let mut bshape = shape[..nd - 1].to_vec();
+        bshape.extend([4 * chunks, 32]);
+        let v = v.reshape(&bshape)?.slice_axis(-2, 0, k / 32)?;
+        v.astype(Dtype::F32)?.subtract(1.0f32)?
+    } else {
+        let flat: Vec<i8> = grid().iter().flatten().copied().collect();
+        let grid = Array::from_slice(&flat, &[2048, 8])?.astype(Dtype::F32)?;
+        // qh repeated per group (4 groups per 32-block), shifted by 3 * (group % 4).
+        let qh4 = qh.repeat(4, -1)?;
+        let shifts: Vec<u32> = (0..k8).map(|i| 3 * (i as u32 % 4)).collect();
+        let shifts = Array::from_slice(&shifts, &[k8])?;
+        let high = qh4.right_shift(&shifts)?.bitwise_and(7u32)?.left_shift(8u32)?;
+        let idx = cb.codes.astype(Dtype::U32)?.bitwise_or(&high)?;
+        grid.take(&idx, 0)?.reshape(&vshape)? // [.., N, K/32, 32]
+    };
     let l = qh.right_shift(12u32)?.bitwise_and(7u32)?.astype(Dtype::F32)?;
     let d = cb.scales.astype(Dtype::F32)?.repeat(8, -1)?; // [.., N, 8 * ⌈K/256⌉]
     let d = if k % SUPER_BLOCK as i32 != 0 { d.slice_axis(-1, 0, k / 32)? } else { d };

@@ -209,8 +209,12 @@ fn check_gather_codebook_qmm(k: usize) {
 #[test]
 fn bad_codebook_shapes_are_named_errors() {
     let cb = random_codebook(4, 256, 1).to_arrays().unwrap();
+    // x's K (128) against K = 256 weights: named by qh, whose shape follows K in either layout (the compact codes
+    // of K = 256 have the ternary trits' width for K = 128).
     let e = codebook::codebook_qmm(&randn(&[1, 128], 1), &cb).unwrap_err().to_string();
-    assert!(e.contains("[codebook_qmm]") && e.contains("codes") && e.contains("shape"), "{e}");
+    assert!(e.contains("[codebook_qmm]") && e.contains("qh") && e.contains("shape"), "{e}");
+    let e = codebook::codebook_qmm(&randn(&[1, 512], 1), &cb).unwrap_err().to_string();
+    assert!(e.contains("[codebook_qmm]") && e.contains("shape"), "{e}");
     let e = codebook::codebook_qmm(&randn(&[1, 100], 1), &cb).unwrap_err().to_string();
     assert!(e.contains("[codebook_qmm]") && e.contains("not a multiple of 32"), "{e}");
     // A short last super-block still needs its scale: [4, 1] scales for K = 288 (two super-blocks) is named.
@@ -435,12 +439,17 @@ fn gather_tiered_qmm_matches_the_dequantized_stack_on_both_paths() {
         let rhs = Array::from_slice(&[5u32, 0, 2, 2, 1, 3, 4, 0, 3, 1, 5, 4], &[3, 2, 2]).unwrap();
         let want = ops::gather_mm(&x, &deq.swapaxes(-1, -2).unwrap(), None, Some(&rhs), false).unwrap();
         let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
+        // The codebook tier in the ternary layout too (as `--codebook-layout ternary` loads it).
+        let mut tt = t.clone();
+        tt.codebook = Some(t.codebook.as_ref().unwrap().to_ternary().unwrap());
         for scalar in [false, true] {
             kernels::force_scalar(scalar);
-            let got = tiered::gather_tiered_qmm(&x, &t, None, Some(&rhs)).unwrap();
-            assert_eq!(got.shape(), want.shape());
-            let err = rel_err(&got, &want);
-            assert!(err <= 2e-5, "{affine:?} scalar={scalar}: {err}");
+            for (layout, t) in [("compact", &t), ("ternary", &tt)] {
+                let got = tiered::gather_tiered_qmm(&x, t, None, Some(&rhs)).unwrap();
+                assert_eq!(got.shape(), want.shape());
+                let err = rel_err(&got, &want);
+                assert!(err <= 2e-5, "{affine:?} {layout} scalar={scalar}: {err}");
+            }
         }
         kernels::force_scalar(false);
     }
@@ -844,4 +853,127 @@ fn codebook_and_tiered_matmuls_match_on_gpu_devices() {
         })
         .unwrap();
     }
+}
+
+/// Host planes whose rows use every one of the 2048 grid entries (entry i as group i of the matrix), with
+/// random scales, block scales and delta signs.
+fn every_grid_entry(k: usize, seed: u64) -> CodebookHost {
+    let mut h = random_codebook(2048 * 8 / k, k, seed);
+    for g in 0..2048usize {
+        let (row, grp) = (g * 8 / k, g % (k / 8)); // group grp of row `row` (4 groups per 32-block)
+        let b = grp / 4;
+        h.codes[row * k / 8 + grp] = g as u8;
+        let q = &mut h.qh[row * k / 32 + b];
+        let sh = 3 * (grp % 4);
+        *q = (*q & !(7 << sh)) | (((g >> 8) as u16) << sh);
+    }
+    h
+}
+
+/// The ternary execution layout is lossless: over every grid entry and over random planes (K with short last
+/// super-blocks and 128-chunks too), the kernels' converter writes exactly the trits of the independent host
+/// writer, and the two layouts decode to the same f32 values bit for bit, on the host and with MLX ops.
+#[test]
+fn ternary_layout_is_bit_exact() {
+    let mut cases = vec![every_grid_entry(256, 1), every_grid_entry(512, 2)];
+    for k in [32usize, 96, 160, 288, 416, 1024] {
+        cases.push(random_codebook(9, k, 70 + k as u64));
+    }
+    for h in &cases {
+        let cb = h.to_arrays().unwrap();
+        assert_eq!(cb.layout(), codebook::CodebookLayout::Compact);
+        let t = cb.to_ternary().unwrap();
+        assert_eq!(t.layout(), codebook::CodebookLayout::Ternary);
+        assert_eq!(t.codes.shape(), [h.n as i32, codebook::ternary_row_bytes(h.k) as i32]);
+        let trits = t.codes.to_vec::<u8>().unwrap();
+        assert_eq!(trits, codebook::ternary_host(h), "K = {}: trits", h.k);
+        let compact = codebook::decode_host(h);
+        let ternary = codebook::decode_ternary_host(h, &trits);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&compact), bits(&ternary), "K = {}: host decodes", h.k);
+        let reference = codebook::dequantize_reference(&t).unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(bits(&compact), bits(&reference), "K = {}: plain-ops decode of the ternary layout", h.k);
+        assert_eq!(t.stored_bytes(), cb.nbytes());
+        assert_eq!(t.nbytes(), cb.nbytes() + h.n * (codebook::ternary_row_bytes(h.k) - h.k / 8));
+    }
+    // Stacks convert per row, the same as each expert alone.
+    let (stack, _) = codebook_stack(3, 16, 288);
+    let t = stack.to_ternary().unwrap();
+    assert_eq!(t.codes.shape(), [3, 16, codebook::ternary_row_bytes(288) as i32]);
+    let want = codebook::dequantize_reference(&stack).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(codebook::dequantize_reference(&t).unwrap().to_vec::<f32>().unwrap(), want);
+    // Named errors: a codes plane that is neither layout's shape, a bad layout name.
+    let bad =
+        Codebook { codes: ops::zeros(&[4, 48], Dtype::U8).unwrap(), ..random_codebook(4, 256, 3).to_arrays().unwrap() };
+    let e = codebook::codebook_qmm(&randn(&[1, 256], 1), &bad).unwrap_err().to_string();
+    assert!(e.contains("[codebook_qmm]") && e.contains("ternary") && e.contains("shape"), "{e}");
+    let e = codebook::CodebookLayout::parse("fast").unwrap_err().to_string();
+    assert!(e.contains("fast") && e.contains("ternary"), "{e}");
+}
+
+/// The ternary layout's kernels (plain, gathered: decode and sorted-prefill shapes) against the plain-ops
+/// reference (dequantize, then matmul): f32 activations with the AVX-512 and the AVX2 paths (where the CPU has
+/// AVX-512) and the scalar path, within the tolerance of the compact kernels (2e-5 of the largest output: the
+/// same products summed in another order); q8 activations against the reference on the q8-rounded activations
+/// (exact integer block dots, so the same bound), and bit-identical to the compact layout's q8 kernel, whose
+/// integers they reproduce.
+#[test]
+fn ternary_kernels_match_the_reference() {
+    use kernels::QmmActivations::{F32, Q8};
+    let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
+    let mut worst = 0f32;
+    for (scalar, avx512) in [(false, true), (false, false), (true, false)] {
+        kernels::force_scalar(scalar);
+        kernels::set_avx512(Some(avx512));
+        for (m, n, k) in
+            [(1, 300, 1024), (3, 65, 512), (7, 33, 768), (2, 33, 96), (1, 41, 416), (5, 20, 288), (1, 9, 32)]
+        {
+            let cb = random_codebook(n, k, 90 + k as u64).to_arrays().unwrap();
+            let t = cb.to_ternary().unwrap();
+            let x = randn(&[m, k as i32], 91 + n as u64);
+            let deq_t = codebook::dequantize_reference(&cb).unwrap().t().unwrap();
+            kernels::set_qmm_activations(Some(F32));
+            let got = codebook::codebook_qmm(&x, &t).unwrap();
+            let e = rel_err(&got, &x.matmul(&deq_t).unwrap());
+            assert!(e <= 2e-5, "ternary f32 m={m} n={n} k={k} scalar={scalar} avx512={avx512}: rel err {e}");
+            kernels::set_qmm_activations(Some(Q8));
+            let got = codebook::codebook_qmm(&x, &t).unwrap();
+            let e8 = rel_err(&got, &q8_rounded(&x).matmul(&deq_t).unwrap());
+            assert!(e8 <= 2e-5, "ternary q8 m={m} n={n} k={k} scalar={scalar}: rel err {e8}");
+            let compact = codebook::codebook_qmm(&x, &cb).unwrap();
+            if !scalar {
+                assert_eq!(
+                    got.to_vec_f32().unwrap(),
+                    compact.to_vec_f32().unwrap(),
+                    "q8 ternary vs compact m={m} k={k}"
+                );
+            }
+            worst = worst.max(e).max(e8);
+        }
+        // Gathered: decode shape (unsorted) and sorted prefill rows, f32 and q8.
+        let (stack, deq) = codebook_stack(6, 40, 288);
+        let t = stack.to_ternary().unwrap();
+        let deq = deq.swapaxes(-1, -2).unwrap();
+        for q8 in [false, true] {
+            kernels::set_qmm_activations(Some(if q8 { Q8 } else { F32 }));
+            let x = randn(&[2, 3, 1, 1, 288], 1);
+            let xr = if q8 { q8_rounded(&x) } else { x.clone() };
+            let rhs = Array::from_slice(&[5u32, 0, 2, 2, 1, 3, 0, 0, 4, 1, 3, 5], &[2, 3, 2]).unwrap();
+            let got = codebook::gather_codebook_qmm(&x, &t, None, Some(&rhs)).unwrap();
+            let err = rel_err(&got, &ops::gather_mm(&xr, &deq, None, Some(&rhs), false).unwrap());
+            assert!(err <= 2e-5, "ternary gather q8={q8} scalar={scalar}: {err}");
+            let x = randn(&[10, 3, 288], 2);
+            let xr = if q8 { q8_rounded(&x) } else { x.clone() };
+            let lhs = Array::from_slice(&[0u32, 1, 2, 3, 4, 5, 6, 7], &[8]).unwrap();
+            let rhs = Array::from_slice(&[0u32, 0, 0, 2, 2, 3, 5, 5], &[8]).unwrap();
+            let got = codebook::gather_codebook_qmm(&x, &t, Some(&lhs), Some(&rhs)).unwrap();
+            let err = rel_err(&got, &ops::gather_mm(&xr, &deq, Some(&lhs), Some(&rhs), true).unwrap());
+            assert!(err <= 2e-5, "ternary sorted gather q8={q8} scalar={scalar}: {err}");
+            worst = worst.max(err);
+        }
+    }
+    kernels::force_scalar(false);
+    kernels::set_avx512(None);
+    kernels::set_qmm_activations(None);
+    println!("ternary codebook kernels vs reference: worst rel err {worst:e}");
 }

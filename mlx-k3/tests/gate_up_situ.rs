@@ -154,6 +154,7 @@ fn fused_gate_up_situ_matches_unfused_codebook() {
             (160, true, true),
         ] {
             let (g, u) = (random_codebook(&[e, n, k], 20), random_codebook(&[e, n, k], 30));
+            let (gt, ut) = (g.to_ternary().unwrap(), u.to_ternary().unwrap());
             force_scalar(scalar);
             kernels::set_qmm_activations(Some(if q8 { QmmActivations::Q8 } else { QmmActivations::F32 }));
             for (name, x, lhs, rhs) in layouts(k, e as u32) {
@@ -165,6 +166,14 @@ fn fused_gate_up_situ_matches_unfused_codebook() {
                     let err = rel(&got, &want);
                     assert!(err <= 1e-6, "codebook K={k} {name} {act:?} scalar={scalar} q8={q8}: rel err {err}");
                     worst = worst.max(err);
+                    // The ternary layout (the same weights): the codebook kernels' tolerance against the compact
+                    // layout's unfused result (f32: the same products summed in another order; q8: equal integers).
+                    let got = gather_codebook_gate_up_situ(&x, &gt, &ut, lhs.as_ref(), &rhs, act).unwrap();
+                    let err = rel(&got, &want);
+                    assert!(
+                        err <= 2e-5,
+                        "ternary codebook K={k} {name} {act:?} scalar={scalar} q8={q8}: rel err {err}"
+                    );
                 }
             }
         }

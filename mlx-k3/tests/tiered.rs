@@ -158,6 +158,27 @@ fn tiered_and_codebook_checkpoints_match_their_dequantized_reference() {
             let want = (5.0 * 1.5625 + 2.0 * 4.25 + 5.0) / 8.0;
             assert!((bpw - want).abs() < 0.01, "{bpw} vs {want}");
         }
+        // The ternary execution layout (`--codebook-layout ternary`): the same logits within the kernels'
+        // reassociation (the compact run's 1e-4 bound), the same greedy tokens; the records count the trits as
+        // resident bytes and the stored planes as stored bytes.
+        codebook::set_load_layout(Some(codebook::CodebookLayout::Ternary));
+        let t = logits(&pdir, &ids);
+        let m = KimiK3::load(&pdir, LoadOptions { dtype: Some(Dtype::F32), lazy: true, shard: None }).unwrap();
+        codebook::set_load_layout(None);
+        let e = rel(&t, &a);
+        println!("{name}: ternary layout logits rel err vs compact {e:e}");
+        assert!(e <= 1e-4, "{name} ternary: {e}");
+        assert_eq!(argmax(&t), argmax(&a), "{name} ternary: greedy tokens");
+        let experts: Vec<_> = m.tensor_records().iter().filter(|r| r.path.contains("switch_mlp")).collect();
+        let stored: u64 = experts.iter().map(|r| r.stored_bytes).sum();
+        let resident: u64 = experts.iter().map(|r| r.bytes).sum();
+        let bits = experts.iter().map(|r| r.bytes * 8).sum::<u64>() as f64;
+        assert_eq!(stored * 8, (bpw * experts.iter().map(|r| r.params).sum::<u64>() as f64).round() as u64);
+        assert!(resident > stored, "{name}: resident {resident} stored {stored}");
+        println!(
+            "{name}: ternary layout resident bits per weight {:.3}",
+            bits / experts.iter().map(|r| r.params).sum::<u64>() as f64
+        );
     }
 }
 

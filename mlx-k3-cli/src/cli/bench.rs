@@ -215,6 +215,9 @@ fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
     let context = prompt.len() + tokens.len() / 2;
     let (weights, state_bytes) = bytes_per_token(&model, context);
     let total = weights + state_bytes;
+    let resident: u64 = model.tensor_records().iter().map(|r| r.bytes).sum();
+    let stored: u64 = model.tensor_records().iter().map(|r| r.stored_bytes).sum();
+    let layout = mlx_k3::codebook::load_layout()?.name();
     if args.json {
         println!(
             "{{\"engine\": \"mlx-k3\", \"load_s\": {load_s:.3}, \"prompt_tokens\": {}, \"generated_tokens\": {}, \
@@ -222,7 +225,8 @@ fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
              \"token_interval_median_ms\": {median_ms:.4}, \"token_interval_p10_ms\": {p10_ms:.4}, \
              \"peak_memory_bytes\": {}, \"weight_bytes_per_token\": {weights}, \"state_bytes_per_token\": \
              {state_bytes}, \"bytes_read_per_token\": {total}, \"kernel_threads\": {}, \"avx512_kernels\": {}, \
-             \"device\": \"{}\"}}",
+             \"codebook_layout\": \"{layout}\", \"weight_bytes_resident\": {resident}, \"weight_bytes_stored\": \
+             {stored}, \"device\": \"{}\"}}",
             stats.prompt_tokens,
             stats.generated_tokens,
             stats.time_to_first_token,
@@ -244,6 +248,11 @@ fn bench_model(dir: &std::path::Path, args: &Args) -> Result<()> {
             "CPU kernel threads: {}; AVX-512 kernels: {}",
             kernels::num_threads(),
             if kernels::avx512()? { "on" } else { "off" }
+        );
+        println!(
+            "codebook layout: {layout}; weights resident {:.3} GB, stored {:.3} GB",
+            resident as f64 / 1e9,
+            stored as f64 / 1e9
         );
         println!("peak memory: {:.2} GB", stats.peak_memory as f64 / 1e9);
         println!(

@@ -22,6 +22,10 @@ pub(super) fn run() -> Result<()> {
         kernels::QmmActivations::Q8 => "q8 (int8 per 256, K3_QMM_ACT)",
     };
     println!("quantized-kernel activations: {act}");
+    println!(
+        "codebook layout in memory: {} (--codebook-layout, K3_CODEBOOK_LAYOUT)",
+        mlx_k3::codebook::load_layout()?.name()
+    );
     // (The 8-bit affine kernel with f32 activations; K3_AVX512=0 keeps to AVX2.)
     println!("AVX-512 kernels: {}", if kernels::avx512()? { "on" } else { "off" });
     println!("dense f32 matmul: {}", kernels::sgemm_path());

@@ -134,9 +134,10 @@ pub(super) fn run(args: Args) -> Result<()> {
         let e = classes.entry(classify(&r.path, t)).or_default();
         e.0 += 1;
         e.1 += r.params;
-        e.2 += r.bytes;
+        e.2 += r.stored_bytes;
         *e.3.entry(fmt_spec(r)).or_default() += r.params;
     }
+    let resident: u64 = model.tensor_records().iter().map(|r| r.bytes).sum();
     println!("\n{:<22} {:>7} {:>14} {:>12} {:>10}  formats", "class", "tensors", "params", "bytes", "bits/param");
     let (mut tp, mut tb, mut tn) = (0u64, 0u64, 0usize);
     for (class, (n, params, bytes, formats)) in &classes {
@@ -152,6 +153,12 @@ pub(super) fn run(args: Args) -> Result<()> {
         tn += n;
     }
     println!("{:<22} {tn:>7} {tp:>14} {:>12} {:>10.3}", "total", fmt_bytes(tb), tb as f64 * 8.0 / tp.max(1) as f64);
+    println!(
+        "bytes above as stored; in memory with the {} codebook layout (--codebook-layout): {} ({:.3} bits/param)",
+        mlx_k3::codebook::load_layout()?.name(),
+        fmt_bytes(resident),
+        resident as f64 * 8.0 / tp.max(1) as f64
+    );
     // Multi-token-prediction layers never reach the model (the loader drops them as mlx-lm's sanitize does);
     // their size, from the headers.
     let (mut mtp, mut mtp_bytes) = (0usize, 0u64);

@@ -22,6 +22,11 @@ mod template;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Layout of codebook weights in memory: `compact` (as stored, 1.5625 bits per weight) or `ternary` (built at
+    /// load, lossless, 2.5625 bits per weight; faster CPU kernels, CPU streams only). Default:
+    /// K3_CODEBOOK_LAYOUT, else compact.
+    #[arg(long, global = true, value_name = "compact|ternary")]
+    codebook_layout: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -78,6 +83,15 @@ pub fn main() -> ExitCode {
     };
     if reporting {
         quiet_on_closed_stdout();
+    }
+    if let Some(l) = &cli.codebook_layout {
+        match mlx_k3::codebook::CodebookLayout::parse(l) {
+            Ok(l) => mlx_k3::codebook::set_load_layout(Some(l)),
+            Err(e) => {
+                eprintln!("mlx-k3: error: --codebook-layout: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
     }
     let result = match cli.command {
         Command::Info => info::run(),

@@ -156,7 +156,9 @@ void mxfp4_case(Rng& r, int rows, int N, int K, bool q8 = false) {
           });
 }
 
-void codebook_case(Rng& r, int rows, int N, int K, bool q8 = false) {
+// ternary: 0 the compact layout (SIMD vs scalar); 1 the ternary layout's SIMD path and 2 its scalar path, each
+// against the compact layout's scalar path (the same values: codebook_to_ternary is lossless).
+void codebook_case(Rng& r, int rows, int N, int K, bool q8 = false, int ternary = 0) {
   const int nb = K / 32, nsb = kk::codebook_super_blocks(K);
   std::vector<uint8_t> codes((size_t)N * K / 8);
   std::vector<uint16_t> qh((size_t)N * nb), d((size_t)N * nsb);
@@ -169,11 +171,18 @@ void codebook_case(Rng& r, int rows, int N, int K, bool q8 = false) {
   }
   const float wmax = dmax * 15.0f * 1.125f;  // d * (2L + 1) * |grid + delta|, L <= 7
   kk::CodebookRows w{codes.data(), qh.data(), d.data(), K};
+  std::vector<uint8_t> trits(N * kk::ternary_row_bytes(K));
+  kk::codebook_to_ternary(codes.data(), qh.data(), N, K, trits.data());
+  kk::CodebookRows t{nullptr, qh.data(), d.data(), K, trits.data()};
   auto x = activations(r, rows, K);
-  compare("codebook " + std::to_string(rows) + " x " + std::to_string(K) + " @ " + std::to_string(N) + (q8 ? ", q8" : ""),
-          rows, N, K, x, wmax, [&](bool simd, int n0, int n1, float* out) {
+  const char* kind = ternary == 0 ? "codebook " : ternary == 1 ? "ternary codebook " : "ternary codebook (scalar) ";
+  compare(kind + std::to_string(rows) + " x " + std::to_string(K) + " @ " + std::to_string(N) + (q8 ? ", q8" : ""),
+          rows, N, K, x, wmax, [&](bool under_test, int n0, int n1, float* out) {
+            // The run under test takes the layout under test; the reference run the compact layout's scalar path.
+            const bool simd = under_test && ternary != 2;
+            const kk::CodebookRows& rows_of = under_test && ternary ? t : w;
             kk::PreparedActivations p(x.data(), rows, K, kk::WeightFormat::codebook, 0, simd, q8);
-            kk::codebook_rows(w, p.a, n0, n1, out, N, simd);
+            kk::codebook_rows(rows_of, p.a, n0, n1, out, N, simd);
           });
 }
 
@@ -214,6 +223,8 @@ void run_all(const std::string& tag) {
     for (int rows : {1, 2, 5}) {
       mxfp4_case(r, rows, 11, K);
       codebook_case(r, rows, 11, K);
+      codebook_case(r, rows, 11, K, false, 1);
+      codebook_case(r, rows, 11, K, false, 2);
     }
   }
   // q8 activations (int8 with per-256 scales, K3_QMM_ACT=q8): the integer kernels against the scalar q8 path,
@@ -221,6 +232,8 @@ void run_all(const std::string& tag) {
   for (int K : {512, 416, 96}) {
     for (int rows : {1, 2, 5}) {
       codebook_case(r, rows, 11, K, true);
+      codebook_case(r, rows, 11, K, true, 1);
+      codebook_case(r, rows, 11, K, true, 2);
       mxfp4_case(r, rows, 11, K, true);
     }
     for (int bits : {2, 4, 8}) {

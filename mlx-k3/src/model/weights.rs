@@ -28,8 +28,11 @@ pub struct TensorRecord {
     pub path: String,
     /// Parameters it represents.
     pub params: u64,
-    /// Bytes it occupies (codes, scales and biases for quantized weights).
+    /// Bytes it occupies in memory (codes, scales and biases for quantized weights; for codebook weights the
+    /// layout they were loaded in, see [`crate::codebook::load_layout`]).
     pub bytes: u64,
+    /// Bytes the checkpoint stores for it (equal to `bytes` except for codebook weights in the ternary layout).
+    pub stored_bytes: u64,
     /// The quantization, or None for floating-point tensors.
     pub spec: Option<QuantSpec>,
     /// Element dtype (uint32 for packed codes).
@@ -295,6 +298,7 @@ impl WeightStore {
             path: name.to_string(),
             params,
             bytes: stored.1,
+            stored_bytes: stored.1,
             spec: None,
             dtype: stored.0,
         });
@@ -362,6 +366,7 @@ impl WeightStore {
                 path: path.to_string(),
                 params: w.size() as u64,
                 bytes: stored.1,
+                stored_bytes: stored.1,
                 spec: None,
                 dtype: stored.0,
             });
@@ -433,6 +438,7 @@ impl WeightStore {
             path: path.to_string(),
             params: part.shape(shape).iter().map(|&d| d as u64).product(),
             bytes: weight.nbytes() as u64 + stored_extra,
+            stored_bytes: weight.nbytes() as u64 + stored_extra,
             spec: Some(spec),
             dtype: Dtype::U32,
         });
@@ -476,12 +482,19 @@ impl WeightStore {
                 256,
             )?,
         };
-        let bytes = (cb.codes.nbytes() + cb.qh.nbytes() + cb.scales.nbytes()) as u64;
+        // The execution layout (the checkpoint stores the compact one): the ternary trits are built as this layer
+        // is materialized, and the compact codes are then dropped.
+        let cb = match codebook::load_layout()? {
+            codebook::CodebookLayout::Ternary => cb.to_ternary()?,
+            codebook::CodebookLayout::Compact => cb,
+        };
+        let bytes = cb.nbytes() as u64;
         if record {
             self.records.push(TensorRecord {
                 path: path.to_string(),
                 params: part.shape(shape).iter().map(|&d| d as u64).product(),
                 bytes,
+                stored_bytes: cb.stored_bytes() as u64,
                 spec: None,
                 dtype: Dtype::U8,
             });
@@ -627,6 +640,7 @@ impl WeightStore {
             path: path.to_string(),
             params: part.shape(shape).iter().map(|&d| d as u64).product(),
             bytes: t.nbytes() as u64,
+            stored_bytes: (t.nbytes() - t.codebook.as_ref().map_or(0, |c| c.nbytes() - c.stored_bytes())) as u64,
             spec: None,
             dtype: Dtype::U8,
         });
