@@ -102,7 +102,11 @@ impl Kda {
             None => (None, None),
         };
         // CPU only for now: the CUDA kernel has not been run yet.
-        if t == 1 && crate::current_stream()?.device() == crate::Device::Cpu && crate::kernels::kda_step_supported() {
+        if t == 1
+            && crate::current_stream()?.device() == crate::Device::Cpu
+            && crate::kernels::kda_step_supported()
+            && !crate::kernels::differentiable()
+        {
             // Decode: conv, q/k norm, gates, the state update, o_norm and the gate in one fused primitive
             // (tests/kda_step.rs checks it against this function's plain-ops path).
             // The four projections of x (qkv, the decay's first factor, beta, the gate's first factor) as one
@@ -171,16 +175,17 @@ impl Kda {
         let beta = self.b_proj.forward(x)?.reshape(&[b, t, h])?.sigmoid()?;
         let g = self.decay(&a)?;
 
-        let (out, state) = if crate::current_stream()?.device() == crate::Device::Cpu {
-            // All T tokens in one primitive (tests/kda_step.rs checks it against the per-step ops below).
-            crate::kernels::gated_delta_scan(&q, &k, &v, &g, &beta, ssm_state.as_ref())?
-        } else {
-            let state = match ssm_state {
-                Some(s) => s,
-                None => zeros(&[b, h, d, d], Dtype::F32)?,
+        let (out, state) =
+            if crate::current_stream()?.device() == crate::Device::Cpu && !crate::kernels::differentiable() {
+                // All T tokens in one primitive (tests/kda_step.rs checks it against the per-step ops below).
+                crate::kernels::gated_delta_scan(&q, &k, &v, &g, &beta, ssm_state.as_ref())?
+            } else {
+                let state = match ssm_state {
+                    Some(s) => s,
+                    None => zeros(&[b, h, d, d], Dtype::F32)?,
+                };
+                gated_delta_steps(&q, &k, &v, &g, &beta, state)?
             };
-            gated_delta_steps(&q, &k, &v, &g, &beta, state)?
-        };
 
         if let Some(c) = cache {
             c.conv = Some(new_conv);
