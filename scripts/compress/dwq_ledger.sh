@@ -8,7 +8,7 @@
 #
 # Windows of 256 held-out tokens (models/k3-nano/heldout.safetensors): calibration statistics for the
 # conversions use windows 150..213 (as scripts/compress/ledger.sh), DWQ trains on windows 150..165 and
-# validates on 40..43, and the evaluation uses windows 0..31: the evaluation windows are disjoint from both.
+# validates on 40..51, and the evaluation uses windows 0..31: the evaluation windows are disjoint from both.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B=${MLX_K3:-target/release/mlx-k3}
@@ -19,6 +19,7 @@ OUT=${1:-/tmp/k3-dwq-ledger}
 EVAL_WINDOWS=${EVAL_WINDOWS:-32}
 STEPS=${DWQ_STEPS:-32}
 LR=${DWQ_LR:-1e-4}
+VAL_WINDOWS=${DWQ_VAL_WINDOWS:-12}
 mkdir -p "$OUT"
 OPENBLAS=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 if [ "${K3_BLAS:-}" != reference ] && [ -e $OPENBLAS ]; then
@@ -35,7 +36,7 @@ for b in $builds; do
     "$B" convert --from $N --to "$OUT/$b" --recipe "$R/${recipe[$b]}" --calib "$OUT/calib.safetensors" \
         --json --quiet > "$OUT/convert-$b.json"
     /usr/bin/time -f "%e s" -o "$OUT/dwq-$b.time" "$B" dwq --teacher $N --build "$OUT/$b" --data $D --ctx 256 \
-        --skip 150 --windows 16 --val-skip 40 --val-windows 4 --batch 4 --steps "$STEPS" --lr "$LR" \
+        --skip 150 --windows 16 --val-skip 40 --val-windows "$VAL_WINDOWS" --batch 4 --steps "$STEPS" --lr "$LR" \
         --out "$OUT/$b-dwq" --json --quiet > "$OUT/dwq-$b.json"
     for m in "$b" "$b-dwq"; do
         [ -f "$OUT/eval-$m.json" ] || "$B" eval kl --model "$OUT/$m" --teacher $N --data $D --ctx 256 \

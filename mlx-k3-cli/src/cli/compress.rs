@@ -444,8 +444,9 @@ pub(super) struct DwqArgs {
     /// First calibration window.
     #[arg(long, default_value_t = 0)]
     skip: usize,
-    /// Held-out validation windows (must not overlap the calibration windows).
-    #[arg(long, default_value_t = 4)]
+    /// Held-out validation windows (must not overlap the calibration windows; on k3-nano 4 windows were too
+    /// few to keep the rollbacks from following noise, 12 were enough).
+    #[arg(long, default_value_t = 12)]
     val_windows: usize,
     /// First validation window.
     #[arg(long)]
