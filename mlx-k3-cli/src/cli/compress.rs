@@ -448,6 +448,103 @@ pub(super) fn run_prune(args: PruneArgs) -> Result<()> {
     Ok(())
 }
 
+#[derive(ClapArgs, Debug)]
+pub(super) struct DwqArgs {
+    /// The teacher (the unquantized model the build was made from).
+    #[arg(long)]
+    teacher: PathBuf,
+    /// The compressed build whose scales and biases are trained (as `convert` writes it).
+    #[arg(long)]
+    build: PathBuf,
+    /// Calibration and validation tokens (.safetensors with `tokens`, or UTF-8 text).
+    #[arg(long)]
+    data: PathBuf,
+    /// Output folder (created; a partial output of the same job is resumed).
+    #[arg(long)]
+    out: PathBuf,
+    /// Tokens per window.
+    #[arg(long, default_value_t = 256)]
+    ctx: usize,
+    /// Calibration windows.
+    #[arg(long, default_value_t = 16)]
+    windows: usize,
+    /// First calibration window.
+    #[arg(long, default_value_t = 0)]
+    skip: usize,
+    /// Held-out validation windows (must not overlap the calibration windows; on k3-nano 4 windows were too
+    /// few to keep the rollbacks from following noise, 12 were enough).
+    #[arg(long, default_value_t = 12)]
+    val_windows: usize,
+    /// First validation window.
+    #[arg(long)]
+    val_skip: usize,
+    /// Windows per training step.
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    /// Adam steps per layer (and per retry).
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// Learning rate (halved at each retry after a rollback).
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
+    /// Retries at half the rate when a layer's validation KL rose.
+    #[arg(long, default_value_t = 2)]
+    retries: usize,
+    /// Remove whatever is in --out first.
+    #[arg(long)]
+    overwrite: bool,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+pub(super) fn run_dwq(args: DwqArgs) -> Result<()> {
+    let t0 = Instant::now();
+    let bar = Bar::new(args.report.quiet);
+    let s = mlx_k3::compress::dwq::dwq(&mlx_k3::compress::dwq::DwqJob {
+        teacher: &args.teacher,
+        build: &args.build,
+        data: &args.data,
+        out: &args.out,
+        ctx: args.ctx,
+        windows: args.windows,
+        skip: args.skip,
+        val_windows: args.val_windows,
+        val_skip: args.val_skip,
+        batch: args.batch,
+        steps: args.steps,
+        lr: args.lr,
+        retries: args.retries,
+        overwrite: args.overwrite,
+        stop_after: None,
+        progress: &bar,
+    })?;
+    let out = with_run_info(
+        json!({"out": args.out.display().to_string(), "resumed": format!("{:?}", s.resume), "written": s.written, "dwq": s.report}),
+        t0,
+    );
+    print(&out, args.report.json, || {
+        println!("{}: validation KL per layer (held-out windows)", args.out.display());
+        println!("{:>5} {:>12} {:>12} {:>9} {:>10}", "layer", "before", "after", "rollbacks", "lr");
+        for b in s.report["blocks"].as_array().into_iter().flatten() {
+            let kept = b["attempts"].as_array().and_then(|a| a.iter().find(|x| x["kept"] == json!(true)));
+            println!(
+                "{:>5} {:>12.6} {:>12.6} {:>9} {:>10}",
+                b["layer"],
+                b["val_kl_before"].as_f64().unwrap_or(f64::NAN),
+                b["val_kl_after"].as_f64().unwrap_or(f64::NAN),
+                b["rollbacks"],
+                kept.map_or("kept as built".to_string(), |k| format!("{:.2e}", k["lr"].as_f64().unwrap_or(0.0)))
+            );
+        }
+        println!(
+            "model: KL {:.6} -> {:.6}",
+            s.report["val_kl_before"].as_f64().unwrap_or(f64::NAN),
+            s.report["val_kl_after"].as_f64().unwrap_or(f64::NAN)
+        );
+    });
+    Ok(())
+}
+
 /// `eval ppl|kl`.
 #[derive(Subcommand, Debug)]
 pub(super) enum EvalCommand {

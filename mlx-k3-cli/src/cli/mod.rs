@@ -61,6 +61,9 @@ enum Command {
     Retier(compress::RetierArgs),
     /// REAP expert pruning: keep the N most salient experts per MoE layer, rewrite router rows and biases.
     Prune(compress::PruneArgs),
+    /// DWQ: distil a build's quantization scales and biases toward the teacher, one decoder layer at a time
+    /// (validation KL per layer on held-out windows, monotone rollback), into a resumable output folder.
+    Dwq(compress::DwqArgs),
     /// Perplexity, or KL(teacher || build) with top-1 flips, on identical windows.
     #[command(subcommand)]
     Eval(compress::EvalCommand),
@@ -107,6 +110,7 @@ pub fn main() -> ExitCode {
         Command::Calibrate(args) => compress::run_calibrate(args),
         Command::Retier(args) => compress::run_retier(args),
         Command::Prune(args) => compress::run_prune(args),
+        Command::Dwq(args) => compress::run_dwq(args),
         Command::Eval(cmd) => compress::run_eval(cmd),
         Command::Template(args) => template::run(args),
     };

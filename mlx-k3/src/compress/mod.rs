@@ -8,6 +8,7 @@
 //! - [`promotion`]: which experts of a tiered stack are promoted to the protected (MXFP4) band (Hessian-weighted
 //!   error × activation mass, waterfilled over depth), and re-tiering for a profile;
 //! - [`prune`]: REAP expert pruning with retained routing mass;
+//! - [`dwq`]: layer-wise distillation of a build's quantization parameters toward its teacher;
 //! - [`evalkl`]: perplexity and KL(teacher ‖ build) on identical windows, with a compact teacher cache.
 //!
 //! Every tool writes through [`store`]: atomic files, a journal of finished units, byte-identical results
@@ -19,6 +20,7 @@ pub mod calibrate;
 pub mod classes;
 pub mod convert;
 pub mod data;
+pub mod dwq;
 pub mod evalkl;
 pub mod gguf_import;
 pub mod gguf_tokenizer;

@@ -8,6 +8,9 @@ use crate::{Array, Dtype, Result};
 
 /// Whether the fused mix has a kernel on the current stream's device (CPU, CUDA; not Metal yet).
 pub fn attn_res_supported() -> bool {
+    if super::differentiable() {
+        return false;
+    }
     let mut ok = false;
     // SAFETY: plain call with a valid out pointer.
     let status = unsafe { mlx_k3_metal::k3_attn_res_supported(&mut ok, s()) };

@@ -18,7 +18,7 @@ pub struct Situ {
 
 /// Whether [`gather_gate_up_situ`] takes this format (MLX affine or mxfp4; others use the unfused ops).
 pub fn gate_up_fusable(spec: QuantSpec) -> bool {
-    matches!(spec.mode, QuantMode::Affine | QuantMode::Mxfp4)
+    !super::differentiable() && matches!(spec.mode, QuantMode::Affine | QuantMode::Mxfp4)
 }
 
 /// `SiTU(x @ up[rhs]ᵀ, x @ gate[rhs]ᵀ)` for MLX-quantized expert stacks `[E, N, ..]` (affine or mxfp4, the

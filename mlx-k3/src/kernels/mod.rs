@@ -25,6 +25,35 @@ pub use norm::{log_softmax, rms_norm};
 pub use router::{moe_router, route_reference, RouterParams, Routing};
 pub use situ::{situ, situ_reference};
 
+thread_local! {
+    static DIFFERENTIABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread builds differentiable graphs (see [`differentiable_scope`]).
+pub fn differentiable() -> bool {
+    DIFFERENTIABLE.with(|d| d.get())
+}
+
+/// Restores the previous [`differentiable`] setting when dropped.
+#[derive(Debug)]
+pub struct DifferentiableScope(bool);
+
+impl Drop for DifferentiableScope {
+    fn drop(&mut self) {
+        let prev = self.0;
+        DIFFERENTIABLE.with(|d| d.set(prev));
+    }
+}
+
+/// Until the returned guard is dropped, the model's layers built and run on this thread use the plain-ops
+/// references (or MLX's own ops) instead of the fused inference-only primitives that have no vjp (RMSNorm,
+/// SiTU, the fused gate/up, the router, the MoE combine, attention-residual mixing, the KDA scan), so that
+/// `transforms::vjp` can differentiate a decoder layer (DWQ). The quantized matmuls keep their kernels: they
+/// have a vjp. Results equal the fused kernels' up to the order of f32 additions.
+pub fn differentiable_scope() -> DifferentiableScope {
+    DifferentiableScope(DIFFERENTIABLE.with(|d| d.replace(true)))
+}
+
 /// Threads the CPU kernels split their work over (default: `K3_NUM_THREADS` or all hardware threads).
 pub fn num_threads() -> usize {
     // SAFETY: plain call.

@@ -89,7 +89,7 @@ pub fn route_reference(logits: &Array, bias: Option<&Array>, p: RouterParams) ->
         let group_scores = g.topk(2, -1)?.sum(&[-1], true)?;
         let k = p.n_group - p.topk_group;
         let g = if k > 0 {
-            let drop = group_scores.argpartition(k - 1, -2)?.slice_axis(-2, 0, k)?;
+            let drop = group_scores.argpartition(k - 1, -2)?.slice_axis(-2, 0, k)?.stop_gradient()?;
             let zero = Array::scalar_as(0.0, g.dtype())?;
             g.put_along_axis(&drop, &zero, -2)?
         } else {
@@ -97,7 +97,8 @@ pub fn route_reference(logits: &Array, bias: Option<&Array>, p: RouterParams) ->
         };
         scores = g.flatten(-2, -1)?;
     }
-    let inds = scores.negative()?.argpartition(p.top_k - 1, -1)?.slice_axis(-1, 0, p.top_k)?;
+    // The selection is discrete: no gradient flows through the indices (the weights stay differentiable).
+    let inds = scores.negative()?.argpartition(p.top_k - 1, -1)?.slice_axis(-1, 0, p.top_k)?.stop_gradient()?;
     let mut w = orig.take_along_axis(&inds, -1)?;
     if p.top_k > 1 && p.renormalize {
         w = w.divide(&w.sum(&[-1], true)?.add(1e-20f32)?)?;

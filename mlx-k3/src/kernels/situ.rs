@@ -8,6 +8,9 @@ use crate::{Array, Dtype, Result};
 /// SiTU through the fused primitive: one pass over `up` and `gate`, fp32 math, output in the inputs' dtype.
 #[track_caller]
 pub fn situ(up: &Array, gate: &Array, beta: f32, linear_beta: Option<f32>) -> Result<Array> {
+    if super::differentiable() {
+        return situ_reference(up, gate, beta, linear_beta);
+    }
     let st = s();
     // SAFETY: live handles in, new handle out; the C++ op validates the arguments.
     Array::try_from_op("situ", |res| unsafe {

@@ -8,7 +8,7 @@ use crate::ops::concatenate;
 use crate::{Array, Dtype, Result};
 
 /// The block snapshots of one forward pass: raw `[K, B, T, D]` and their inverse RMS `[K, B, T]` (f32).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct ResidualBlocks {
     eps: f32,
     raw: Option<Array>,
@@ -19,6 +19,11 @@ impl ResidualBlocks {
     /// No snapshots yet.
     pub fn new(eps: f32) -> Self {
         ResidualBlocks { eps, raw: None, inv_rms: None }
+    }
+
+    /// The arrays held (snapshots and their inverse RMS).
+    pub fn arrays(&self) -> Vec<&Array> {
+        self.raw.iter().chain(self.inv_rms.iter()).collect()
     }
 
     /// Adds the snapshot `x`.

@@ -102,7 +102,11 @@ impl Kda {
             None => (None, None),
         };
         // CPU only for now: the CUDA kernel has not been run yet.
-        if t == 1 && crate::current_stream()?.device() == crate::Device::Cpu && crate::kernels::kda_step_supported() {
+        if t == 1
+            && crate::current_stream()?.device() == crate::Device::Cpu
+            && crate::kernels::kda_step_supported()
+            && !crate::kernels::differentiable()
+        {
             // Decode: conv, q/k norm, gates, the state update, o_norm and the gate in one fused primitive
             // (tests/kda_step.rs checks it against this function's plain-ops path).
             // The four projections of x (qkv, the decay's first factor, beta, the gate's first factor) as one
@@ -176,7 +180,7 @@ impl Kda {
             // Speculative verify: one scan per position, so the state after each is kept for a rollback
             // (the same sequential arithmetic as one scan over all of them).
             self.scan_recording(&q, &k, &v, &g, &beta, ssm_state, &conv_in, cache.as_deref_mut())?
-        } else if crate::current_stream()?.device() == crate::Device::Cpu {
+        } else if crate::current_stream()?.device() == crate::Device::Cpu && !crate::kernels::differentiable() {
             // All T tokens in one primitive (tests/kda_step.rs checks it against the per-step ops below).
             crate::kernels::gated_delta_scan(&q, &k, &v, &g, &beta, ssm_state.as_ref())?
         } else {

@@ -187,7 +187,10 @@ impl SwitchLinear {
         indices: &Array,
         act: kernels::Situ,
     ) -> Result<Option<Array>> {
-        if x.dtype() != Dtype::F32 || crate::current_stream()?.device() != crate::Device::Cpu {
+        if x.dtype() != Dtype::F32
+            || crate::current_stream()?.device() != crate::Device::Cpu
+            || kernels::differentiable()
+        {
             return Ok(None);
         }
         match (&gate.w, &up.w) {

@@ -23,4 +23,4 @@ pub mod weights;
 
 pub use cache::{LayerCache, ModelCache};
 pub use config::{ModelConfig, TextConfig};
-pub use model::{KimiK3, LoadOptions};
+pub use model::{DecoderLayer, KimiK3, LayerState, LoadOptions};

@@ -29,8 +29,10 @@ struct AttnRes {
     mlp_w: Array,
 }
 
+/// One decoder layer (attention, FFN, norms, attention-residual weights), as [`KimiK3::build_layer`] makes
+/// it for layer-wise tools.
 #[derive(Debug)]
-struct DecoderLayer {
+pub struct DecoderLayer {
     attn: Attention,
     ffn: Ffn,
     input_norm: RmsNorm,
@@ -352,6 +354,111 @@ impl KimiK3 {
             Some(head) => head.forward(&h),
             None => self.embed.as_linear(&h),
         }
+    }
+}
+
+/// The activations between decoder layers of a cache-less forward: the hidden states `[B, T, D]`, the
+/// attention-residual block snapshots (when the model has them) and the causal mask. Layer-wise tools
+/// ([`crate::compress::dwq`]) run a model one layer at a time with it.
+#[derive(Clone, Debug)]
+pub struct LayerState {
+    /// Hidden states `[B, T, D]` leaving the last layer run (the embeddings before the first).
+    pub h: Array,
+    blocks: Option<ResidualBlocks>,
+    mask: Option<Array>,
+}
+
+impl LayerState {
+    /// Every array the state holds (to evaluate it).
+    pub fn arrays(&self) -> Vec<&Array> {
+        let mut v = vec![&self.h];
+        if let Some(b) = &self.blocks {
+            v.extend(b.arrays());
+        }
+        v
+    }
+}
+
+impl KimiK3 {
+    /// The state entering layer 0 for token ids `[B, T]` (a fresh, cache-less forward).
+    pub fn embed_state(&self, ids: &Array) -> Result<LayerState> {
+        if ids.ndim() != 2 {
+            return Err(Error::invalid("forward", format!("token ids must be [batch, tokens], got {:?}", ids.shape())));
+        }
+        if self.shard.is_some() {
+            return Err(Error::invalid("forward", "layer-wise forwards take a whole model, not a split one"));
+        }
+        let h = self.embed.forward(ids)?;
+        let t = h.dim(1)?;
+        let mask = if t > 1 { Some(causal_mask(t, 0)?) } else { None };
+        let blocks = self.output_res.as_ref().map(|_| ResidualBlocks::new(self.config.rms_norm_eps));
+        Ok(LayerState { h, blocks, mask })
+    }
+
+    /// Runs decoder layer `i` (or `layer` in its place, built by [`KimiK3::build_layer`] for index `i`) on
+    /// `state`; the result is the state entering layer `i + 1`. A chain of these from
+    /// [`KimiK3::embed_state`] followed by [`KimiK3::head`] is [`KimiK3::forward`] without a cache.
+    pub fn layer_forward(&self, i: usize, layer: Option<&DecoderLayer>, state: &LayerState) -> Result<LayerState> {
+        let own = self.layers.get(i).ok_or_else(|| {
+            Error::invalid("forward", format!("layer {i} is out of range ({} layers)", self.layers.len()))
+        })?;
+        let mut blocks = state.blocks.clone();
+        let h = layer.unwrap_or(own).forward(&state.h, state.mask.as_ref(), None, &mut blocks, None)?;
+        Ok(LayerState { h, blocks, mask: state.mask.clone() })
+    }
+
+    /// The logits `[B, T, vocab]` for the state leaving the last layer.
+    pub fn head(&self, state: &LayerState) -> Result<Array> {
+        let mut h = state.h.clone();
+        if let (Some(w), Some(b)) = (&self.output_res, &state.blocks) {
+            h = b.mix(&h, w)?;
+        }
+        let h = self.norm.forward(&h)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed.as_linear(&h),
+        }
+    }
+
+    /// Builds decoder layer `i` of this model's architecture from `tensors` (sanitized names,
+    /// `model.layers.{i}.*`, as the checkpoint stores them; quantized per `quant`). Nothing is evaluated, so
+    /// the tensors may be traced inputs of a transform: the layer's output is then differentiable with
+    /// respect to them (build and run it inside [`crate::kernels::differentiable_scope`]). Errors name
+    /// `dir`.
+    pub fn build_layer(
+        &self,
+        i: usize,
+        tensors: std::collections::BTreeMap<String, Array>,
+        quant: &super::config::QuantizationConfig,
+        dir: &Path,
+    ) -> Result<DecoderLayer> {
+        if i >= self.layers.len() {
+            return Err(Error::invalid(
+                "build_layer",
+                format!("layer {i} is out of range ({} layers)", self.layers.len()),
+            ));
+        }
+        let raw = super::loader::RawWeights { tensors, ..Default::default() };
+        let mut ws = WeightStore::new(raw, quant.clone(), self.dtype, dir);
+        ws.set_direct_reads(false);
+        let layer = DecoderLayer::load(&mut ws, i, &self.config, None)?;
+        if let Some((name, _)) = ws.remaining().next() {
+            return Err(Error::Format {
+                path: dir.to_path_buf(),
+                message: format!("tensor '{name}' is not used by decoder layer {i}"),
+            });
+        }
+        Ok(layer)
+    }
+
+    /// Puts `layer` (built by [`KimiK3::build_layer`] for index `i`) in place of layer `i`; returns the old one.
+    pub fn replace_layer(&mut self, i: usize, layer: DecoderLayer) -> Result<DecoderLayer> {
+        let n = self.layers.len();
+        let slot = self
+            .layers
+            .get_mut(i)
+            .ok_or_else(|| Error::invalid("replace_layer", format!("layer {i} is out of range ({n} layers)")))?;
+        Ok(std::mem::replace(slot, layer))
     }
 }
 

@@ -112,6 +112,7 @@ impl Mlp {
             // The fused kernel's CPU path (f32 activations); x [B, T, D] is B blocks of T rows, all on expert 0.
             Some(f)
                 if x.ndim() == 3
+                    && !kernels::differentiable()
                     && x.dtype() == Dtype::F32
                     && crate::current_stream()?.device() == crate::Device::Cpu =>
             {
@@ -305,11 +306,12 @@ impl SparseMoe {
         };
         // The fused router's GPU kernels have not run inside the model yet (the CUDA one was checked alone on a GPU
         // once, the Metal one only under emulation): GPU streams keep the plain ops.
-        let (mut inds, mut weights) = if crate::current_stream()?.device() == crate::Device::Cpu {
-            route_fused(&logits, &self.bias, self.router)?
-        } else {
-            route(&logits, Some(&self.bias), self.router)?
-        };
+        let (mut inds, mut weights) =
+            if crate::current_stream()?.device() == crate::Device::Cpu && !kernels::differentiable() {
+                route_fused(&logits, &self.bias, self.router)?
+            } else {
+                route(&logits, Some(&self.bias), self.router)?
+            };
         if let Some(r) = &self.local {
             let held = inds.greater_equal(r.start as u32)?.logical_and(&inds.less(r.end as u32)?)?;
             inds = crate::ops::where_(&held, &inds.subtract(r.start as u32)?, &Array::scalar(0u32)?)?;

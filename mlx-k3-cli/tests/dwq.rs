@@ -1,0 +1,437 @@
+//! `mlx-k3 dwq` end to end on a tiny random Kimi K3 (3 layers: dense, MoE with latent experts, KDA and MLA,
+//! attention residuals): the differentiable layer forward equals the inference forward and its gradients
+//! equal finite differences; DWQ lowers the validation KL of affine, codebook and tiered (codebook + MXFP4)
+//! builds, never raises it for a layer, trains only float scales and biases (codes, routers and MXFP4's E8M0
+//! scales come out byte-identical), and reports the KL that `eval kl` measures independently; a run killed
+//! with SIGKILL at several points resumes to byte-identical files.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use mlx_k3::io::{save_safetensors, Safetensors};
+use mlx_k3::model::{KimiK3, LoadOptions, ModelConfig};
+use mlx_k3::{transforms, Array, Dtype};
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The float teacher: a random model whose logits mlx-lm produced (tests/fixtures/k3/README.md).
+fn teacher() -> PathBuf {
+    root().join("mlx-k3/tests/fixtures/k3/a_latent_norm_attnres")
+}
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_mlx-k3")
+}
+
+#[track_caller]
+fn run_ok(args: &[&str]) -> String {
+    let out = Command::new(bin()).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "mlx-k3 {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into()
+}
+
+/// 12 windows of 33 random token ids (seeded) in `dir/tokens.safetensors`.
+fn tokens(dir: &Path) -> String {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let ids: Vec<i32> = (0..12 * 33)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 256) as i32
+        })
+        .collect();
+    let a = Array::from_slice(&ids, &[ids.len() as i32]).unwrap();
+    let p = dir.join("tokens.safetensors");
+    save_safetensors(&p, &[("tokens", &a)], &[]).unwrap();
+    p.display().to_string()
+}
+
+fn convert(dir: &Path, name: &str, recipe: &str, extra: &[&str]) -> PathBuf {
+    let r = dir.join(format!("{name}.toml"));
+    std::fs::write(&r, recipe).unwrap();
+    let out = dir.join(name);
+    let t = teacher();
+    let mut args = vec!["convert", "--from", t.to_str().unwrap(), "--to", out.to_str().unwrap()];
+    args.extend(["--recipe", r.to_str().unwrap(), "--quiet"]);
+    args.extend(extra);
+    run_ok(&args);
+    out
+}
+
+const AFFINE2: &str = "dtype = \"bfloat16\"\n[default]\nformat = \"affine\"\nbits = 2\ngroup_size = 32\n\
+                       [classes.router]\nformat = \"affine\"\nbits = 8\ngroup_size = 32\n";
+
+fn dwq_args<'a>(build: &'a str, data: &'a str, out: &'a str) -> Vec<&'a str> {
+    let t = teacher();
+    let t: &'static str = Box::leak(t.display().to_string().into_boxed_str());
+    vec![
+        "dwq",
+        "--teacher",
+        t,
+        "--build",
+        build,
+        "--data",
+        data,
+        "--out",
+        out,
+        "--ctx",
+        "33",
+        "--windows",
+        "8",
+        "--skip",
+        "0",
+        "--val-windows",
+        "4",
+        "--val-skip",
+        "8",
+        "--batch",
+        "4",
+        "--steps",
+        "6",
+        "--lr",
+        "2e-3",
+        "--quiet",
+    ]
+}
+
+fn dwq_json(build: &Path, data: &str, out: &Path) -> Value {
+    let (b, o) = (build.display().to_string(), out.display().to_string());
+    let mut args = dwq_args(&b, data, &o);
+    args.push("--json");
+    serde_json::from_str(&run_ok(&args)).unwrap()
+}
+
+fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap()))
+        .collect()
+}
+
+/// Every tensor of a checkpoint folder, by stored name, as raw bytes with dtype.
+fn tensors(dir: &Path) -> BTreeMap<String, (Dtype, Vec<u8>)> {
+    let mut m = BTreeMap::new();
+    for f in mlx_k3::model::loader::weight_files(dir).unwrap() {
+        let st = Safetensors::load(&f).unwrap();
+        for k in st.keys() {
+            let a = st.get(&k).unwrap();
+            let host = mlx_k3::compress::store::HostTensor::from_array(&a).unwrap();
+            m.insert(k, (a.dtype(), host.data));
+        }
+    }
+    m
+}
+
+/// Checks the report's monotonicity and improvement, that only float scales/biases changed, and that
+/// `eval kl` measures the reported validation KL. Returns (KL before, KL after).
+fn check_run(build: &Path, out: &Path, data: &str, report: &Value) -> (f64, f64) {
+    let r = &report["dwq"];
+    let blocks = r["blocks"].as_array().unwrap();
+    assert_eq!(blocks.len(), 3);
+    let mut trained = 0;
+    for b in blocks {
+        let (before, after) = (b["val_kl_before"].as_f64().unwrap(), b["val_kl_after"].as_f64().unwrap());
+        assert!(after <= before, "layer {}: validation KL rose {before} -> {after}", b["layer"]);
+        trained += b["trained_tensors"].as_u64().unwrap();
+    }
+    assert!(trained > 0);
+    let (before, after) = (r["val_kl_before"].as_f64().unwrap(), r["val_kl_after"].as_f64().unwrap());
+
+    // What changed: float scales and biases only, never in the router.
+    let (a, b) = (tensors(build), tensors(out));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let mut changed = 0;
+    for (k, (dt, bytes)) in &a {
+        let (dt2, bytes2) = &b[k];
+        assert_eq!(dt, dt2, "{k} changed dtype");
+        if bytes != bytes2 {
+            changed += 1;
+            let trainable = (k.ends_with(".scales") || k.ends_with(".biases")) && dt.is_float();
+            assert!(trainable && !k.contains("mlp.gate."), "{k} changed but is not a trained parameter");
+        }
+    }
+    assert!(changed > 0, "DWQ changed nothing");
+
+    // `eval kl` on the validation windows (the inference kernels, another code path) measures the same KL.
+    let t = teacher().display().to_string();
+    let eval = |m: &Path| -> f64 {
+        let m = m.display().to_string();
+        let args = [
+            "eval",
+            "kl",
+            "--model",
+            &m,
+            "--teacher",
+            &t,
+            "--data",
+            data,
+            "--ctx",
+            "33",
+            "--skip",
+            "8",
+            "--windows",
+            "4",
+            "--json",
+            "--quiet",
+        ];
+        let v: Value = serde_json::from_str(&run_ok(&args)).unwrap();
+        v["kl_mean"].as_f64().unwrap()
+    };
+    let (e0, e1) = (eval(build), eval(out));
+    // DWQ's KL is the mean over windows of each window's mean (equal window lengths: the same mean), in f32
+    // with the plain-ops layer path for the trained layer; 1e-3 relative covers the summation-order differences.
+    for (got, want) in [(before, e0), (after, e1)] {
+        assert!((got - want).abs() <= 1e-3 * want.abs() + 1e-7, "reported KL {got}, eval kl {want}");
+    }
+    (before, after)
+}
+
+#[test]
+fn dwq_lowers_kl_of_affine_codebook_and_tiered_builds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tokens(tmp.path());
+    let affine = convert(tmp.path(), "a2", AFFINE2, &[]);
+    let codebook = convert(
+        tmp.path(),
+        "cb",
+        "dtype = \"bfloat16\"\n[default]\nformat = \"codebook\"\n\
+         fallback = { format = \"affine\", bits = 2, group_size = 32 }\n\
+         [classes.router]\nformat = \"affine\"\nbits = 8\ngroup_size = 32\n\
+         [classes.embeddings]\nformat = \"affine\"\nbits = 8\ngroup_size = 32\n",
+        &[],
+    );
+    let calib = tmp.path().join("calib.safetensors");
+    run_ok(&[
+        "calibrate",
+        "--model",
+        teacher().to_str().unwrap(),
+        "--data",
+        &data,
+        "--ctx",
+        "33",
+        "--windows",
+        "4",
+        "--out",
+        calib.to_str().unwrap(),
+        "--quiet",
+    ]);
+    let tiered = convert(
+        tmp.path(),
+        "tiered",
+        "dtype = \"bfloat16\"\n[default]\nformat = \"affine\"\nbits = 4\ngroup_size = 32\n\
+         [classes.routed_experts]\nformat = \"tiered\"\n[tiers]\nlow = { format = \"codebook\" }\n\
+         high = { format = \"mxfp4\" }\npromote_fraction = 0.25\n",
+        &["--calib", calib.to_str().unwrap()],
+    );
+    for (name, build) in [("affine 2-bit", &affine), ("codebook", &codebook), ("tiered", &tiered)] {
+        let out = tmp.path().join(format!("{}-dwq", build.file_name().unwrap().to_string_lossy()));
+        let report = dwq_json(build, &data, &out);
+        let (before, after) = check_run(build, &out, &data, &report);
+        eprintln!("{name}: validation KL {before:.5} -> {after:.5}");
+        assert!(after < before, "{name}: DWQ did not lower the validation KL ({before} -> {after})");
+    }
+    // The MXFP4 band's E8M0 scales are frozen (uint8: check_run saw them unchanged); the tiered build has some.
+    let t = tensors(&tiered);
+    assert!(t.iter().any(|(k, (dt, _))| k.ends_with("mxfp4.scales") && *dt == Dtype::U8));
+}
+
+#[test]
+fn dwq_killed_at_several_points_resumes_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tokens(tmp.path());
+    let build = convert(tmp.path(), "a2", AFFINE2, &[]);
+    let whole = tmp.path().join("whole");
+    dwq_json(&build, &data, &whole);
+
+    let out = tmp.path().join("killed");
+    let (b, o) = (build.display().to_string(), out.display().to_string());
+    let args = dwq_args(&b, &data, &o);
+    let mut kills = 0;
+    for ms in [400u64, 900, 1500, 2200, 3000] {
+        let mut child = Command::new(bin()).args(&args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        std::thread::sleep(Duration::from_millis(ms));
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap(); // SIGKILL
+            kills += 1;
+        }
+        child.wait().unwrap();
+    }
+    run_ok(&args);
+    eprintln!("killed {kills} times");
+    let (want, got) = (files(&whole), files(&out));
+    assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+    for (name, bytes) in &want {
+        assert!(got[name] == *bytes, "{name} differs after the interrupted runs");
+    }
+    // Complete: a rerun changes nothing and reports the same.
+    let again = dwq_json(&build, &data, &out);
+    assert_eq!(again["written"], 0);
+}
+
+#[test]
+fn dwq_stopped_between_layers_resumes_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tokens(tmp.path());
+    let build = convert(tmp.path(), "a2", AFFINE2, &[]);
+    let job = |out: &Path, stop_after: Option<usize>| {
+        mlx_k3::compress::dwq::dwq(&mlx_k3::compress::dwq::DwqJob {
+            teacher: &teacher(),
+            build: &build,
+            data: Path::new(&data),
+            out,
+            ctx: 33,
+            windows: 8,
+            skip: 0,
+            val_windows: 4,
+            val_skip: 8,
+            batch: 4,
+            steps: 6,
+            lr: 2e-3,
+            retries: 2,
+            overwrite: false,
+            stop_after,
+            progress: &mlx_k3::compress::Silent,
+        })
+    };
+    let whole = tmp.path().join("whole");
+    job(&whole, None).unwrap();
+    let out = tmp.path().join("stopped");
+    for n in [1, 1, 2] {
+        let e = job(&out, Some(n)).unwrap_err().to_string();
+        assert!(e.contains("stopped after"), "{e}");
+    }
+    let s = job(&out, None).unwrap();
+    assert_eq!(s.written, 0, "every unit was already written");
+    assert_eq!(files(&whole), files(&out));
+
+    // Overlapping calibration and validation windows are refused before anything is written.
+    let bad = tmp.path().join("bad");
+    let e = mlx_k3::compress::dwq::dwq(&mlx_k3::compress::dwq::DwqJob {
+        teacher: &teacher(),
+        build: &build,
+        data: Path::new(&data),
+        out: &bad,
+        ctx: 33,
+        windows: 8,
+        skip: 0,
+        val_windows: 4,
+        val_skip: 6,
+        batch: 4,
+        steps: 6,
+        lr: 2e-3,
+        retries: 2,
+        overwrite: false,
+        stop_after: None,
+        progress: &mlx_k3::compress::Silent,
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("overlap"), "{e}");
+    assert!(!bad.exists());
+}
+
+/// Layer tensors (names without `language_model.`) of a build.
+fn layer_tensors(dir: &Path, layer: usize) -> BTreeMap<String, Array> {
+    let mut m = BTreeMap::new();
+    let prefix = format!("model.layers.{layer}.");
+    for f in mlx_k3::model::loader::weight_files(dir).unwrap() {
+        let st = Safetensors::load(&f).unwrap();
+        for k in st.keys() {
+            let name = k.strip_prefix("language_model.").unwrap_or(&k).to_string();
+            if name.starts_with(&prefix) {
+                m.insert(name, st.get(&k).unwrap());
+            }
+        }
+    }
+    m
+}
+
+#[test]
+fn differentiable_layer_matches_inference_and_finite_differences() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tokens(tmp.path());
+    let _ = data;
+    for (name, recipe) in [
+        ("a2", AFFINE2),
+        (
+            "cb",
+            "dtype = \"float32\"\n[default]\nformat = \"codebook\"\n\
+             fallback = { format = \"affine\", bits = 4, group_size = 32 }\n\
+             [classes.router]\nformat = \"float\"\n",
+        ),
+    ] {
+        let build = convert(tmp.path(), name, recipe, &[]);
+        let cfg = ModelConfig::load(&build).unwrap();
+        let model = KimiK3::load(&build, LoadOptions { dtype: Some(Dtype::F32), ..Default::default() }).unwrap();
+        let ids: Vec<i32> = (0..24).map(|i| (i * 37 + 5) % 256).collect();
+        let ids = Array::from_slice(&ids, &[2, 12]).unwrap();
+        // Layer 1 is the MoE layer (KDA attention, latent experts).
+        let b = 1;
+        let s0 = model.embed_state(&ids).unwrap();
+        let s1 = model.layer_forward(0, None, &s0).unwrap();
+        let want = model.layer_forward(b, None, &s1).unwrap().h;
+        let base = layer_tensors(&build, b);
+        let scale_name = base
+            .keys()
+            .find(|k| k.contains("switch_mlp.up_proj") && k.ends_with(".scales"))
+            .unwrap_or_else(|| panic!("{name}: no expert scales in {:?}", base.keys().collect::<Vec<_>>()))
+            .clone();
+        let f = |p: &[Array]| -> mlx_k3::Result<Vec<Array>> {
+            let _scope = mlx_k3::kernels::differentiable_scope();
+            let mut m = base.clone();
+            m.insert(scale_name.clone(), p[0].clone());
+            let layer = model.build_layer(b, m, &cfg.quantization, &build)?;
+            let y = model.layer_forward(b, Some(&layer), &s1)?;
+            Ok(vec![y.h.square()?.mean_all(false)?, y.h])
+        };
+        // The parameter as stored (bf16 affine scales, f16 codebook scales), as DWQ trains it.
+        let s = base[&scale_name].clone();
+        let (vals, grads) = transforms::value_and_grad(f, &[s.clone()], &[0]).unwrap();
+        // Plain ops against the fused kernels: the same numbers up to f32 summation order.
+        let (got, w) = (vals[1].to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+        let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = got.iter().zip(&w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err <= 1e-5 * scale, "{name}: differentiable layer differs from inference by {err} (scale {scale})");
+
+        // A central difference along the gradient's signs, each entry moved by 1% of its size (rounded to the
+        // stored dtype; the exact moves are used): the loss changes by ~1e-3 relative, far above its f32
+        // rounding (~1e-6 relative), and the step leaves the routing (decided before the experts) unchanged.
+        // The second-order error of the central difference is ~1e-4 relative; 2% covers that and rounding.
+        let f32s = |a: &Array| a.astype(Dtype::F32).unwrap().to_vec::<f32>().unwrap();
+        let (g, sv) = (f32s(&grads[0]), f32s(&s));
+        let moved = |sign: f32| -> (Array, Vec<f32>) {
+            let v: Vec<f32> = sv.iter().zip(&g).map(|(x, gi)| x + sign * 0.01 * x.abs() * gi.signum()).collect();
+            let a = Array::from_slice(&v, &s.shape()).unwrap().astype(s.dtype()).unwrap();
+            let back = f32s(&a);
+            (a, back)
+        };
+        let loss = |a: Array| -> f64 {
+            let mut m = base.clone();
+            m.insert(scale_name.clone(), a);
+            let layer = model.build_layer(b, m, &cfg.quantization, &build).unwrap();
+            let y = model.layer_forward(b, Some(&layer), &s1).unwrap();
+            y.h.square().unwrap().mean_all(false).unwrap().item::<f32>().unwrap() as f64
+        };
+        let ((up, upv), (down, downv)) = (moved(1.0), moved(-1.0));
+        let predicted: f64 = g.iter().zip(upv.iter().zip(&downv)).map(|(gi, (u, d))| *gi as f64 * (u - d) as f64).sum();
+        let fd = loss(up) - loss(down);
+        assert!(predicted.abs() > 0.0, "{name}: zero gradient");
+        assert!(
+            (fd - predicted).abs() <= 0.02 * predicted.abs(),
+            "{name}: {scale_name}: autodiff predicts a change of {predicted}, the loss changed by {fd}"
+        );
+        eprintln!("{name}: {scale_name}: autodiff {predicted:.6e}, finite difference {fd:.6e}");
+    }
+}
