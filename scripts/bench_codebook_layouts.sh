@@ -20,7 +20,8 @@ echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), CPUs $cpus; load: $(cut 
 for r in $(seq 1 "$rounds"); do
     echo "== round $r"
     K3_NUM_THREADS=$nt taskset -c "$cpus" "$bin" --bench --warm-up-time 1 --measurement-time 3 "$filter" 2>/dev/null |
-        grep -E '^(gemv|experts)|time:' | paste - - | awk '{print $1, $3, $4, $5, $6, $7, $8}'
+        awk '/^(gemv|experts)[^ ]* +time:/ {print $1, $5, $6; next}
+             /^(gemv|experts)/ {name = $1} /^ +time:/ && name != "" {print name, $4, $5; name = ""}'
     if [ -n "${GGML_BIN:-}" ]; then
         for t in iq1_s tq2_0 q2_K; do
             GGML_NT=$nt taskset -c "$cpus" "$GGML_BIN" perf -o MUL_MAT -b CPU \
