@@ -18,7 +18,10 @@ use mlx_k3::{Array, Dtype};
 use serde_json::Value;
 
 mod logit_fixtures;
-use logit_fixtures::{argmax, expected, ids, last_row, load, rel_err};
+use logit_fixtures::{
+    argmax, check_full_sequence, check_generate, check_prefill_and_decode, chunked_prefill_rel_err, expected, ids,
+    last_row, load, rel_err,
+};
 
 fn fixtures_dir() -> PathBuf {
     logit_fixtures::dir("deepseek_v3")
@@ -54,44 +57,14 @@ fn every_fixture_matches_mlx_lm() {
         let dir = fixtures_dir().join(f["dir"].as_str().unwrap());
         let exp = expected(&dir);
         let model = load(&dir, Dtype::F32);
-        let t = exp.prompt.len() as i32;
-
-        let logits = model.forward(&ids(&exp.prompt), None).unwrap();
-        let e_prefill = rel_err(&logits.reshape(&[t, -1]).unwrap(), &exp.prefill);
-        assert!(e_prefill <= TOL, "{name}: prefill logits rel err {e_prefill}");
-
-        // Prefill with a cache, then greedy one-token steps: logits and tokens match mlx-lm's.
-        let mut cache = model.make_cache();
-        let pre = model.forward(&ids(&exp.prompt), Some(&mut cache)).unwrap();
-        let mut tok = argmax(&last_row(&pre));
-        let mut worst_decode = 0.0f32;
-        for step in 0..exp.decode_tokens.len() {
-            assert_eq!(tok, exp.decode_tokens[step], "{name}: greedy token {step} differs");
-            let out = model.forward(&ids(&[tok]), Some(&mut cache)).unwrap();
-            let want = exp.decode.slice_axis(0, step as i32, step as i32 + 1).unwrap();
-            let e = rel_err(&out.reshape(&[1, -1]).unwrap(), &want);
-            worst_decode = worst_decode.max(e);
-            assert!(e <= TOL, "{name}: decode step {step} logits rel err {e}");
-            tok = argmax(&out.to_vec_f32().unwrap());
-        }
+        // Prefill, then greedy one-token steps through a cache: logits and tokens match mlx-lm's.
+        let (e_prefill, worst_decode, tok, _) = check_prefill_and_decode(name, &model, &exp, TOL);
         let next = f["checks"]["next_token_after_decode"].as_i64().unwrap() as i32;
         assert_eq!(tok, next, "{name}: the token after the last decode step differs");
 
-        let all: Vec<i32> = exp.prompt.iter().chain(&exp.decode_tokens).copied().collect();
-        let full = model.forward(&ids(&all), None).unwrap();
-        let e_full = rel_err(&full.reshape(&[all.len() as i32, -1]).unwrap(), &exp.full);
-        assert!(e_full <= TOL, "{name}: full-sequence logits rel err {e_full}");
-
+        let e_full = check_full_sequence(name, &model, &exp, TOL);
         // mlx-lm's generate_step, greedy, 32 tokens from the prompt.
-        let mut cache = model.make_cache();
-        let mut out = model.forward(&ids(&exp.prompt), Some(&mut cache)).unwrap();
-        let mut generated = Vec::new();
-        for _ in 0..exp.generate().len() {
-            let tok = argmax(&last_row(&out));
-            generated.push(tok);
-            out = model.forward(&ids(&[tok]), Some(&mut cache)).unwrap();
-        }
-        assert_eq!(generated, exp.generate(), "{name}: generated tokens differ from mlx-lm's generate_step");
+        check_generate(name, &model, &exp);
         println!("{name}: rel err prefill {e_prefill:.2e}, decode {worst_decode:.2e}, full {e_full:.2e}");
     }
 }
@@ -104,22 +77,7 @@ fn chunked_prefill_equals_one_shot() {
         let dir = fixtures_dir().join(f["dir"].as_str().unwrap());
         let exp = expected(&dir);
         let model = load(&dir, Dtype::F32);
-        let all: Vec<i32> = exp.prompt.iter().chain(&exp.decode_tokens).copied().collect();
-        let one_shot = model.forward(&ids(&all), None).unwrap();
-        let mut cache = model.make_cache();
-        let mut outs = Vec::new();
-        let mut start = 0;
-        for len in [5usize, 1, 7].iter().cycle() {
-            if start >= all.len() {
-                break;
-            }
-            let end = (start + len).min(all.len());
-            outs.push(model.forward(&ids(&all[start..end]), Some(&mut cache)).unwrap());
-            start = end;
-        }
-        let refs: Vec<&Array> = outs.iter().collect();
-        let chunked = mlx_k3::ops::concatenate(&refs, 1).unwrap();
-        let e = rel_err(&chunked, &one_shot);
+        let e = chunked_prefill_rel_err(&model, &exp);
         assert!(e <= TOL, "{name}: chunked prefill rel err {e}");
     }
 }

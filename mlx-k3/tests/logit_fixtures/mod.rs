@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use mlx_k3::io::Safetensors;
-use mlx_k3::model::{KimiK3, LoadOptions};
+use mlx_k3::model::{KimiK3, LoadOptions, ModelCache};
 use mlx_k3::{Array, Dtype};
 use serde_json::Value;
 
@@ -89,4 +89,76 @@ pub fn last_row(logits: &Array) -> Vec<f32> {
 pub fn load(dir: &Path, dtype: Dtype) -> KimiK3 {
     KimiK3::load(dir, LoadOptions { dtype: Some(dtype), lazy: false, shard: None })
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+}
+
+/// The cache-less prompt logits, then a cached prefill and one greedy step per fixture decode token, each
+/// within `tol` (relative) of the reference and every greedy token equal to the reference's. Returns the
+/// prompt's error, the worst step's error, the token chosen after the last step and the cache.
+pub fn check_prefill_and_decode(name: &str, model: &KimiK3, exp: &Expected, tol: f32) -> (f32, f32, i32, ModelCache) {
+    let t = exp.prompt.len() as i32;
+    let logits = model.forward(&ids(&exp.prompt), None).unwrap();
+    let e_prefill = rel_err(&logits.reshape(&[t, -1]).unwrap(), &exp.prefill);
+    assert!(e_prefill <= tol, "{name}: prefill logits rel err {e_prefill}");
+
+    let mut cache = model.make_cache();
+    let pre = model.forward(&ids(&exp.prompt), Some(&mut cache)).unwrap();
+    let mut tok = argmax(&last_row(&pre));
+    let mut worst_decode = 0.0f32;
+    for step in 0..exp.decode_tokens.len() {
+        assert_eq!(tok, exp.decode_tokens[step], "{name}: greedy token {step} differs");
+        let out = model.forward(&ids(&[tok]), Some(&mut cache)).unwrap();
+        let want = exp.decode.slice_axis(0, step as i32, step as i32 + 1).unwrap();
+        let e = rel_err(&out.reshape(&[1, -1]).unwrap(), &want);
+        worst_decode = worst_decode.max(e);
+        assert!(e <= tol, "{name}: decode step {step} logits rel err {e}");
+        tok = argmax(&out.to_vec_f32().unwrap());
+    }
+    (e_prefill, worst_decode, tok, cache)
+}
+
+/// The prompt and decode tokens in one cache-less forward, within `tol` of the reference; returns the error.
+pub fn check_full_sequence(name: &str, model: &KimiK3, exp: &Expected, tol: f32) -> f32 {
+    let all = prompt_and_decode(exp);
+    let full = model.forward(&ids(&all), None).unwrap();
+    let e_full = rel_err(&full.reshape(&[all.len() as i32, -1]).unwrap(), &exp.full);
+    assert!(e_full <= tol, "{name}: full-sequence logits rel err {e_full}");
+    e_full
+}
+
+/// Greedy decoding from the prompt gives the reference's `generate_step` tokens.
+pub fn check_generate(name: &str, model: &KimiK3, exp: &Expected) {
+    let mut cache = model.make_cache();
+    let mut out = model.forward(&ids(&exp.prompt), Some(&mut cache)).unwrap();
+    let mut generated = Vec::new();
+    for _ in 0..exp.generate().len() {
+        let tok = argmax(&last_row(&out));
+        generated.push(tok);
+        out = model.forward(&ids(&[tok]), Some(&mut cache)).unwrap();
+    }
+    assert_eq!(generated, exp.generate(), "{name}: generated tokens differ from the reference's generate_step");
+}
+
+/// The fixture's prompt followed by its decode tokens.
+pub fn prompt_and_decode(exp: &Expected) -> Vec<i32> {
+    exp.prompt.iter().chain(&exp.decode_tokens).copied().collect()
+}
+
+/// The relative error between one cache-less forward over the prompt and decode tokens and the same tokens
+/// fed through one cache in chunks of 5, 1 and 7.
+pub fn chunked_prefill_rel_err(model: &KimiK3, exp: &Expected) -> f32 {
+    let all = prompt_and_decode(exp);
+    let one_shot = model.forward(&ids(&all), None).unwrap();
+    let mut cache = model.make_cache();
+    let mut outs = Vec::new();
+    let mut start = 0;
+    for len in [5usize, 1, 7].iter().cycle() {
+        if start >= all.len() {
+            break;
+        }
+        let end = (start + len).min(all.len());
+        outs.push(model.forward(&ids(&all[start..end]), Some(&mut cache)).unwrap());
+        start = end;
+    }
+    let refs: Vec<&Array> = outs.iter().collect();
+    rel_err(&mlx_k3::ops::concatenate(&refs, 1).unwrap(), &one_shot)
 }
