@@ -106,3 +106,34 @@ fn bf16_activations_match_mlx_lm_in_bf16() {
     }
     assert!(checked >= 2, "expected bf16 references in the quantized fixtures");
 }
+
+#[test]
+fn embeddings_and_tapped_forwards_equal_the_token_forward() {
+    // The multimodal entry (embeddings in) and the drafter's entry (hidden states out) run the same
+    // layers as `forward`: identical logits, and each tap equals the layer-by-layer chain's state.
+    let f = manifest().into_iter().find(|f| f["names"] == "mlx").expect("an mlx-named fixture");
+    let dir = fixtures_dir().join(f["dir"].as_str().unwrap());
+    let exp = expected(&dir);
+    let model = load(&dir, Dtype::F32);
+    let prompt = ids(&exp.prompt);
+    let base = model.forward(&prompt, None).unwrap().to_vec::<f32>().unwrap();
+    let h = model.embed_tokens(&prompt).unwrap();
+    let via_embeddings = model.forward_embeddings(&h, None).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(base, via_embeddings);
+    let n = model.config().num_hidden_layers;
+    let taps = [n - 1, 0, n / 2];
+    let (logits, tapped) = model.forward_with_taps(&prompt, None, &taps).unwrap();
+    assert_eq!(base, logits.to_vec::<f32>().unwrap());
+    let mut state = model.embed_state(&prompt).unwrap();
+    let mut chain = Vec::new();
+    for i in 0..n {
+        state = model.layer_forward(i, None, &state).unwrap();
+        chain.push(state.h.to_vec::<f32>().unwrap());
+    }
+    for (t, got) in taps.iter().zip(&tapped) {
+        assert_eq!(got.to_vec::<f32>().unwrap(), chain[*t], "tap {t}");
+    }
+    assert!(model.forward_with_taps(&prompt, None, &[n]).is_err(), "a tap past the last layer is refused");
+    let wrong = mlx_k3::ops::zeros(&[1, 3, 7], Dtype::F32).unwrap();
+    assert!(model.forward_embeddings(&wrong, None).is_err(), "embeddings of the wrong width are refused");
+}

@@ -321,9 +321,56 @@ impl KimiK3 {
 
     /// Logits `[B, T, vocab]` for token ids `[B, T]` (int32/uint32), continuing from `cache` when given
     /// (the cache is updated), else a fresh causal forward.
-    pub fn forward(&self, ids: &Array, mut cache: Option<&mut ModelCache>) -> Result<Array> {
+    pub fn forward(&self, ids: &Array, cache: Option<&mut ModelCache>) -> Result<Array> {
+        let h = self.embed_tokens(ids)?;
+        Ok(self.run_layers(h, cache, &[])?.0)
+    }
+
+    /// The token embeddings `[B, T, D]` of ids `[B, T]`: what [`KimiK3::forward`] feeds its first layer.
+    /// Multimodal prompts replace some rows (image placeholders) before [`KimiK3::forward_embeddings`].
+    pub fn embed_tokens(&self, ids: &Array) -> Result<Array> {
         if ids.ndim() != 2 {
             return Err(Error::invalid("forward", format!("token ids must be [batch, tokens], got {:?}", ids.shape())));
+        }
+        self.embed.forward(ids)
+    }
+
+    /// Logits `[B, T, vocab]` for input embeddings `[B, T, D]` (as [`KimiK3::embed_tokens`] returns them,
+    /// possibly with rows replaced), continuing from `cache` when given.
+    pub fn forward_embeddings(&self, h: &Array, cache: Option<&mut ModelCache>) -> Result<Array> {
+        Ok(self.run_layers(h.clone(), cache, &[])?.0)
+    }
+
+    /// [`KimiK3::forward`] that also returns the hidden states `[B, T, D]` leaving each decoder layer of
+    /// `taps` (0-based layer indices, in the order given): what a drafter conditioned on the target's
+    /// hidden states reads.
+    pub fn forward_with_taps(
+        &self,
+        ids: &Array,
+        cache: Option<&mut ModelCache>,
+        taps: &[usize],
+    ) -> Result<(Array, Vec<Array>)> {
+        if let Some(&bad) = taps.iter().find(|&&t| t >= self.layers.len()) {
+            return Err(Error::invalid(
+                "forward",
+                format!("tap layer {bad} is out of range ({} layers)", self.layers.len()),
+            ));
+        }
+        let h = self.embed_tokens(ids)?;
+        self.run_layers(h, cache, taps)
+    }
+
+    fn run_layers(
+        &self,
+        mut h: Array,
+        mut cache: Option<&mut ModelCache>,
+        taps: &[usize],
+    ) -> Result<(Array, Vec<Array>)> {
+        if h.ndim() != 3 || h.dim(2)? != self.config.hidden_size as i32 {
+            return Err(Error::invalid(
+                "forward",
+                format!("input embeddings must be [batch, tokens, {}], got {:?}", self.config.hidden_size, h.shape()),
+            ));
         }
         if let Some(c) = cache.as_deref() {
             if c.layers.len() != self.layers.len() {
@@ -333,7 +380,6 @@ impl KimiK3 {
         if self.shard.is_some() && self.comm.is_none() {
             return Err(Error::invalid("forward", "a model split over ranks needs its group (KimiK3::set_comm)"));
         }
-        let mut h = self.embed.forward(ids)?;
         let t = h.dim(1)?;
         // The causal mask for MLA layers (mlx-lm: from the first MLA layer's cache offset, None for one token).
         let offset = cache
@@ -342,18 +388,27 @@ impl KimiK3 {
             .unwrap_or(0) as i32;
         let mask = if t > 1 { Some(causal_mask(t, offset)?) } else { None };
         let mut blocks = self.output_res.as_ref().map(|_| ResidualBlocks::new(self.config.rms_norm_eps));
+        let mut tapped: Vec<Option<Array>> = vec![None; taps.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             let c = cache.as_deref_mut().map(|c| &mut c.layers[i]);
             h = layer.forward(&h, mask.as_ref(), c, &mut blocks, self.comm.as_deref())?;
+            for (slot, _) in taps.iter().enumerate().filter(|(_, &t)| t == i) {
+                tapped[slot] = Some(h.clone());
+            }
         }
         if let (Some(w), Some(b)) = (&self.output_res, &blocks) {
             h = b.mix(&h, w)?;
         }
         let h = self.norm.forward(&h)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed.as_linear(&h),
-        }
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&h)?,
+            None => self.embed.as_linear(&h)?,
+        };
+        let tapped = tapped
+            .into_iter()
+            .map(|t| t.ok_or_else(|| Error::invalid("forward", "a tap layer was not reached")))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((logits, tapped))
     }
 }
 
