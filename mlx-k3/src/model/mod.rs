@@ -19,6 +19,7 @@ mod model;
 pub mod moe;
 pub mod probe;
 pub mod shard;
+pub mod vision;
 pub mod weights;
 
 pub use cache::{LayerCache, ModelCache};
