@@ -1,0 +1,200 @@
+"""Reference outputs of the Kimi K2.5 and Kimi K3 image processors, for mlx-k3's media preprocessing
+(mlx-k3/src/media/, tested by mlx-k3/tests/media.rs).
+
+The references are mlx-vlm 0.7.10's ``KimiK25ImageProcessor`` (``models/kimi_k25/processing_kimi_k25.py``)
+and ``KimiK3ImageProcessor`` (``models/kimi_k3/processing_kimi_k3.py``) with Pillow and numpy as that
+environment installs them. The script draws its own small test images with Pillow (RGB, RGBA with partial
+transparency, a palette image with transparent entries, grayscale with and without alpha or a transparent
+value, JPEG, lossless and lossy WebP, odd sizes) and writes, into mlx-k3/tests/fixtures/vision_preprocess/:
+
+- each image file, and the pixels Pillow decodes from it (``<file>.decoded.bin``: ``im.tobytes()`` in the mode
+  Pillow opens it in, plus ``<file>.rgba.bin``: ``im.convert("RGBA")``, which pins palette and transparency
+  handling);
+- for every (processor, image) case: the image the processor's ``rescale`` returns (resized, filled and
+  padded RGB, ``case_<n>.rgb.bin``), the grid and token count, and for a few cases the full normalized
+  ``pixel_values`` (float32, ``case_<n>.f32.bin``);
+- ``manifest.json`` describing all of it and the processor configurations, which are chosen so tiny images
+  are downscaled by the patch limit, by the per-side limit, or only padded.
+
+The processors are built with the same keyword arguments their ``from_pretrained`` derives from a
+checkpoint's ``preprocessor_config.json``; the manifest stores that ``preprocessor_config.json`` for the
+Rust side to parse.
+
+mlx-vlm is not in the project's .venv (it pins a different transformers): make a separate one,
+
+    python3 -m venv /tmp/vlm-venv && /tmp/vlm-venv/bin/pip install mlx==0.32.4 mlx-vlm==0.7.10 mlx-lm==0.32.2
+
+(on Linux the CPU wheel is ``mlx[cpu]``) and run from the repository root:
+
+    /tmp/vlm-venv/bin/python scripts/make_vision_preprocess_fixtures.py
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from pins import MLX_VLM  # noqa: E402
+
+OUT = ROOT / "mlx-k3/tests/fixtures/vision_preprocess"
+
+
+def check_pins() -> None:
+    if version("mlx-vlm") != MLX_VLM:
+        sys.exit(f"mlx-vlm {version('mlx-vlm')} is installed; these fixtures need {MLX_VLM}")
+
+
+def draw(w: int, h: int, seed: int) -> np.ndarray:
+    """A gradient with sharp edges and noise: every resize rounding path gets exercised."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    r = (x * 255 / max(1, w - 1)).astype(np.int32)
+    g = (y * 255 / max(1, h - 1)).astype(np.int32)
+    b = np.where((x // 5 + y // 4) % 2 == 0, 230, 20)
+    img = np.stack([r, g, b], -1) + rng.integers(-40, 41, size=(h, w, 3))
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def make_images() -> dict[str, bytes]:
+    files: dict[str, bytes] = {}
+
+    def save(name: str, im: Image.Image, fmt: str, **kw) -> None:
+        buf = io.BytesIO()
+        im.save(buf, fmt, **kw)
+        files[name] = buf.getvalue()
+
+    save("rgb.png", Image.fromarray(draw(41, 29, 1)), "PNG")
+    rgba = np.dstack([draw(37, 31, 2), np.tile(np.linspace(0, 255, 37).astype(np.uint8), (31, 1))])
+    rgba[5:12, 3:9, 3] = 0  # fully transparent block with colored pixels under it
+    save("rgba.png", Image.fromarray(rgba, "RGBA"), "PNG")
+    pal = Image.fromarray(draw(33, 27, 3)).quantize(colors=16)
+    alphas = bytes([0, 128, 255, 60] + [255] * 12)
+    save("palette.png", pal, "PNG", transparency=alphas)
+    gray = draw(29, 23, 4)[:, :, 0]
+    save("gray.png", Image.fromarray(gray, "L"), "PNG")
+    save("gray_key.png", Image.fromarray(gray[:20, :21], "L"), "PNG", transparency=int(gray[3, 4]))
+    la = np.dstack([draw(26, 35, 5)[:, :, 1], draw(26, 35, 6)[:, :, 2]])
+    save("gray_alpha.png", Image.fromarray(la, "LA"), "PNG")
+    save("tiny.png", Image.fromarray(draw(3, 2, 7)), "PNG")
+    save("wide.png", Image.fromarray(draw(90, 12, 8)), "PNG")
+    save("photo.jpg", Image.fromarray(draw(45, 33, 9)), "JPEG", quality=90)
+    save("gray.jpg", Image.fromarray(draw(27, 19, 10)[:, :, 2], "L"), "JPEG", quality=85)
+    save("lossless.webp", Image.fromarray(draw(40, 28, 11)), "WEBP", lossless=True)
+    la_rgba = np.dstack([draw(30, 22, 12), np.tile(np.linspace(255, 0, 22).astype(np.uint8)[:, None], (1, 30))])
+    save("lossless_alpha.webp", Image.fromarray(la_rgba, "RGBA"), "WEBP", lossless=True)
+    save("lossy.webp", Image.fromarray(draw(39, 30, 13)), "WEBP", quality=80)
+    return files
+
+
+# preprocessor_config.json contents (media_proc_cfg) per processor, and the reference's kwargs for it.
+PROCESSORS = {
+    # K2.5, small patches so a 41x29 image exceeds the patch limit (10 * 7 = 70 > 40 patches).
+    "k25": ("k25", {"patch_size": 4, "in_patch_limit": 40, "merge_kernel_size": [2, 2]}),
+    # K2.5 with the defaults but a per-side limit that the wide image hits.
+    "k25_side": ("k25", {"patch_size": 6, "patch_limit_on_one_side": 5, "merge_kernel_size": 2,
+                         "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                         "image_std": [0.26862954, 0.26130258, 0.27577711]}),
+    # K3 with a chessboard background composited before the resize, CLIP's mean/std.
+    "k3_chess": ("k3", {"patch_size": 4, "in_patch_limit": 48, "patch_limit_on_one_side": 8,
+                        "merge_kernel_size": [2, 2],
+                        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                        "image_std": [0.26862954, 0.26130258, 0.27577711],
+                        "transparent_bg_config": {"pattern": "chessboard", "chessboard_square_size": 5,
+                                                  "chessboard_gray_value": 190},
+                        "transparent_bg_fill_stage": "before_resize"}),
+    # K3 with a white background composited after the resize, a 1x2 merge kernel.
+    "k3_after": ("k3", {"patch_size": 6, "in_patch_limit": 30, "merge_kernel_size": [1, 2],
+                        "transparent_bg_config": {"pattern": "white"},
+                        "transparent_bg_fill_stage": "after_resize"}),
+    # K3 without a background config (alpha dropped), large patches: images are only padded.
+    "k3_plain": ("k3", {"patch_size": 14, "in_patch_limit": 4}),
+}
+
+# Cases whose full pixel_values are stored (the others store the rescaled uint8 image only).
+FULL = {("k25", "rgba.png"), ("k25_side", "photo.jpg"), ("k3_chess", "palette.png"), ("k3_after", "rgb.png")}
+
+
+def make_processor(kind: str, cfg: dict):
+    if kind == "k25":
+        from mlx_vlm.models.kimi_k25.processing_kimi_k25 import KimiK25ImageProcessor as P
+
+        kw = {}
+        for src, dst in (("patch_size", "patch_size"), ("in_patch_limit", "in_token_limit"),
+                         ("patch_limit_on_one_side", "patch_limit_on_one_side")):
+            if src in cfg:
+                kw[dst] = cfg[src]
+    else:
+        from mlx_vlm.models.kimi_k3.processing_kimi_k3 import KimiK3ImageProcessor as P
+
+        kw = {k: cfg[k] for k in ("patch_size", "in_patch_limit", "patch_limit_on_one_side",
+                                  "transparent_bg_config", "transparent_bg_fill_stage") if k in cfg}
+    for k in ("image_mean", "image_std"):
+        if k in cfg:
+            kw[k] = tuple(cfg[k])
+    if "merge_kernel_size" in cfg:
+        m = cfg["merge_kernel_size"]
+        kw["merge_kernel_size"] = [m, m] if isinstance(m, int) else m
+    return P(**kw)
+
+
+def main() -> None:
+    check_pins()
+    OUT.mkdir(parents=True, exist_ok=True)
+    for f in OUT.iterdir():
+        f.unlink()
+    files = make_images()
+    images = []
+    for name, data in files.items():
+        (OUT / name).write_bytes(data)
+        im = Image.open(io.BytesIO(data))
+        im.load()
+        (OUT / f"{name}.decoded.bin").write_bytes(im.tobytes())
+        (OUT / f"{name}.rgba.bin").write_bytes(im.convert("RGBA").tobytes())
+        images.append({"file": name, "mode": im.mode, "size": list(im.size)})
+    cases = []
+    for pname, (kind, cfg) in PROCESSORS.items():
+        proc = make_processor(kind, cfg)
+        for entry in images:
+            name = entry["file"]
+            im = Image.open(OUT / name)
+            im.load()
+            rescaled = proc.rescale(im)
+            assert rescaled.mode == "RGB"
+            out = proc.preprocess([im])
+            pv = np.array(out["pixel_values"], dtype=np.float32)
+            grid = [int(v) for v in np.array(out["image_grid_hws" if kind == "k25" else "grid_thws"])[0]]
+            if kind == "k25":
+                grid = [1, *grid]
+            merge = proc.merge_kernel_size
+            n = len(cases)
+            (OUT / f"case_{n}.rgb.bin").write_bytes(rescaled.tobytes())
+            case = {"processor": pname, "image": name, "rescaled_size": list(rescaled.size), "grid": grid,
+                    "tokens": grid[0] * grid[1] * grid[2] // (merge[0] * merge[1]),
+                    "pixel_values_shape": list(pv.shape)}
+            if (pname, name) in FULL:
+                (OUT / f"case_{n}.f32.bin").write_bytes(pv.astype("<f4").tobytes())
+                case["pixel_values"] = f"case_{n}.f32.bin"
+            cases.append(case)
+    manifest = {
+        "generator": "scripts/make_vision_preprocess_fixtures.py",
+        "versions": {"mlx-vlm": version("mlx-vlm"), "Pillow": version("Pillow"), "numpy": version("numpy")},
+        "processors": {k: {"kind": kind, "preprocessor_config": {"media_proc_cfg": cfg}}
+                       for k, (kind, cfg) in PROCESSORS.items()},
+        "images": images,
+        "cases": cases,
+    }
+    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    total = sum(f.stat().st_size for f in OUT.iterdir())
+    print(f"wrote {len(images)} images, {len(cases)} cases, {total} bytes to {OUT.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
