@@ -14,7 +14,15 @@ value, JPEG, lossless and lossy WebP, odd sizes) and writes, into mlx-k3/tests/f
   padded RGB, ``case_<n>.rgb.bin``), the grid and token count, and for a few cases the full normalized
   ``pixel_values`` (float32, ``case_<n>.f32.bin``);
 - ``manifest.json`` describing all of it and the processor configurations, which are chosen so tiny images
-  are downscaled by the patch limit, by the per-side limit, or only padded.
+  are downscaled by the patch limit, by the per-side limit, or only padded;
+- ``prompts.json``: placeholder expansion. Kimi K3: chats with image parts rendered by
+  ``KimiK3Processor.apply_chat_template`` and run through the processor's ``__call__`` (placeholders
+  expanded at the text level, then tokenized), whose ids must equal the segment-wise encoding
+  (``apply_chat_template(tokenize=True, image_prompts=...)``, checked here). Kimi K2.5: a prompt with
+  ``<|media_pad|>`` tokens through ``KimiK25Processor.__call__`` (token-level repetition). The tokenizer is
+  ``tokenizer/``: the K3 chat fixture tokenizer (mlx-k3/tests/fixtures/chat/k3_tokenizer, written by
+  scripts/make_k3_chat_fixtures.py) with the media tokens added among the control tokens (positions chosen
+  for the fixture; code looks them up by name).
 
 The processors are built with the same keyword arguments their ``from_pretrained`` derives from a
 checkpoint's ``preprocessor_config.json``; the manifest stores that ``preprocessor_config.json`` for the
@@ -22,7 +30,8 @@ Rust side to parse.
 
 mlx-vlm is not in the project's .venv (it pins a different transformers): make a separate one,
 
-    python3 -m venv /tmp/vlm-venv && /tmp/vlm-venv/bin/pip install mlx==0.32.4 mlx-vlm==0.7.10 mlx-lm==0.32.2
+    python3 -m venv /tmp/vlm-venv && /tmp/vlm-venv/bin/pip install mlx==0.32.4 mlx-vlm==0.7.10 mlx-lm==0.32.2 \
+        tiktoken==0.14.0
 
 (on Linux the CPU wheel is ``mlx[cpu]``) and run from the repository root:
 
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -50,6 +60,10 @@ OUT = ROOT / "mlx-k3/tests/fixtures/vision_preprocess"
 def check_pins() -> None:
     if version("mlx-vlm") != MLX_VLM:
         sys.exit(f"mlx-vlm {version('mlx-vlm')} is installed; these fixtures need {MLX_VLM}")
+    try:
+        import tiktoken  # noqa: F401  (the K3 processor converts the fixture's tiktoken.model with it)
+    except ImportError:
+        sys.exit("tiktoken is not installed in this environment (pip install tiktoken==0.14.0)")
 
 
 def draw(w: int, h: int, seed: int) -> np.ndarray:
@@ -147,9 +161,8 @@ def make_processor(kind: str, cfg: dict):
 
 def main() -> None:
     check_pins()
-    OUT.mkdir(parents=True, exist_ok=True)
-    for f in OUT.iterdir():
-        f.unlink()
+    shutil.rmtree(OUT, ignore_errors=True)
+    OUT.mkdir(parents=True)
     files = make_images()
     images = []
     for name, data in files.items():
@@ -192,8 +205,81 @@ def main() -> None:
         "cases": cases,
     }
     (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    total = sum(f.stat().st_size for f in OUT.iterdir())
+    make_prompts()
+    total = sum(f.stat().st_size for f in OUT.rglob("*") if f.is_file())
     print(f"wrote {len(images)} images, {len(cases)} cases, {total} bytes to {OUT.relative_to(ROOT)}")
+
+
+MEDIA_TOKENS = {"<|media_begin|>": 16, "<|media_content|>": 17, "<|media_end|>": 18, "<|media_pad|>": 19,
+                "<|kimi_image_placeholder|>": 20}
+
+# K3 chats: images as `image` and `image_url` parts, in one message and across turns.
+K3_CHATS = [
+    {"processor": "k3_chess", "images": ["rgb.png", "palette.png"],
+     "messages": [{"role": "system", "content": "You compare pictures."},
+                  {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
+                                               {"type": "image_url", "image_url": {"url": "data:,"}},
+                                               {"type": "text", "text": "What differs?"}]}]},
+    {"processor": "k3_plain", "images": ["wide.png", "gray_alpha.png"],
+     "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
+                  {"role": "assistant", "content": "A striped gradient."},
+                  {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image"}]}]},
+]
+
+K25_PROMPTS = [
+    {"processor": "k25", "images": ["rgba.png", "tiny.png"],
+     "text": "Look: <|media_begin|>image<|media_content|><|media_pad|><|media_end|> then "
+             "<|media_pad|> - which is brighter?"},
+]
+
+
+def make_prompts() -> None:
+    from mlx_vlm.models.kimi_k25.processing_kimi_k25 import KimiK25Processor
+    from mlx_vlm.models.kimi_k3.processing_kimi_k3 import KimiK3Processor, _convert_kimi_k3_tiktoken
+
+    src = ROOT / "mlx-k3/tests/fixtures/chat/k3_tokenizer"
+    tokdir = OUT / "tokenizer"
+    tokdir.mkdir()
+    shutil.copy(src / "tiktoken.model", tokdir / "tiktoken.model")
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    base = min(int(k) for k in cfg["added_tokens_decoder"])
+    for name, offset in MEDIA_TOKENS.items():
+        cfg["added_tokens_decoder"][str(base + offset)] = {
+            "content": name, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": True}
+    cfg["_comment"] = ("The K3 chat fixture tokenizer with media tokens added for the vision preprocessing "
+                       "fixtures (scripts/make_vision_preprocess_fixtures.py).")
+    (tokdir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+    tok = _convert_kimi_k3_tiktoken(tokdir / "tiktoken.model", tokdir / "tokenizer_config.json")
+
+    def load(name: str) -> Image.Image:
+        im = Image.open(OUT / name)
+        im.load()
+        return im
+
+    out = {"k3": [], "k25": []}
+    for chat in K3_CHATS:
+        kind, pcfg = PROCESSORS[chat["processor"]]
+        proc = KimiK3Processor(image_processor=make_processor(kind, pcfg), tokenizer=tok)
+        images = [load(n) for n in chat["images"]]
+        text = proc.apply_chat_template(chat["messages"], tokenize=False, add_generation_prompt=True)
+        called = proc(images=images, text=text)
+        ids = [int(v) for v in np.array(called["input_ids"])[0]]
+        grids = np.array(called["grid_thws"])
+        merge = proc.image_processor.merge_kernel_size
+        prompts = [proc.make_image_prompt(im.size[0], im.size[1], int(np.prod(g)) // (merge[0] * merge[1]))
+                   for im, g in zip(images, grids)]
+        segment_ids = list(proc.apply_chat_template(chat["messages"], tokenize=True, add_generation_prompt=True,
+                                                    image_prompts=prompts))
+        assert segment_ids == ids, "the processor's text-level expansion and the segment encoding differ"
+        out["k3"].append({**chat, "ids": ids, "image_token_id": int(called["image_token_id"])})
+    for case in K25_PROMPTS:
+        kind, pcfg = PROCESSORS[case["processor"]]
+        proc = KimiK25Processor(image_processor=make_processor(kind, pcfg), tokenizer=tok)
+        called = proc(images=[load(n) for n in case["images"]], text=case["text"])
+        ids = [int(v) for v in np.array(called["input_ids"])[0]]
+        out["k25"].append({**case, "ids": ids, "image_token_id": int(called["image_token_id"])})
+    (OUT / "prompts.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

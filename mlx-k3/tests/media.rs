@@ -251,3 +251,63 @@ fn bad_processor_configs_name_the_field() {
     assert_eq!(ImageProcessor::from_dir(ProcessorKind::K25, none).unwrap().in_patch_limit, 16384);
     assert_eq!(ImageProcessor::from_dir(ProcessorKind::K3, none).unwrap().in_patch_limit, 65536);
 }
+
+fn prompts() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir().join("prompts.json")).unwrap()).unwrap()
+}
+
+fn processed(m: &Value, case: &Value) -> (ImageProcessor, Vec<media::Processed>) {
+    let proc = processor(m, case["processor"].as_str().unwrap());
+    let images = case["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| proc.process(&decoded(f.as_str().unwrap())).unwrap())
+        .collect();
+    (proc, images)
+}
+
+/// Kimi K3: the chat encoder's prompt with the placeholders expanded gives the ids of the processor's
+/// `__call__` (which expands the rendered text and tokenizes it).
+#[test]
+fn k3_placeholders_expand_as_the_processor_does() {
+    use mlx_k3::chat::{ChatEncoder, ChatOptions};
+    use mlx_k3::tokenizer::Tokenizer;
+    let (tok, cfg) = Tokenizer::load(&dir().join("tokenizer")).unwrap();
+    let enc = ChatEncoder::new(&tok, cfg.chat_template.as_deref(), cfg.bos_token, cfg.eos_token).unwrap();
+    let m = manifest();
+    let cases = prompts();
+    for (n, case) in cases["k3"].as_array().unwrap().iter().enumerate() {
+        let (_, images) = processed(&m, case);
+        let messages = case["messages"].as_array().unwrap();
+        let rendered = enc.prompt(messages, None, &ChatOptions::default()).unwrap();
+        let got = media::prompt::k3_prompt(&tok, &rendered, &images).unwrap();
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        assert_eq!(got.ids, want, "k3 case {n}");
+        assert_eq!(got.placeholder_ids, vec![case["image_token_id"].as_u64().unwrap() as u32]);
+        // One image too few or too many: an error naming both counts.
+        let e = media::prompt::k3_prompt(&tok, &rendered, &images[..1]).unwrap_err().to_string();
+        assert!(e.contains("2 image placeholders for 1 images"), "{e}");
+    }
+}
+
+/// Kimi K2.5: each `<|media_pad|>` token repeated to its image's token count, as `KimiK25Processor.__call__`.
+#[test]
+fn k25_media_pads_repeat_as_the_processor_does() {
+    use mlx_k3::tokenizer::Tokenizer;
+    let (tok, _) = Tokenizer::load(&dir().join("tokenizer")).unwrap();
+    let m = manifest();
+    for case in prompts()["k25"].as_array().unwrap() {
+        let (_, images) = processed(&m, case);
+        let ids = tok.encode(case["text"].as_str().unwrap(), true).unwrap();
+        let got = media::prompt::k25_prompt(&tok, &ids, &images).unwrap();
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        assert_eq!(got.ids, want);
+        let e = media::prompt::k25_prompt(&tok, &ids, &images[..1]).unwrap_err().to_string();
+        assert!(e.contains("2 image placeholders for 1 images"), "{e}");
+    }
+    // A tokenizer without media tokens says so.
+    let (plain, _) = Tokenizer::load(&dir().join("../chat/k3_tokenizer")).unwrap();
+    let e = media::prompt::media_pad_id(&plain).unwrap_err().to_string();
+    assert!(e.contains("<|media_pad|>"), "{e}");
+}
