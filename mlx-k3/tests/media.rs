@@ -311,3 +311,55 @@ fn k25_media_pads_repeat_as_the_processor_does() {
     let e = media::prompt::media_pad_id(&plain).unwrap_err().to_string();
     assert!(e.contains("<|media_pad|>"), "{e}");
 }
+
+/// Video: frames in chunks of up to 4; a chunk's pixel values are its frames' image patches in frame order,
+/// its grid `(t, h, w)`, its tokens one frame's (the towers pool over `t`).
+#[test]
+fn video_frames_become_chunks_of_image_patches() {
+    let m = manifest();
+    let proc = processor(&m, "k3_chess");
+    let dir = tempfile::tempdir().unwrap();
+    // Five frames: the same picture shifted by a column each time, written as PNG files out of order.
+    let base = decoded("rgb.png");
+    let mut frames = Vec::new();
+    for i in 0..5usize {
+        let mut data = base.data.clone();
+        data.rotate_left(3 * i);
+        frames.push(Image::from_raw(base.width, base.height, Mode::Rgb, data).unwrap());
+    }
+    for i in [3usize, 0, 4, 1, 2] {
+        write_png(&frames[i], &dir.path().join(format!("frame_{i:03}.png")));
+    }
+    std::fs::write(dir.path().join("notes.txt"), "not a frame").unwrap();
+    let loaded = media::decode_frames_dir(dir.path(), &Limits::default(), 100).unwrap();
+    assert_eq!(loaded, frames);
+    let chunks = proc.process_video(&loaded, media::VIDEO_CHUNK_FRAMES).unwrap();
+    assert_eq!(chunks.len(), 2);
+    let one = proc.process(&frames[0]).unwrap();
+    assert_eq!(chunks[0].grid, [4, one.grid[1], one.grid[2]]);
+    assert_eq!(chunks[1].grid, [1, one.grid[1], one.grid[2]]);
+    assert_eq!(chunks[0].tokens, one.tokens);
+    let mut want = Vec::new();
+    for f in &frames[..4] {
+        want.extend(proc.process(f).unwrap().pixel_values);
+    }
+    assert!(chunks[0].pixel_values == want);
+    assert!(chunks[1].pixel_values == proc.process(&frames[4]).unwrap().pixel_values);
+    // Frames of different sizes, no frames, too many frames: errors.
+    let e = proc.process_video(&[frames[0].clone(), decoded("tiny.png")], 4).unwrap_err().to_string();
+    assert!(e.contains("video frame 1 is 3x2"), "{e}");
+    assert!(proc.process_video(&[], 4).is_err());
+    let e = media::decode_frames_dir(dir.path(), &Limits::default(), 4).unwrap_err().to_string();
+    assert!(e.contains("5 frames, more than the limit of 4"), "{e}");
+    let empty = tempfile::tempdir().unwrap();
+    let e = media::decode_frames_dir(empty.path(), &Limits::default(), 4).unwrap_err().to_string();
+    assert!(e.contains("no .png"), "{e}");
+}
+
+fn write_png(im: &Image, path: &Path) {
+    let file = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    let mut enc = png::Encoder::new(file, im.width as u32, im.height as u32);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    enc.write_header().unwrap().write_image_data(&im.data).unwrap();
+}

@@ -231,3 +231,30 @@ fn decode_webp(bytes: &[u8], name: &str, limits: &Limits) -> Result<Image> {
     dec.read_image(&mut data).map_err(webp_err)?;
     Image::from_raw(w, h, mode, data)
 }
+
+/// The frames of a video stored as a directory of image files: every `.png`, `.jpg`, `.jpeg` and `.webp`
+/// file (case-insensitive), in byte order of their names (`frame_0001.png`, ...), each decoded with
+/// `limits`. Other files are ignored; a directory with no frames, or more than `max_frames`, is an error
+/// naming it.
+pub fn decode_frames_dir(dir: &Path, limits: &Limits, max_frames: usize) -> Result<Vec<Image>> {
+    let io = |source| Error::Io { path: dir.to_path_buf(), source };
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io)? {
+        let path = entry.map_err(io)?.path();
+        let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+        if path.is_file() && matches!(ext.as_deref(), Some("png" | "jpg" | "jpeg" | "webp")) {
+            names.push(path);
+        }
+    }
+    if names.is_empty() {
+        return Err(bad(&dir.display().to_string(), "no .png, .jpg or .webp frames in the directory"));
+    }
+    if names.len() > max_frames {
+        return Err(bad(
+            &dir.display().to_string(),
+            format!("{} frames, more than the limit of {max_frames}", names.len()),
+        ));
+    }
+    names.sort();
+    names.iter().map(|p| decode_file(p, limits)).collect()
+}

@@ -14,14 +14,17 @@
 //!    `merge_kernel_size * patch_size`, `/255` and mean/std normalization, and patchify into
 //!    `[patches, 3, p, p]` in row-major patch order with the grid `(t, h, w)`.
 //! 3. [`prompt`]: expanding the chat's image placeholder into the image's tokens.
+//!
+//! Video is a list of frames ([`decode_frames_dir`] reads a directory of image files in name order) cut into
+//! chunks of up to [`VIDEO_CHUNK_FRAMES`] ([`ImageProcessor::process_video`]).
 
 mod decode;
 mod process;
 pub mod prompt;
 mod resize;
 
-pub use decode::{decode, decode_file, Limits};
-pub use process::{stack, Background, FillStage, ImageProcessor, Processed, ProcessorKind};
+pub use decode::{decode, decode_file, decode_frames_dir, Limits};
+pub use process::{stack, Background, FillStage, ImageProcessor, Processed, ProcessorKind, VIDEO_CHUNK_FRAMES};
 
 use crate::{Error, Result};
 

@@ -91,13 +91,15 @@ pub struct ImageProcessor {
 pub struct Processed {
     /// `[patches, 3, p, p]` row-major, normalized.
     pub pixel_values: Vec<f32>,
-    /// The patch grid `(t, h, w)`; `t` is 1 for an image.
+    /// The patch grid `(t, h, w)`; `t` is 1 for an image, the chunk's frame count for video.
     pub grid: [usize; 3],
-    /// The image as the model sees it before normalization: resized, filled and padded RGB.
+    /// The image as the model sees it before normalization: resized, filled and padded RGB (a video chunk's
+    /// first frame).
     pub rgb: Image,
     /// The original size `(width, height)` (K3's prompt names it).
     pub original_size: (usize, usize),
-    /// Tokens the image becomes after patch merging: `t * h * w / (merge_h * merge_w)`.
+    /// Tokens the image becomes after patch merging: `h * w / (merge_h * merge_w)` (a video chunk's `t`
+    /// frames are pooled into one set).
     pub tokens: usize,
 }
 
@@ -335,6 +337,53 @@ impl ImageProcessor {
             }
         }
         out
+    }
+}
+
+/// Frames per video chunk unless a caller says otherwise: the Kimi cards group video frames into chunks of
+/// up to 4, and K3's tower has temporal position embeddings for `init_pos_emb_time` = 4 frames.
+pub const VIDEO_CHUNK_FRAMES: usize = 4;
+
+impl ImageProcessor {
+    /// A video given as its frames, in order, into chunks of up to `chunk` frames (the last may be shorter),
+    /// one [`Processed`] per chunk. No reference processor handles video for these models (mlx-vlm 0.7.10's
+    /// K3 processor refuses it), so the rule is taken from the towers: their `sd2_tpool` merge reads a chunk
+    /// `(t, h, w)` as `t` frames of `h x w` patches, frame-major, and mean-pools over `t` before the spatial
+    /// merge, so a chunk yields `h * w / (merge_h * merge_w)` tokens whatever `t` is. Each frame goes through
+    /// the image pipeline unchanged (the same rescale, resize, fill, pad and normalization), so a chunk's
+    /// `pixel_values` are its frames' image patches concatenated. All frames must have one size.
+    pub fn process_video(&self, frames: &[Image], chunk: usize) -> Result<Vec<Processed>> {
+        if frames.is_empty() {
+            return Err(Error::invalid("media", "a video without frames"));
+        }
+        if chunk == 0 {
+            return Err(Error::invalid("media", "video chunks of 0 frames"));
+        }
+        let (w, h) = (frames[0].width, frames[0].height);
+        if let Some((i, f)) = frames.iter().enumerate().find(|(_, f)| (f.width, f.height) != (w, h)) {
+            return Err(Error::invalid(
+                "media",
+                format!(
+                    "video frame {i} is {}x{}, frame 0 is {w}x{h}: all frames must have one size",
+                    f.width, f.height
+                ),
+            ));
+        }
+        let mut out = Vec::with_capacity(frames.len().div_ceil(chunk));
+        for group in frames.chunks(chunk) {
+            let mut pixel_values = Vec::new();
+            let mut first = None;
+            for f in group {
+                let p = self.process(f)?;
+                pixel_values.extend_from_slice(&p.pixel_values);
+                first.get_or_insert(p);
+            }
+            let first = first.expect("chunks are not empty");
+            let grid = [group.len(), first.grid[1], first.grid[2]];
+            let tokens = grid[1] * grid[2] / (self.merge_kernel_size[0] * self.merge_kernel_size[1]);
+            out.push(Processed { pixel_values, grid, rgb: first.rgb, original_size: (w, h), tokens });
+        }
+        Ok(out)
     }
 }
 
