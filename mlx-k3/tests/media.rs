@@ -363,3 +363,89 @@ fn write_png(im: &Image, path: &Path) {
     enc.set_depth(png::BitDepth::Eight);
     enc.write_header().unwrap().write_image_data(&im.data).unwrap();
 }
+
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &b in bytes {
+        c ^= u32::from(b);
+        for _ in 0..8 {
+            c = if c & 1 != 0 { 0xedb8_8320 ^ (c >> 1) } else { c >> 1 };
+        }
+    }
+    !c
+}
+
+/// Headers that claim huge images are refused from the header, before any pixel buffer is allocated (a
+/// 60000 x 60000 RGB image would need 10 GB).
+#[test]
+fn huge_dimensions_are_refused_from_the_header() {
+    let l = Limits::default();
+    // PNG: IHDR's width and height (bytes 16..24), with the chunk's CRC recomputed.
+    let mut png = read("rgb.png");
+    png[16..20].copy_from_slice(&60000u32.to_be_bytes());
+    png[20..24].copy_from_slice(&60000u32.to_be_bytes());
+    let crc = crc32(&png[12..29]);
+    png[29..33].copy_from_slice(&crc.to_be_bytes());
+    let e = err(&png, &l);
+    assert!(e.contains("60000x60000") && e.contains("more than the limit"), "{e}");
+    // JPEG: the SOF0 segment's height and width.
+    let mut jpg = read("photo.jpg");
+    let sof = jpg.windows(2).position(|w| w == [0xff, 0xc0]).unwrap();
+    jpg[sof + 5..sof + 7].copy_from_slice(&60000u16.to_be_bytes());
+    jpg[sof + 7..sof + 9].copy_from_slice(&60000u16.to_be_bytes());
+    let e = err(&jpg, &l);
+    assert!(e.contains("60000x60000") && e.contains("more than the limit"), "{e}");
+    // Lossless WebP: the VP8L header's 14-bit width-1 and height-1 (bytes 21..25 of the file). (image-webp
+    // 0.2.4 reads 16384, the largest the field holds, as 0, which is refused too.)
+    let mut webp = read("lossless.webp");
+    assert_eq!(&webp[12..16], b"VP8L");
+    let bits = u32::from_le_bytes([webp[21], webp[22], webp[23], webp[24]]);
+    let bits = (bits & !((1 << 28) - 1)) | 11999 | (11999 << 14);
+    webp[21..25].copy_from_slice(&bits.to_le_bytes());
+    let e = err(&webp, &l);
+    assert!(e.contains("12000x12000") && e.contains("more than the limit"), "{e}");
+}
+
+/// Random byte changes to every fixture file (a fixed seed, 300 mutants per file): each decodes to a
+/// consistent image, which the K3 processor then processes, or is an error naming the input; never a panic.
+#[test]
+fn mutated_files_decode_or_fail_cleanly() {
+    let m = manifest();
+    let mut proc = ImageProcessor::new(ProcessorKind::K3);
+    proc.patch_size = 4;
+    proc.in_patch_limit = 64;
+    proc.transparent_bg = Some(media::Background::Solid(255));
+    let limits = Limits { max_pixels: 1 << 16, ..Limits::default() };
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let (mut ok, mut failed) = (0, 0);
+    for entry in m["images"].as_array().unwrap() {
+        let original = read(entry["file"].as_str().unwrap());
+        for _ in 0..300 {
+            let mut bytes = original.clone();
+            for _ in 0..1 + next() % 4 {
+                let i = (next() % bytes.len() as u64) as usize;
+                bytes[i] = next() as u8;
+            }
+            match media::decode(&bytes, "mutant", &limits) {
+                Ok(im) => {
+                    assert_eq!(im.data.len(), im.width * im.height * im.mode.bands());
+                    let out = proc.process(&im).unwrap();
+                    assert_eq!(out.pixel_values.len(), out.grid[1] * out.grid[2] * 3 * 16);
+                    ok += 1;
+                }
+                Err(e) => {
+                    assert!(e.to_string().starts_with("mutant: "), "{e}");
+                    failed += 1;
+                }
+            }
+        }
+    }
+    eprintln!("{ok} mutants decoded, {failed} refused");
+    assert!(ok > 0 && failed > 0);
+}
