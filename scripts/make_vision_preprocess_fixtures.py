@@ -5,7 +5,7 @@ The references are mlx-vlm 0.7.10's ``KimiK25ImageProcessor`` (``models/kimi_k25
 and ``KimiK3ImageProcessor`` (``models/kimi_k3/processing_kimi_k3.py``) with Pillow and numpy as that
 environment installs them. The script draws its own small test images with Pillow (RGB, RGBA with partial
 transparency, a palette image with transparent entries, grayscale with and without alpha or a transparent
-value, JPEG, lossless and lossy WebP, odd sizes) and writes, into mlx-k3/tests/fixtures/vision_preprocess/:
+value, 16-bit and 2-bit and interlaced PNGs written by hand, JPEG, lossless and lossy WebP, odd sizes) and writes, into mlx-k3/tests/fixtures/vision_preprocess/:
 
 - each image file, and the pixels Pillow decodes from it (``<file>.decoded.bin``: ``im.tobytes()`` in the mode
   Pillow opens it in, plus ``<file>.rgba.bin``: ``im.convert("RGBA")``, which pins palette and transparency
@@ -43,7 +43,9 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import struct
 import sys
+import zlib
 from importlib.metadata import version
 from pathlib import Path
 
@@ -77,6 +79,39 @@ def draw(w: int, h: int, seed: int) -> np.ndarray:
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
+def png_bytes(samples: np.ndarray, color_type: int, bit_depth: int, interlace: bool = False) -> bytes:
+    """A PNG written by hand, for layouts Pillow does not save: 16-bit color, 2-bit gray, Adam7 interlacing.
+    ``samples`` is ``[h, w, channels]`` (uint16 big-endian for 16 bits) or, for bit depths below 8, ``[h, w]``
+    values already in range."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    def rows(img: np.ndarray) -> bytes:
+        out = b""
+        for row in img:
+            if bit_depth < 8:
+                per = 8 // bit_depth
+                vals = list(row) + [0] * (-len(row) % per)
+                packed = bytes(sum(int(v) << (8 - bit_depth * (j + 1)) for j, v in enumerate(vals[i:i + per]))
+                               for i in range(0, len(vals), per))
+            else:
+                packed = row.astype(">u2" if bit_depth == 16 else "u1").tobytes()
+            out += b"\0" + packed
+        return out
+
+    h, w = samples.shape[:2]
+    if interlace:
+        passes = [(0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2)]
+        raw = b"".join(rows(samples[y0::dy, x0::dx]) for x0, y0, dx, dy in passes
+                       if samples[y0::dy, x0::dx].size)
+    else:
+        raw = rows(samples)
+    ihdr = struct.pack(">IIBBBBB", w, h, bit_depth, color_type, 0, 0, int(interlace))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw))
+            + chunk(b"IEND", b""))
+
+
 def make_images() -> dict[str, bytes]:
     files: dict[str, bytes] = {}
 
@@ -99,6 +134,11 @@ def make_images() -> dict[str, bytes]:
     save("gray_alpha.png", Image.fromarray(la, "LA"), "PNG")
     save("tiny.png", Image.fromarray(draw(3, 2, 7)), "PNG")
     save("wide.png", Image.fromarray(draw(90, 12, 8)), "PNG")
+    rng = np.random.default_rng(14)
+    files["rgb16.png"] = png_bytes(rng.integers(0, 65536, size=(13, 19, 3)), 2, 16)
+    files["rgba16.png"] = png_bytes(rng.integers(0, 65536, size=(11, 17, 4)), 6, 16)
+    files["gray2.png"] = png_bytes(rng.integers(0, 4, size=(9, 15)), 0, 2)
+    files["interlaced.png"] = png_bytes(draw(23, 18, 15), 2, 8, interlace=True)
     save("photo.jpg", Image.fromarray(draw(45, 33, 9)), "JPEG", quality=90)
     save("gray.jpg", Image.fromarray(draw(27, 19, 10)[:, :, 2], "L"), "JPEG", quality=85)
     save("lossless.webp", Image.fromarray(draw(40, 28, 11)), "WEBP", lossless=True)
