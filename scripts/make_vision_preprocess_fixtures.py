@@ -5,7 +5,7 @@ The references are mlx-vlm 0.7.10's ``KimiK25ImageProcessor`` (``models/kimi_k25
 and ``KimiK3ImageProcessor`` (``models/kimi_k3/processing_kimi_k3.py``) with Pillow and numpy as that
 environment installs them. The script draws its own small test images with Pillow (RGB, RGBA with partial
 transparency, a palette image with transparent entries, grayscale with and without alpha or a transparent
-value, 16-bit and 2-bit and interlaced PNGs written by hand, JPEG, lossless and lossy WebP, odd sizes) and writes, into mlx-k3/tests/fixtures/vision_preprocess/:
+value, 16-bit and 2-bit and interlaced PNGs and a palette with out-of-range indices written by hand, JPEG, lossless and lossy WebP, odd sizes) and writes, into mlx-k3/tests/fixtures/vision_preprocess/:
 
 - each image file, and the pixels Pillow decodes from it (``<file>.decoded.bin``: ``im.tobytes()`` in the mode
   Pillow opens it in, plus ``<file>.rgba.bin``: ``im.convert("RGBA")``, which pins palette and transparency
@@ -79,7 +79,8 @@ def draw(w: int, h: int, seed: int) -> np.ndarray:
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def png_bytes(samples: np.ndarray, color_type: int, bit_depth: int, interlace: bool = False) -> bytes:
+def png_bytes(samples: np.ndarray, color_type: int, bit_depth: int, interlace: bool = False,
+              before_idat: bytes = b"") -> bytes:
     """A PNG written by hand, for layouts Pillow does not save: 16-bit color, 2-bit gray, Adam7 interlacing.
     ``samples`` is ``[h, w, channels]`` (uint16 big-endian for 16 bits) or, for bit depths below 8, ``[h, w]``
     values already in range."""
@@ -108,7 +109,12 @@ def png_bytes(samples: np.ndarray, color_type: int, bit_depth: int, interlace: b
     else:
         raw = rows(samples)
     ihdr = struct.pack(">IIBBBBB", w, h, bit_depth, color_type, 0, 0, int(interlace))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw))
+    extra = b""
+    while before_idat:  # (kind, data) pairs: 4-byte kind, 4-byte length, data
+        kind, n = before_idat[:4], struct.unpack(">I", before_idat[4:8])[0]
+        extra += chunk(kind, before_idat[8:8 + n])
+        before_idat = before_idat[8 + n:]
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + extra + chunk(b"IDAT", zlib.compress(raw))
             + chunk(b"IEND", b""))
 
 
@@ -139,6 +145,10 @@ def make_images() -> dict[str, bytes]:
     files["rgba16.png"] = png_bytes(rng.integers(0, 65536, size=(11, 17, 4)), 6, 16)
     files["gray2.png"] = png_bytes(rng.integers(0, 4, size=(9, 15)), 0, 2)
     files["interlaced.png"] = png_bytes(draw(23, 18, 15), 2, 8, interlace=True)
+    # A 3-entry palette with one tRNS alpha, and indices past the palette (Pillow reads them as opaque black).
+    plte = bytes([200, 30, 40, 20, 180, 60, 30, 40, 220])
+    chunks = b"PLTE" + struct.pack(">I", len(plte)) + plte + b"tRNS" + struct.pack(">I", 1) + bytes([90])
+    files["short_palette.png"] = png_bytes(rng.integers(0, 6, size=(10, 14, 1)), 3, 8, before_idat=chunks)
     save("photo.jpg", Image.fromarray(draw(45, 33, 9)), "JPEG", quality=90)
     save("gray.jpg", Image.fromarray(draw(27, 19, 10)[:, :, 2], "L"), "JPEG", quality=85)
     save("lossless.webp", Image.fromarray(draw(40, 28, 11)), "WEBP", lossless=True)

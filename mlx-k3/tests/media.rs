@@ -84,7 +84,7 @@ fn lossless_decoders_match_pillow() {
         assert!(im.to_rgba().data == read(&format!("{file}.rgba.bin")), "{file}: RGBA conversion differs");
         checked += 1;
     }
-    assert_eq!(checked, 15);
+    assert_eq!(checked, 16);
 }
 
 /// JPEG: zune-jpeg is not bit-exact with libjpeg-turbo (different IDCT and chroma-upsampling rounding).
