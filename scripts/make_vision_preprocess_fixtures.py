@@ -5,7 +5,8 @@ The references are mlx-vlm 0.7.10's ``KimiK25ImageProcessor`` (``models/kimi_k25
 and ``KimiK3ImageProcessor`` (``models/kimi_k3/processing_kimi_k3.py``) with Pillow and numpy as that
 environment installs them. The script draws its own small test images with Pillow (RGB, RGBA with partial
 transparency, a palette image with transparent entries, grayscale with and without alpha or a transparent
-value, 16-bit and 2-bit and interlaced PNGs and a palette with out-of-range indices written by hand, JPEG, lossless and lossy WebP, odd sizes) and writes, into mlx-k3/tests/fixtures/vision_preprocess/:
+value; 16-bit, 2-bit, interlaced and short-palette PNGs written by hand; JPEG, lossless and lossy WebP; odd
+sizes) and writes, into mlx-k3/tests/fixtures/vision_preprocess/:
 
 - each image file, and the pixels Pillow decodes from it (``<file>.decoded.bin``: ``im.tobytes()`` in the mode
   Pillow opens it in, plus ``<file>.rgba.bin``: ``im.convert("RGBA")``, which pins palette and transparency
