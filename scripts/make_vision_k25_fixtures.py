@@ -17,6 +17,8 @@ Output, under `mlx-k3/tests/fixtures/vision_k25/`:
                                            (`vision_tower.encoder.*`, `blocks.N.wqkv` / `wo` without `attn.`,
                                            the patch embedding's conv weight in PyTorch's [out, in, kh, kw]
                                            layout), which mlx-vlm's sanitize maps to the same tensors (checked)
+    q8/config.json, model.safetensors      a width-32 tower and projector whose Linears mlx-vlm quantized to
+                                           affine 8-bit (group 32), tower tensors only
     expected.safetensors                   per case (image, two_images, video):
         <case>.pixel_values  float32 [N, 3, 14, 14]  random patches in [-1, 1]
         <case>.grids         int32   [G, 2] image grids (h, w), or [G, 3] video chunks (t, h, w)
@@ -26,6 +28,7 @@ Output, under `mlx-k3/tests/fixtures/vision_k25/`:
         <case>.decode_tokens int32   [N]     tokens fed to N greedy decode steps ([0] = argmax of the last
                                              prefill row, [i] = argmax(decode_logits[i-1]))
         <case>.decode_logits float32 [N, 128] logits after each decode step (language model + cache)
+        q8.<case>.features   float32 [tokens, 32]   the same pixels through the q8 tower (mlx-vlm's load_model)
     manifest.json                          the cases, their grids, token counts and robustness checks
 
 Cases: `image` one image, grid 4x6 (the position table resized down in both axes); `two_images` that image
@@ -86,6 +89,7 @@ from mlx_lm.models import kimi_k25 as lm_kimi_k25  # noqa: E402
 from mlx_vlm.models import kimi_k25  # noqa: E402
 from mlx_vlm.models.cache import KVCache  # noqa: E402
 from mlx_vlm.models.deepseek_v3 import language as vlm_dsv3  # noqa: E402
+from mlx_vlm.quant_utils import quantize_model  # noqa: E402
 from mlx_vlm.utils import load_model  # noqa: E402
 
 ROOT = k3.ROOT
@@ -120,13 +124,18 @@ CASES = [
 ]
 
 
-def make_config() -> dict:
+# The 8-bit fixture's tower: MLX's affine groups (32) must divide every Linear's inputs.
+VISION_Q8 = {**VISION, "embed_dim": 32, "hidden_size": 32, "intermediate_size": 64}
+Q8_SEED = 26
+
+
+def make_config(vision: dict = VISION) -> dict:
     c = next(f for f in dsv3.FIXTURES if f["name"] == "c_kimi_k25")
     text = {**copy.deepcopy(dsv3.BASE), **copy.deepcopy(c["text"]), "model_type": "deepseek_v3"}
     return {
         "model_type": "kimi_k25",
         "text_config": text,
-        "vision_config": copy.deepcopy(VISION),
+        "vision_config": copy.deepcopy(vision),
         "media_placeholder_token_id": PLACEHOLDER,
         "tie_word_embeddings": False,
     }
@@ -235,6 +244,41 @@ def check_text_against_mlx_lm(model, d: Path) -> float:
     err = float(np.abs(a - b).max() / np.abs(b).max())
     assert err <= 1e-5, f"mlx-vlm's and mlx-lm's kimi_k25 text logits differ: {err}"
     return err
+
+
+def vision_only(weights: dict) -> dict:
+    return {k: v for k, v in sorted(weights.items()) if k.startswith(("vision_tower.", "mm_projector."))}
+
+
+def build_q8(out: Path, inputs: dict) -> tuple[dict, dict]:
+    """`q8/`: a width-32 tower whose Linears (blocks and projector) mlx-vlm quantized to affine 8-bit, group
+    32; the text model stays float. Its features for every case, from mlx-vlm's load_model of the
+    quantized checkpoint. Only the tower's tensors are kept in the folder (the text model is the float one's
+    shape and not what this fixture checks)."""
+    config = make_config(VISION_Q8)
+    mx.random.seed(Q8_SEED)
+    model = build_model(config)
+    init_weights(model, config["text_config"])
+    is_tower = lambda path, module: path.startswith(("vision_tower.", "mm_projector."))  # noqa: E731
+    model, qconfig = quantize_model(model, config, 32, 8, mode="affine", quant_predicate=is_tower)
+    with tempfile.TemporaryDirectory() as tmp:
+        full = Path(tmp) / "q8"
+        write_checkpoint(full, model, qconfig)
+        ref = load_model(full)
+        kinds = sorted({type(m).__name__ for p, m in ref.named_modules() if is_tower(p, m)})
+        assert "QuantizedLinear" in kinds, kinds
+        n_quant = sum(1 for p, m in ref.named_modules() if is_tower(p, m) and type(m).__name__ == "QuantizedLinear")
+        feats = {}
+        for name, grids, _ in CASES:
+            g = mx.array(grids, dtype=mx.int32)
+            f = ref.mm_projector(ref.vision_tower(mx.array(inputs[name]).transpose(0, 2, 3, 1), grid_thw=g))
+            feats[f"q8.{name}.features"] = np.array(mx.concatenate(f, axis=0)).astype(np.float32)
+        qdir = out / "q8"
+        qdir.mkdir()
+        shutil.copyfile(full / "config.json", qdir / "config.json")
+        tower = vision_only(mx.load(str(full / "model.safetensors")))
+        mx.save_safetensors(str(qdir / "model.safetensors"), tower, metadata={"format": "mlx"})
+    return feats, {"quantized_linears": n_quant, "quantization": qconfig["quantization"]}
 
 
 def pixels(rng, n: int) -> np.ndarray:
@@ -354,6 +398,8 @@ def build(out: Path) -> dict:
         }
         cases.append(stats)
         print(stats)
+    q8_feats, q8_stats = build_q8(out, inputs)
+    expected.update(q8_feats)
     meta = {"generator": "scripts/make_vision_k25_fixtures.py", **{k: v for k, v in PINS.items()}}
     mx.save_safetensors(
         str(out / "expected.safetensors"), {k: mx.array(v) for k, v in sorted(expected.items())}, metadata=meta
@@ -365,6 +411,7 @@ def build(out: Path) -> dict:
         "decode_steps": DECODE_STEPS,
         "text_vs_mlx_lm_rel_err": float(f"{text_err:.3g}"),
         "cases": cases,
+        "q8": q8_stats,
     }
 
 

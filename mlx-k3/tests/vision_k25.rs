@@ -67,6 +67,27 @@ fn tower_features_match_mlx_vlm() {
     }
 }
 
+/// The tower whose `Linear`s mlx-vlm quantized to affine 8-bit (group 32, blocks and projector; the patch
+/// embedding is a convolution and stays float): the same MLX quantized matmuls on the same packed weights,
+/// so the same 1e-4 tolerance.
+#[test]
+fn quantized_tower_features_match_mlx_vlm() {
+    let st = expected();
+    let q8 = tower(&root().join("q8"));
+    let quantized: Vec<_> = q8.tensor_records().iter().filter(|r| r.spec.is_some()).collect();
+    assert_eq!(quantized.len(), 10, "2 blocks x (wqkv, wo, fc0, fc1) + 2 projector Linears");
+    assert!(quantized.iter().all(|r| r.spec.is_some_and(|s| s.bits == 8 && s.group_size == 32)));
+    for case in CASES {
+        let pv = st.get(&format!("{case}.pixel_values")).unwrap();
+        let want = st.get(&format!("q8.{case}.features")).unwrap();
+        let got = q8.encode(&pv, &grids(&st, case)).unwrap();
+        assert_eq!(got.shape(), want.shape(), "{case}");
+        let e = rel_err(&got, &want);
+        println!("{case} (8-bit): features rel err {e:.2e}");
+        assert!(e <= TOL, "{case} (8-bit): features rel err {e}");
+    }
+}
+
 #[test]
 fn merged_prompt_logits_and_greedy_tokens_match_mlx_vlm() {
     let st = expected();
