@@ -69,6 +69,23 @@ pub struct MoonVitConfig {
 }
 
 impl MoonVitConfig {
+    /// mlx-vlm's `VisionConfig` defaults (the sizes of Kimi K2.5's tower: 27 blocks of width 1152, 16 heads,
+    /// patch 14, MLP 4304, a 64x64 position table, 2x2 merge) feeding a text model `text_hidden` wide.
+    pub fn defaults(text_hidden: usize) -> MoonVitConfig {
+        MoonVitConfig {
+            depth: 27,
+            embed_dim: 1152,
+            num_heads: 16,
+            patch_size: 14,
+            num_channels: 3,
+            intermediate_size: 4304,
+            pos_emb_side: 64,
+            merge: (2, 2),
+            text_hidden,
+            placeholders: vec![DEFAULT_PLACEHOLDER as i32],
+        }
+    }
+
     /// Reads `vision_config` (and the placeholder ids) of a parsed `config.json`; None when it has none.
     /// `path` names the file in errors.
     pub fn from_model_config(cfg: &ModelConfig, path: &Path) -> Result<Option<MoonVitConfig>> {
@@ -404,7 +421,18 @@ impl MoonVit {
             return Err(Error::invalid("load", format!("activation dtype must be a float type, not {dtype}")));
         }
         let raw = read_vision_weights(dir)?;
-        let mut ws = WeightStore::new(raw, cfg.quantization.clone(), dtype, dir);
+        let ws = WeightStore::new(raw, cfg.quantization.clone(), dtype, dir);
+        Ok(Some(MoonVit::build(ws, c, dtype)?))
+    }
+
+    /// A tower of `cfg`'s sizes with random weights (seeded), f32 activations: for timing and tests that need
+    /// no checkpoint.
+    pub fn random(cfg: MoonVitConfig, seed: u64) -> Result<MoonVit> {
+        MoonVit::build(WeightStore::fabricating(seed, Dtype::F32)?, cfg, Dtype::F32)
+    }
+
+    /// Takes every tensor from `ws`; a store over a checkpoint must then be empty (leftovers are named).
+    fn build(mut ws: WeightStore, c: MoonVitConfig, dtype: Dtype) -> Result<MoonVit> {
         let (d, p, ch) = (c.embed_dim as i32, c.patch_size as i32, c.num_channels as i32);
         let patch_w = ws.take("vision_tower.patch_embed.proj.weight", &[d, p, p, ch])?.reshape(&[d, p * p * ch])?;
         let patch_b = ws.take("vision_tower.patch_embed.proj.bias", &[d])?;
@@ -417,20 +445,8 @@ impl MoonVit {
         let proj0 = BiasLinear::load(&mut ws, "mm_projector.proj.0", merged, merged)?;
         let proj2 = BiasLinear::load(&mut ws, "mm_projector.proj.2", merged, c.text_hidden)?;
         ws.materialize()?;
-        let records = ws.finish()?;
-        Ok(Some(MoonVit {
-            cfg: c,
-            dtype,
-            patch_w,
-            patch_b,
-            pos_emb,
-            blocks,
-            final_norm,
-            proj_norm,
-            proj0,
-            proj2,
-            records,
-        }))
+        let records = if ws.fabricated().is_some() { ws.records().to_vec() } else { ws.finish()? };
+        Ok(MoonVit { cfg: c, dtype, patch_w, patch_b, pos_emb, blocks, final_norm, proj_norm, proj0, proj2, records })
     }
 
     /// The parsed vision config.
