@@ -3,8 +3,105 @@
 //! in place of the prompt's media placeholder tokens; [`crate::model::KimiK3::forward_embeddings`] runs the
 //! text model on the result.
 
+pub mod moonvit;
+
+use std::path::Path;
+
+use crate::model::config::ModelConfig;
+use crate::model::weights::TensorRecord;
+use crate::model::KimiK3;
 use crate::ops::concatenate;
-use crate::{Array, Error, Result};
+use crate::{Array, Device, Dtype, Error, Result};
+
+/// The patch grid of one image (`t = 1`) or one video chunk (`t` frames): `t * h * w` patches, in frame,
+/// then row, then column order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MediaGrid {
+    /// Frames.
+    pub t: usize,
+    /// Patch rows.
+    pub h: usize,
+    /// Patch columns.
+    pub w: usize,
+}
+
+impl MediaGrid {
+    /// An image of `h x w` patches.
+    pub fn image(h: usize, w: usize) -> MediaGrid {
+        MediaGrid { t: 1, h, w }
+    }
+
+    /// A video chunk of `t` frames of `h x w` patches.
+    pub fn video(t: usize, h: usize, w: usize) -> MediaGrid {
+        MediaGrid { t, h, w }
+    }
+
+    /// Patches the grid covers.
+    pub fn patches(&self) -> usize {
+        self.t * self.h * self.w
+    }
+}
+
+/// A checkpoint's vision tower with its projector: patches in, text-width features out.
+#[derive(Debug)]
+pub enum VisionTower {
+    /// Kimi K2.5 / K2.7's MoonViT (`kimi_k25` checkpoints), see [`moonvit`].
+    MoonVit(moonvit::MoonVit),
+}
+
+impl VisionTower {
+    /// Loads the tower of the checkpoint in `dir` with activations in `dtype` (default: the text model's
+    /// default on this device); None when `config.json` has no `vision_config`.
+    pub fn load(dir: &Path, dtype: Option<Dtype>) -> Result<Option<VisionTower>> {
+        VisionTower::load_with_config(dir, &ModelConfig::load(dir)?, dtype)
+    }
+
+    /// [`VisionTower::load`] with `dir`'s config already parsed.
+    pub fn load_with_config(dir: &Path, cfg: &ModelConfig, dtype: Option<Dtype>) -> Result<Option<VisionTower>> {
+        if cfg.raw.get("vision_config").is_none_or(|v| v.is_null()) {
+            return Ok(None);
+        }
+        let dtype = match dtype {
+            Some(d) => d,
+            None => KimiK3::default_dtype(Device::default_device()?),
+        };
+        match cfg.model_type.as_str() {
+            "kimi_k25" => Ok(moonvit::MoonVit::load(dir, cfg, dtype)?.map(VisionTower::MoonVit)),
+            other => Err(Error::Format {
+                path: dir.join("config.json"),
+                message: format!("vision_config: no vision tower is implemented for model_type '{other}'"),
+            }),
+        }
+    }
+
+    /// The features `[tokens, D_text]` of `pixel_values` `[patches, C, p, p]` covering `grids` in order.
+    pub fn encode(&self, pixel_values: &Array, grids: &[MediaGrid]) -> Result<Array> {
+        match self {
+            VisionTower::MoonVit(m) => m.encode(pixel_values, grids),
+        }
+    }
+
+    /// The features (placeholder tokens in the prompt) one grid gives.
+    pub fn tokens_for(&self, grid: MediaGrid) -> usize {
+        match self {
+            VisionTower::MoonVit(m) => m.tokens_for(grid),
+        }
+    }
+
+    /// The prompt token ids that [`merge_features`] replaces with features.
+    pub fn placeholder_ids(&self) -> &[i32] {
+        match self {
+            VisionTower::MoonVit(m) => &m.config().placeholders,
+        }
+    }
+
+    /// Every weight of the tower and projector.
+    pub fn tensor_records(&self) -> &[TensorRecord] {
+        match self {
+            VisionTower::MoonVit(m) => m.tensor_records(),
+        }
+    }
+}
 
 /// The input embeddings `h` `[B, T, D]` of the prompt `ids` (`B * T` token ids, row-major) with the rows at
 /// placeholder tokens (any id in `placeholders`) replaced, in prompt order, by the rows of `features`
