@@ -9,7 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
-use mlx_k3::generate::{generate_tokens, generate_tokens_media, GenerateOptions, PromptCache, PromptMedia};
+use mlx_k3::generate::{generate_tokens, generate_tokens_media, GenerateOptions, MediaItem, PromptCache, PromptMedia};
 use mlx_k3::model::{vision::merge_features, KimiK3, LoadOptions};
 use mlx_k3::{random, Array, Dtype};
 
@@ -28,7 +28,8 @@ fn features(model: &KimiK3, n: i32, seed: u64) -> Array {
 }
 
 fn media(model: &KimiK3, n: i32, seed: u64) -> PromptMedia {
-    PromptMedia { features: features(model, n, seed), placeholders: vec![PAD], keys: vec![seed] }
+    let items = vec![MediaItem { key: seed, tokens: n as usize }];
+    PromptMedia { features: features(model, n, seed), placeholders: vec![PAD], items }
 }
 
 /// A prompt of text, `n` placeholders, then text.
@@ -116,16 +117,39 @@ fn mismatched_media_are_errors() {
     let e = generate_tokens_media(&model, &mut PromptCache::new(), &p, Some(&too_few), &greedy(2, 8), |_| true)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("4 media placeholder tokens for 3 media features"), "{e}");
-    let two_keys = PromptMedia { keys: vec![1, 2], ..media(&model, 4, 1) };
-    let e = generate_tokens_media(&model, &mut PromptCache::new(), &p, Some(&two_keys), &greedy(2, 8), |_| true)
+    assert!(e.contains("4 media placeholder tokens for 1 media of 3 tokens"), "{e}");
+    let items = vec![MediaItem { key: 1, tokens: 2 }, MediaItem { key: 2, tokens: 3 }];
+    let wrong_counts = PromptMedia { items, ..media(&model, 4, 1) };
+    let e = generate_tokens_media(&model, &mut PromptCache::new(), &p, Some(&wrong_counts), &greedy(2, 8), |_| true)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("1 runs of media placeholders for 2 media"), "{e}");
+    assert!(e.contains("4 media placeholder tokens for 2 media of 5 tokens"), "{e}");
     let ends_in_image = p[..8].to_vec(); // text, then the four placeholders
     let m = media(&model, 4, 1);
     let e = generate_tokens_media(&model, &mut PromptCache::new(), &ends_in_image, Some(&m), &greedy(2, 8), |_| true)
         .unwrap_err()
         .to_string();
     assert!(e.contains("ends inside a medium"), "{e}");
+}
+
+#[test]
+fn adjacent_images_are_keyed_apart() {
+    // Two images whose placeholder runs touch: the token counts, not the runs, say where each one ends, so
+    // a prompt whose second image changed resumes no further than the start of that image (k3-nano's KDA
+    // state cannot be rewound, so here it resumes from the nearest snapshot at or before that point).
+    let model = KimiK3::load(&nano(), LoadOptions::default()).unwrap();
+    let p = prompt(8);
+    let two = |k1: u64, k2: u64| {
+        let a = features(&model, 4, k1);
+        let b = features(&model, 4, k2);
+        let features = mlx_k3::ops::concatenate(&[&a, &b], 0).unwrap();
+        let items = vec![MediaItem { key: k1, tokens: 4 }, MediaItem { key: k2, tokens: 4 }];
+        PromptMedia { features, placeholders: vec![PAD], items }
+    };
+    let mut pc = PromptCache::new();
+    run(&model, &mut pc, &p, &two(31, 32), 4, 1);
+    let (out, cached) = run(&model, &mut pc, &p, &two(31, 33), 4, 1);
+    assert!(cached <= 4 + 4, "resumed past the changed second image ({cached} tokens)");
+    let (fresh, _) = run(&model, &mut PromptCache::new(), &p, &two(31, 33), 4, 1);
+    assert_eq!(out, fresh);
 }

@@ -137,20 +137,28 @@ pub struct GenerationStats {
     pub spec: Option<speculative::SpecStats>,
 }
 
-/// The media of a multimodal prompt: the embeddings that replace its placeholder tokens, and a key of each
-/// medium's content so a prompt cache never resumes from a state computed for another image.
+/// The media of a multimodal prompt: the embeddings that replace its placeholder tokens, and for each medium
+/// its content key and token count, so a prompt cache never resumes from a state computed for another image.
 #[derive(Clone, Debug)]
 pub struct PromptMedia {
     /// The features `[N, D]` the vision tower gave, in prompt order (one row per placeholder token).
     pub features: Array,
     /// The token ids that mark a placeholder position ([`crate::model::vision::merge_features`]).
     pub placeholders: Vec<u32>,
-    /// One content key per medium (e.g. a hash of the image bytes), in prompt order: medium `i` covers the
-    /// `i`-th run of consecutive placeholder tokens.
-    pub keys: Vec<u64>,
+    /// The media in prompt order: medium `i` takes the next `items[i].tokens` placeholder tokens.
+    pub items: Vec<MediaItem>,
 }
 
-/// A run of placeholder positions `[start, end)` and the content key of the medium it holds.
+/// One medium (an image, a video chunk) of a [`PromptMedia`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MediaItem {
+    /// A key of its content (e.g. a hash of the image file): equal keys mean equal embeddings.
+    pub key: u64,
+    /// The placeholder tokens it fills.
+    pub tokens: usize,
+}
+
+/// The positions `[start, end)` from a medium's first to its last placeholder token, and its key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct MediaSpan {
     start: usize,
@@ -159,29 +167,29 @@ struct MediaSpan {
 }
 
 impl PromptMedia {
-    /// The placeholder runs of `prompt`, each with its medium's key; errors if the runs and keys differ in
-    /// number.
+    /// Each medium's span in `prompt`; errors if the placeholder tokens and the media's token counts differ.
     fn spans(&self, prompt: &[u32]) -> Result<Vec<MediaSpan>> {
-        let mut runs = Vec::new();
-        let mut i = 0;
-        while i < prompt.len() {
-            if self.placeholders.contains(&prompt[i]) {
-                let start = i;
-                while i < prompt.len() && self.placeholders.contains(&prompt[i]) {
-                    i += 1;
-                }
-                runs.push((start, i));
-            } else {
-                i += 1;
-            }
-        }
-        if runs.len() != self.keys.len() {
+        let positions: Vec<usize> =
+            prompt.iter().enumerate().filter(|(_, t)| self.placeholders.contains(t)).map(|(i, _)| i).collect();
+        let want: usize = self.items.iter().map(|m| m.tokens).sum();
+        if positions.len() != want || self.items.iter().any(|m| m.tokens == 0) {
             return Err(Error::invalid(
                 "generate",
-                format!("the prompt has {} runs of media placeholders for {} media", runs.len(), self.keys.len()),
+                format!(
+                    "the prompt has {} media placeholder tokens for {} media of {want} tokens",
+                    positions.len(),
+                    self.items.len()
+                ),
             ));
         }
-        Ok(runs.into_iter().zip(&self.keys).map(|((start, end), &key)| MediaSpan { start, end, key }).collect())
+        let mut spans = Vec::with_capacity(self.items.len());
+        let mut next = 0;
+        for m in &self.items {
+            let (first, last) = (positions[next], positions[next + m.tokens - 1]);
+            spans.push(MediaSpan { start: first, end: last + 1, key: m.key });
+            next += m.tokens;
+        }
+        Ok(spans)
     }
 }
 
