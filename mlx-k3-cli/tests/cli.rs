@@ -387,3 +387,29 @@ fn generate_with_a_draft_model_prints_the_same_text() {
     assert!(stderr.contains("vocab_size"), "{stderr}");
     assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
 }
+
+#[test]
+fn generate_refuses_images_for_a_model_without_a_vision_tower() {
+    // k3-nano is text only; the image is a real PNG (from the preprocessing fixtures), so the refusal is the
+    // model's, not the decoder's.
+    let nano = nano();
+    let png = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/vision_preprocess/rgb.png");
+    assert!(png.exists(), "{} is missing", png.display());
+    let (ok, _, err) = mlx_k3(&[
+        "generate",
+        "--model",
+        nano.to_str().unwrap(),
+        "--prompt",
+        "What is in the picture?",
+        "--image",
+        png.to_str().unwrap(),
+        "--max-tokens",
+        "2",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("no vision tower"), "{err}");
+    let (ok, _, err) =
+        mlx_k3(&["generate", "--model", nano.to_str().unwrap(), "--prompt", "x", "--image", "/no/such.png"]);
+    assert!(!ok);
+    assert!(err.contains("/no/such.png"), "{err}");
+}

@@ -7,9 +7,12 @@ use clap::Args as ClapArgs;
 
 use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
 use mlx_k3::generate::speculative::{DraftModel, SpecOptions};
-use mlx_k3::generate::{GenerateOptions, GenerationStats, Pipeline, PromptCache, SamplerConfig, TextGeneration};
+use mlx_k3::generate::{
+    GenerateOptions, GenerationStats, ImageInput, Pipeline, PromptCache, SamplerConfig, TextGeneration,
+};
 use mlx_k3::model::{KimiK3, LoadOptions};
 use mlx_k3::{Dtype, Error, Result};
+use serde_json::json;
 
 /// Model and sampling flags shared by `generate` and `chat`.
 #[derive(ClapArgs, Debug, Clone)]
@@ -238,6 +241,10 @@ pub(super) struct GenerateArgs {
     /// Use the prompt text as is.
     #[arg(long)]
     raw: bool,
+    /// An image (PNG, JPEG or WebP) shown with the prompt, for checkpoints with a vision tower (repeatable;
+    /// the images come before the prompt's text in the user message).
+    #[arg(long = "image", value_name = "FILE", conflicts_with = "raw")]
+    images: Vec<PathBuf>,
 }
 
 pub(super) fn generate(args: GenerateArgs) -> Result<()> {
@@ -245,16 +252,23 @@ pub(super) fn generate(args: GenerateArgs) -> Result<()> {
     // A split model: every rank runs the same generation; rank 0 prints it.
     let speak = p.model.shard().is_none_or(|s| s.rank == 0);
     let thinking = args.model.thinking()?;
-    let use_chat = args.chat || (!args.raw && p.chat_by_default());
-    let ids = if use_chat {
+    let use_chat = args.chat || (!args.raw && p.chat_by_default()) || !args.images.is_empty();
+    let images = args.images.iter().map(|f| ImageInput::read(f)).collect::<Result<Vec<_>>>()?;
+    let (ids, media) = if use_chat {
         let mut msgs = Vec::new();
         if let Some(s) = &args.model.system {
             msgs.push(ChatMessage::new("system", s));
         }
-        msgs.push(ChatMessage::new("user", &args.prompt));
-        p.encode_chat(&msgs, None, &ChatOptions::thinking(thinking))?
+        if images.is_empty() {
+            msgs.push(ChatMessage::new("user", &args.prompt));
+        } else {
+            let mut parts: Vec<serde_json::Value> = images.iter().map(|_| json!({"type": "image"})).collect();
+            parts.push(json!({"type": "text", "text": args.prompt}));
+            msgs.push(ChatMessage { content: serde_json::Value::Array(parts), ..ChatMessage::new("user", "") });
+        }
+        p.encode_chat_media(&msgs, None, &ChatOptions::thinking(thinking), &images)?
     } else {
-        p.encode_raw(&args.prompt)?
+        (p.encode_raw(&args.prompt)?, None)
     };
     let mut out = std::io::stdout();
     if !use_chat && speak {
@@ -262,13 +276,20 @@ pub(super) fn generate(args: GenerateArgs) -> Result<()> {
         print!("{}", args.prompt);
     }
     let mut spec = args.model.speculation(&p)?;
-    let r = generate_maybe(&mut spec, &p, &mut PromptCache::new(), &ids, &args.model.options(), |piece| {
+    if spec.is_some() && media.is_some() {
+        return Err(Error::invalid("cli", "--draft-model does not take prompts with --image yet"));
+    }
+    let on_text = |piece: &str| {
         if !speak {
             return true;
         }
         print!("{piece}");
         out.flush().is_ok()
-    })?;
+    };
+    let r = match &media {
+        Some(m) => p.generate_media(&mut PromptCache::new(), &ids, Some(m), &args.model.options(), on_text)?,
+        None => generate_maybe(&mut spec, &p, &mut PromptCache::new(), &ids, &args.model.options(), on_text)?,
+    };
     if !speak {
         return Ok(());
     }

@@ -4,11 +4,13 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::{generate_text, GenerateOptions, PromptCache, TextGeneration};
+use super::{generate_text, generate_text_media, GenerateOptions, MediaItem, PromptCache, PromptMedia, TextGeneration};
 use crate::chat::{ChatEncoder, ChatFormat, ChatMessage, ChatOptions, ParsedOutput, ThinkingEffort};
+use crate::media::{self, ImageProcessor, Processed, ProcessorKind};
+use crate::model::vision::{MediaGrid, VisionTower};
 use crate::model::{KimiK3, LoadOptions, ModelConfig};
 use crate::tokenizer::{Tokenizer, TokenizerConfig};
-use crate::Result;
+use crate::{Error, Result};
 
 /// Model, tokenizer and chat encoding of one checkpoint folder.
 pub struct Pipeline {
@@ -22,6 +24,40 @@ pub struct Pipeline {
     pub chat: ChatEncoder,
     /// Where it was loaded from.
     pub dir: PathBuf,
+    /// The vision tower and image processor, for checkpoints with a `vision_config`.
+    pub vision: Option<Vision>,
+}
+
+/// A checkpoint's vision part: the tower (with its projector) and the image processor of its family.
+pub struct Vision {
+    /// Patches in, text-width features out.
+    pub tower: VisionTower,
+    /// Image files to patches, as the family's processor does.
+    pub processor: ImageProcessor,
+}
+
+/// An image of a prompt: its file bytes (PNG, JPEG or WebP) and a name for errors.
+#[derive(Clone, Debug)]
+pub struct ImageInput {
+    /// What errors call it (a file name, `messages[0].content[1]`).
+    pub name: String,
+    /// The file.
+    pub bytes: Vec<u8>,
+}
+
+impl ImageInput {
+    /// Reads an image file.
+    pub fn read(path: &Path) -> Result<ImageInput> {
+        let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        Ok(ImageInput { name: path.display().to_string(), bytes })
+    }
+
+    /// The first 8 bytes of the SHA-256 of the file: the prompt cache's key of this image.
+    pub fn key(&self) -> u64 {
+        use sha2::{Digest, Sha256};
+        let d = Sha256::digest(&self.bytes);
+        u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
+    }
 }
 
 impl Pipeline {
@@ -30,7 +66,73 @@ impl Pipeline {
         let cfg = ModelConfig::load(dir)?;
         let PromptEncoder { tokenizer, tokenizer_config, chat } = PromptEncoder::load(dir)?;
         let model = KimiK3::load_with_config(dir, &cfg, opts, progress)?;
-        Ok(Pipeline { model, tokenizer, tokenizer_config, chat, dir: dir.to_path_buf() })
+        let vision = match VisionTower::load_with_config(dir, &cfg, opts.dtype)? {
+            None => None,
+            Some(tower) => {
+                let kind = match cfg.model_type.as_str() {
+                    "kimi_k3" => ProcessorKind::K3,
+                    _ => ProcessorKind::K25,
+                };
+                Some(Vision { tower, processor: ImageProcessor::from_dir(kind, dir)? })
+            }
+        };
+        Ok(Pipeline { model, tokenizer, tokenizer_config, chat, dir: dir.to_path_buf(), vision })
+    }
+
+    /// Token ids of a conversation whose messages hold `images` (their image parts, in order), and the
+    /// media that replace the images' placeholder tokens: each image decoded and processed as the family's
+    /// processor does, the chat's placeholders expanded to its token count, and the tower run on all of
+    /// them. Without images this is [`Pipeline::encode_chat`] and no media. Errors when the checkpoint has
+    /// no vision tower, an image cannot be decoded (naming it), or the placeholders and images differ in
+    /// number.
+    pub fn encode_chat_media(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        opts: &ChatOptions,
+        images: &[ImageInput],
+    ) -> Result<(Vec<u32>, Option<PromptMedia>)> {
+        if images.is_empty() {
+            return Ok((self.encode_chat(messages, tools, opts)?, None));
+        }
+        let vision = self.vision.as_ref().ok_or_else(|| {
+            Error::invalid(
+                "media",
+                "this model has no vision tower (its config.json has no vision_config): it takes no images",
+            )
+        })?;
+        let limits = media::Limits::default();
+        let processed = images
+            .iter()
+            .map(|im| vision.processor.process(&media::decode(&im.bytes, &im.name, &limits)?))
+            .collect::<Result<Vec<Processed>>>()?;
+        let rendered = self.chat.prompt_messages(messages, tools, opts)?;
+        let prompt = match vision.processor.kind {
+            ProcessorKind::K3 => media::prompt::k3_prompt(&self.tokenizer, &rendered, &processed)?,
+            ProcessorKind::K25 => {
+                media::prompt::k25_prompt(&self.tokenizer, &rendered.encode(&self.tokenizer)?, &processed)?
+            }
+        };
+        let (pixels, grids) = media::stack(&processed, vision.processor.patch_size)?;
+        let grids: Vec<MediaGrid> = grids.iter().map(|g| MediaGrid { t: g[0], h: g[1], w: g[2] }).collect();
+        let features = vision.tower.encode(&pixels, &grids)?;
+        crate::eval(&[&features])?;
+        let items =
+            images.iter().zip(&processed).map(|(im, p)| MediaItem { key: im.key(), tokens: p.tokens }).collect();
+        let media = PromptMedia { features, placeholders: prompt.placeholder_ids.clone(), items };
+        Ok((prompt.ids, Some(media)))
+    }
+
+    /// [`Pipeline::generate`] for a prompt with media ([`Pipeline::encode_chat_media`]).
+    pub fn generate_media(
+        &self,
+        cache: &mut PromptCache,
+        prompt: &[u32],
+        media: Option<&PromptMedia>,
+        opts: &GenerateOptions,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<TextGeneration> {
+        generate_text_media(&self.model, media, &self.tokenizer, cache, prompt, &self.options(opts.clone()), on_text)
     }
 
     /// Whether prompts should go through the chat encoding by default (a template, Kimi K3's XTML tokens, or
