@@ -60,31 +60,83 @@ impl ImageInput {
     }
 }
 
+/// A chat prompt with images, before the vision tower: its token ids (placeholders expanded), the
+/// placeholder ids, the processed images and each image's key and token count. Made without the model
+/// ([`PromptEncoder::encode_chat_images`], so a server can make it off the model's thread); the model's
+/// thread turns it into [`PromptMedia`] with [`Pipeline::encode_media`].
+#[derive(Clone, Debug)]
+pub struct ImagePrompt {
+    /// The prompt's token ids.
+    pub ids: Vec<u32>,
+    /// The placeholder token ids the media replace.
+    pub placeholders: Vec<u32>,
+    /// The images, processed as the checkpoint's image processor does.
+    pub processed: Vec<Processed>,
+    /// Each image's content key and token count, in order.
+    pub items: Vec<MediaItem>,
+}
+
+fn no_vision() -> Error {
+    Error::invalid("media", "this model has no vision tower (its config.json has no vision_config): it takes no images")
+}
+
+/// The image processor for the checkpoint in `dir` with config `cfg` (None without a `vision_config`).
+fn image_processor(dir: &Path, cfg: &ModelConfig) -> Result<Option<ImageProcessor>> {
+    if cfg.raw.get("vision_config").is_none_or(Value::is_null) {
+        return Ok(None);
+    }
+    let kind = match cfg.model_type.as_str() {
+        "kimi_k3" => ProcessorKind::K3,
+        _ => ProcessorKind::K25,
+    };
+    Ok(Some(ImageProcessor::from_dir(kind, dir)?))
+}
+
+/// Decodes and processes `images`, renders the chat and expands its image placeholders to each image's
+/// token count (Kimi K3: the `image WxH` prompt in place of each placeholder; K2.5: `<|media_pad|>`
+/// repeated). Errors name an image that cannot be decoded, and say so when the placeholders and images
+/// differ in number or the checkpoint takes no images.
+fn encode_chat_images(
+    tokenizer: &Tokenizer,
+    chat: &ChatEncoder,
+    processor: Option<&ImageProcessor>,
+    messages: &[ChatMessage],
+    tools: Option<&Value>,
+    opts: &ChatOptions,
+    images: &[ImageInput],
+) -> Result<ImagePrompt> {
+    let processor = processor.ok_or_else(no_vision)?;
+    let limits = media::Limits::default();
+    let processed = images
+        .iter()
+        .map(|im| processor.process(&media::decode(&im.bytes, &im.name, &limits)?))
+        .collect::<Result<Vec<Processed>>>()?;
+    let rendered = chat.prompt_messages(messages, tools, opts)?;
+    let prompt = match processor.kind {
+        ProcessorKind::K3 => media::prompt::k3_prompt(tokenizer, &rendered, &processed)?,
+        ProcessorKind::K25 => media::prompt::k25_prompt(tokenizer, &rendered.encode(tokenizer)?, &processed)?,
+    };
+    let items = images.iter().zip(&processed).map(|(im, p)| MediaItem { key: im.key(), tokens: p.tokens }).collect();
+    Ok(ImagePrompt { ids: prompt.ids, placeholders: prompt.placeholder_ids, processed, items })
+}
+
 impl Pipeline {
     /// Loads `dir`; `progress(done, total)` is called as layers load.
     pub fn load(dir: &Path, opts: LoadOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<Pipeline> {
         let cfg = ModelConfig::load(dir)?;
-        let PromptEncoder { tokenizer, tokenizer_config, chat } = PromptEncoder::load(dir)?;
+        let PromptEncoder { tokenizer, tokenizer_config, chat, .. } = PromptEncoder::load(dir)?;
         let model = KimiK3::load_with_config(dir, &cfg, opts, progress)?;
-        let vision = match VisionTower::load_with_config(dir, &cfg, opts.dtype)? {
-            None => None,
-            Some(tower) => {
-                let kind = match cfg.model_type.as_str() {
-                    "kimi_k3" => ProcessorKind::K3,
-                    _ => ProcessorKind::K25,
-                };
-                Some(Vision { tower, processor: ImageProcessor::from_dir(kind, dir)? })
-            }
+        let vision = match (VisionTower::load_with_config(dir, &cfg, opts.dtype)?, image_processor(dir, &cfg)?) {
+            (Some(tower), Some(processor)) => Some(Vision { tower, processor }),
+            _ => None,
         };
         Ok(Pipeline { model, tokenizer, tokenizer_config, chat, dir: dir.to_path_buf(), vision })
     }
 
     /// Token ids of a conversation whose messages hold `images` (their image parts, in order), and the
-    /// media that replace the images' placeholder tokens: each image decoded and processed as the family's
-    /// processor does, the chat's placeholders expanded to its token count, and the tower run on all of
-    /// them. Without images this is [`Pipeline::encode_chat`] and no media. Errors when the checkpoint has
-    /// no vision tower, an image cannot be decoded (naming it), or the placeholders and images differ in
-    /// number.
+    /// media that replace the images' placeholder tokens: [`PromptEncoder::encode_chat_images`]'s steps,
+    /// then the tower ([`Pipeline::encode_media`]). Without images this is [`Pipeline::encode_chat`] and no
+    /// media.
     pub fn encode_chat_media(
         &self,
         messages: &[ChatMessage],
@@ -95,32 +147,20 @@ impl Pipeline {
         if images.is_empty() {
             return Ok((self.encode_chat(messages, tools, opts)?, None));
         }
-        let vision = self.vision.as_ref().ok_or_else(|| {
-            Error::invalid(
-                "media",
-                "this model has no vision tower (its config.json has no vision_config): it takes no images",
-            )
-        })?;
-        let limits = media::Limits::default();
-        let processed = images
-            .iter()
-            .map(|im| vision.processor.process(&media::decode(&im.bytes, &im.name, &limits)?))
-            .collect::<Result<Vec<Processed>>>()?;
-        let rendered = self.chat.prompt_messages(messages, tools, opts)?;
-        let prompt = match vision.processor.kind {
-            ProcessorKind::K3 => media::prompt::k3_prompt(&self.tokenizer, &rendered, &processed)?,
-            ProcessorKind::K25 => {
-                media::prompt::k25_prompt(&self.tokenizer, &rendered.encode(&self.tokenizer)?, &processed)?
-            }
-        };
-        let (pixels, grids) = media::stack(&processed, vision.processor.patch_size)?;
+        let processor = self.vision.as_ref().map(|v| &v.processor);
+        let prompt = encode_chat_images(&self.tokenizer, &self.chat, processor, messages, tools, opts, images)?;
+        let media = self.encode_media(&prompt)?;
+        Ok((prompt.ids, Some(media)))
+    }
+
+    /// Runs the vision tower on an [`ImagePrompt`]'s processed images: the media its placeholders take.
+    pub fn encode_media(&self, prompt: &ImagePrompt) -> Result<PromptMedia> {
+        let vision = self.vision.as_ref().ok_or_else(no_vision)?;
+        let (pixels, grids) = media::stack(&prompt.processed, vision.processor.patch_size)?;
         let grids: Vec<MediaGrid> = grids.iter().map(|g| MediaGrid { t: g[0], h: g[1], w: g[2] }).collect();
         let features = vision.tower.encode(&pixels, &grids)?;
         crate::eval(&[&features])?;
-        let items =
-            images.iter().zip(&processed).map(|(im, p)| MediaItem { key: im.key(), tokens: p.tokens }).collect();
-        let media = PromptMedia { features, placeholders: prompt.placeholder_ids.clone(), items };
-        Ok((prompt.ids, Some(media)))
+        Ok(PromptMedia { features, placeholders: prompt.placeholders.clone(), items: prompt.items.clone() })
     }
 
     /// [`Pipeline::generate`] for a prompt with media ([`Pipeline::encode_chat_media`]).
@@ -226,6 +266,8 @@ pub struct PromptEncoder {
     pub tokenizer_config: TokenizerConfig,
     /// The chat encoding.
     pub chat: ChatEncoder,
+    /// The image processor, for checkpoints with a vision tower.
+    pub image_processor: Option<ImageProcessor>,
 }
 
 impl PromptEncoder {
@@ -251,7 +293,25 @@ impl PromptEncoder {
         }
         let mut tokenizer_config = tokenizer_config;
         tokenizer_config.eos_token_ids = eos;
-        Ok(PromptEncoder { tokenizer, tokenizer_config, chat })
+        // A tokenizer folder without a model config (tests, tools) takes no images.
+        let image_processor = match dir.join("config.json").exists() {
+            true => image_processor(dir, &ModelConfig::load(dir)?)?,
+            false => None,
+        };
+        Ok(PromptEncoder { tokenizer, tokenizer_config, chat, image_processor })
+    }
+
+    /// As [`Pipeline::encode_chat_media`] up to the vision tower: the ids and processed images, which the
+    /// model's thread completes with [`Pipeline::encode_media`].
+    pub fn encode_chat_images(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        opts: &ChatOptions,
+        images: &[ImageInput],
+    ) -> Result<ImagePrompt> {
+        let processor = self.image_processor.as_ref();
+        encode_chat_images(&self.tokenizer, &self.chat, processor, messages, tools, opts, images)
     }
 
     /// As [`Pipeline::encode_raw`].
