@@ -3,8 +3,72 @@
 //! in place of the prompt's media placeholder tokens; [`crate::model::KimiK3::forward_embeddings`] runs the
 //! text model on the result.
 
+use std::path::Path;
+
+use crate::model::ModelConfig;
 use crate::ops::concatenate;
 use crate::{Array, Error, Result};
+
+pub mod moonvit3d;
+
+pub use moonvit3d::MoonVit3d;
+
+/// A checkpoint's vision tower and projector: images and video chunks in, embeddings of the text model's
+/// width out, one row per placeholder token.
+#[derive(Clone, Debug)]
+pub enum VisionTower {
+    /// Kimi K3's `moonvit3d` tower with the `patchmergerv2` projector.
+    K3(MoonVit3d),
+}
+
+impl VisionTower {
+    /// The tower of the checkpoint in `dir`, or `None` when its `config.json` describes no vision part.
+    pub fn load(dir: &Path) -> Result<Option<VisionTower>> {
+        let cfg = ModelConfig::load(dir)?;
+        let path = dir.join("config.json");
+        match (cfg.model_type.as_str(), cfg.raw.get("vision_config")) {
+            ("kimi_k3", Some(v)) if !v.is_null() => {
+                let vc = moonvit3d::VisionConfig::parse(v, &path)?;
+                Ok(Some(VisionTower::K3(MoonVit3d::load(dir, vc, cfg.text.hidden_size)?)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Features `[tokens, D_text]` for `pixel_values` `[N, 3, p, p]` (the processor's patches, channels
+    /// first) and one grid `(t, h, w)` in patches per image (`t = 1`) or video chunk, in the order the
+    /// prompt's placeholders expect them.
+    pub fn encode(&self, pixels: &Array, grids: &[(usize, usize, usize)]) -> Result<Array> {
+        match self {
+            VisionTower::K3(t) => t.encode(pixels, grids),
+        }
+    }
+
+    /// Placeholder tokens one grid becomes in the prompt.
+    pub fn tokens_for(&self, grid: (usize, usize, usize)) -> usize {
+        match self {
+            VisionTower::K3(t) => t.tokens_for(grid),
+        }
+    }
+}
+
+/// The placeholder token ids of a checkpoint's `config.json` (`image_token_index`, then
+/// `media_placeholder_token_id`, default 163605 as mlx-vlm's `kimi_k3` has it): the ids
+/// [`merge_features`] replaces.
+pub fn placeholder_ids(cfg: &ModelConfig) -> Vec<i32> {
+    let mut ids = Vec::new();
+    for key in ["image_token_index", "media_placeholder_token_id"] {
+        if let Some(id) = cfg.raw.get(key).and_then(|v| v.as_i64()).and_then(|v| i32::try_from(v).ok()) {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+    }
+    if ids.is_empty() && cfg.model_type == "kimi_k3" {
+        ids.push(163605);
+    }
+    ids
+}
 
 /// The input embeddings `h` `[B, T, D]` of the prompt `ids` (`B * T` token ids, row-major) with the rows at
 /// placeholder tokens (any id in `placeholders`) replaced, in prompt order, by the rows of `features`
