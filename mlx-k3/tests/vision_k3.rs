@@ -230,3 +230,51 @@ fn bad_checkpoints_are_errors_that_name_the_tensor_or_field() {
     let e = err_of(VisionTower::load(heads.path()));
     assert!(e.contains("vision_config.qkv_hidden_size: 48 must split into vt_num_attention_heads = 5"), "{e}");
 }
+
+#[test]
+fn convert_carries_the_tower_through() {
+    use mlx_k3::compress::convert::{convert, ConvertJob, Selection, CHUNK_PARAMS};
+    use mlx_k3::compress::{Recipe, Silent};
+    use mlx_k3::model::loader::read_media_tensors;
+
+    let tmp = tempfile::tempdir().unwrap();
+    // The text model re-encoded (bfloat16, 8-bit embeddings); the tower must come out as stored.
+    let recipe_path = tmp.path().join("recipe.toml");
+    std::fs::write(
+        &recipe_path,
+        "dtype = \"bfloat16\"\n[classes.embeddings]\nformat = \"affine\"\nbits = 8\ngroup_size = 32\n",
+    )
+    .unwrap();
+    let recipe = Recipe::load(&recipe_path).unwrap();
+    let out = tmp.path().join("out");
+    let job = ConvertJob {
+        from: &fixture(),
+        to: &out,
+        recipe: &recipe,
+        calib: None,
+        profile: None,
+        selection: Selection::Budget,
+        overwrite: false,
+        progress: &Silent,
+        chunk_params: CHUNK_PARAMS,
+        tool: "convert",
+    };
+    convert(&job).unwrap();
+
+    let src = read_media_tensors(&fixture()).unwrap();
+    let dst = read_media_tensors(&out).unwrap();
+    assert_eq!(src.keys().collect::<Vec<_>>(), dst.keys().collect::<Vec<_>>());
+    assert_eq!(src.len(), 18, "patch embedding, position grid, 2 x 6 block tensors, final norm, 3 of the projector");
+    for (name, (a, _)) in &src {
+        let b = &dst[name].0;
+        assert_eq!((a.dtype(), a.shape()), (b.dtype(), b.shape()), "{name}");
+        assert_eq!(a.to_vec_f32().unwrap(), b.to_vec_f32().unwrap(), "{name} changed");
+    }
+    // The converted folder's tower gives the source's features exactly, and its text model loads.
+    let exp = Expected::load();
+    let px = exp.pixels(0..3);
+    let want = tower(&fixture()).encode(&px, &exp.grids).unwrap().to_vec_f32().unwrap();
+    let got = tower(&out).encode(&px, &exp.grids).unwrap().to_vec_f32().unwrap();
+    assert_eq!(got, want);
+    KimiK3::load(&out, LoadOptions { dtype: Some(Dtype::F32), lazy: false, shard: None }).unwrap();
+}
