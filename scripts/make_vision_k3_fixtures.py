@@ -27,6 +27,8 @@ expected.safetensors:
     features_images   float32 [12, 32]        for the first two grids in one call
     features_video    float32 [2, 32]         for the video alone
     features_all      float32 [14, 32]        for all three in one call
+    features_all_bf16w float32 [14, 32]       the same with the tower's and projector's weights rounded to
+                                              bfloat16 (as the release stores them; float32 activations)
     tower_all         float32 [14, 4, 32]     the tower's merged patches (before the projector), all three
     prompt            int32   [T]             text tokens with each grid's placeholders expanded in place
                                               (media_placeholder_token_id, one per merged patch)
@@ -34,6 +36,9 @@ expected.safetensors:
     decode_tokens     int32   [N]             tokens fed to N one-token decode steps: [0] = argmax of the last
                                               prefill row, [i] = argmax(decode_logits[i-1])
     decode_logits     float32 [N, 256]        the language model's logits after each decode token (same cache)
+
+(mlx-vlm's loader reads every `*.safetensors` of a folder, so to load this one with mlx-vlm again, copy
+config.json and model.safetensors elsewhere first; mlx-k3 reads `model*.safetensors` as mlx-lm does.)
 
 Checks before writing: every greedy step's top-1/top-2 gap and every routing decision's top-k gap are far
 above fp32 noise, the mixed call's features equal the single calls' (each image is encoded alone), and a
@@ -87,7 +92,7 @@ _check_pins()
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
+from mlx.utils import tree_flatten, tree_map  # noqa: E402
 from mlx_vlm.models.kimi_k3 import language as k3_language  # noqa: E402
 from mlx_vlm.models.kimi_k3 import Model, ModelConfig, TextConfig, VisionConfig  # noqa: E402
 from mlx_vlm.utils import load_model  # noqa: E402
@@ -344,6 +349,16 @@ def build(tmp: Path) -> dict:
     assert np.abs(stacked - f_all).max() <= 1e-5 * np.abs(f_all).max(), np.abs(stacked - f_all).max()
     assert np.abs(f_images[: len(f_image)] - f_image).max() <= 1e-5 * np.abs(f_image).max()
 
+    # The release stores the tower in bfloat16: with its weights rounded so, and float32 pixels, mlx-vlm still
+    # computes in float32 (MLX promotes the mixed matmuls and norms), as the Rust tower does.
+    bf16 = load_model(ckpt)
+    for part in (bf16.vision_tower, bf16.mm_projector):
+        part.update(tree_map(lambda a: a.astype(mx.bfloat16), part.parameters()))
+    f_bf16w, _ = features(bf16, pixels, GRIDS)
+    assert f_bf16w.dtype == np.float32
+    bf16_shift = float(np.abs(f_bf16w - f_all).max() / np.abs(f_all).max())
+    assert bf16_shift > 1e-3, bf16_shift  # far above the 1e-4 parity bound: the test sees the rounding
+
     # The release layout of the patch embedding (PyTorch's conv [out, in, kh, kw]) loads to the same tower.
     release = dict(weights)
     release["vision_tower.patch_embed.proj.weight"] = weights["vision_tower.patch_embed.proj.weight"].transpose(
@@ -372,6 +387,7 @@ def build(tmp: Path) -> dict:
         "features_images": f_images,
         "features_video": f_video,
         "features_all": f_all,
+        "features_all_bf16w": f_bf16w,
         "tower_all": t_all,
         "prompt": prompt,
     }
@@ -392,6 +408,7 @@ def build(tmp: Path) -> dict:
         "min_greedy_gap": round(exp["_greedy_gap"], 5),
         "min_router_gap": round(router_gap, 5),
         "features_std": round(float(f_all.std()), 4),
+        "bf16_weights_shift": round(bf16_shift, 5),
         "logits_std": round(float(exp["prefill_logits"].std()), 4),
         "decode_tokens": exp["decode_tokens"].tolist(),
     }

@@ -156,6 +156,30 @@ fn release_conv_layout_loads_to_the_same_tower() {
 }
 
 #[test]
+fn bf16_tower_weights_are_used_as_stored() {
+    // The release's tower is bfloat16. Rounded so (the rest of the checkpoint unchanged), the features move
+    // by 5.4e-3 of the largest (the fixture script checks it is above 1e-3), and must match mlx-vlm's run of
+    // the same rounded weights (float32 activations on both sides) within the float32 bound.
+    let tmp = edited_copy(
+        |t| {
+            for (name, a) in t.iter_mut() {
+                if name.starts_with("vision_tower.") || name.starts_with("mm_projector.") {
+                    *a = a.astype(Dtype::BF16).unwrap();
+                }
+            }
+        },
+        |_| {},
+    );
+    let exp = Expected::load();
+    let got = tower(tmp.path()).encode(&exp.pixels(0..3), &exp.grids).unwrap();
+    assert_eq!(got.dtype(), Dtype::F32);
+    let e = rel_err(&got, &exp.get("features_all_bf16w"));
+    println!("bf16 weights: rel err {e:.2e}");
+    assert!(e <= TOL, "bf16 weights: rel err {e}");
+    assert!(rel_err(&got, &exp.get("features_all")) > 1e-3, "the rounding was lost");
+}
+
+#[test]
 fn text_only_checkpoints_have_no_tower() {
     let dir = logit_fixtures::dir("k3").join("a_latent_norm_attnres");
     assert!(VisionTower::load(&dir).unwrap().is_none());
