@@ -182,7 +182,9 @@ pub(super) fn run(args: Args) -> Result<()> {
     }
     // A multimodal checkpoint's media encoder (vision tower and projector) is not part of the text model
     // above: `model::vision::VisionTower` loads it, and `convert` copies it through unchanged.
-    let mut media: BTreeMap<&str, (usize, u64, u64, BTreeMap<String, u64>)> = BTreeMap::new();
+    // Per prefix: tensors, parameters, bytes, dtypes.
+    type MediaRow = (usize, u64, u64, BTreeMap<String, u64>);
+    let mut media: BTreeMap<&str, MediaRow> = BTreeMap::new();
     let media_tensors = loader::read_media_tensors(&args.dir)?;
     for (name, (a, _)) in &media_tensors {
         let prefix = loader::MEDIA_PREFIXES.iter().find(|p| name.starts_with(**p)).copied().unwrap_or("media");
