@@ -25,8 +25,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::fast::{self, AttentionMask};
-use crate::io::Safetensors;
-use crate::model::loader::weight_files;
+use crate::model::loader::read_media_tensors;
 use crate::ops::{concatenate, stack};
 use crate::{Array, Dtype, Error, Result};
 
@@ -296,23 +295,8 @@ struct Tensors {
 
 impl Tensors {
     fn read(dir: &Path) -> Result<Tensors> {
-        let mut map = std::collections::BTreeMap::new();
-        for path in weight_files(dir)? {
-            crate::model::loader::validate_safetensors(&path)?;
-            let st = Safetensors::load(&path)?;
-            for key in st.keys() {
-                if key.starts_with("vision_tower.") || key.starts_with("mm_projector.") {
-                    if map.contains_key(&key) {
-                        return Err(Error::Format {
-                            path: path.clone(),
-                            message: format!("tensor '{key}' appears in more than one file"),
-                        });
-                    }
-                    let a = st.get(&key)?;
-                    map.insert(key, (a, path.clone()));
-                }
-            }
-        }
+        let mut map = read_media_tensors(dir)?;
+        map.retain(|k, _| k.starts_with("vision_tower.") || k.starts_with("mm_projector."));
         Ok(Tensors { dir: dir.to_path_buf(), map })
     }
 
