@@ -703,48 +703,72 @@ def check_consistency(exp: dict) -> float:
     return float(max(d1, d2))
 
 
-def choose_prompt_and_run(model, seed: int) -> tuple[dict, dict]:
-    """First prompt (seeds seed, seed+1, ...) whose greedy and routing decisions are robust."""
+def choose_prompt_and_run(
+    model, seed: int, vocab: int = VOCAB, probe=None, need_router: bool = False, min_index_gap=None
+) -> tuple[dict, dict]:
+    """First prompt (seeds seed, seed+1, ...) whose greedy and routing decisions are robust.
+
+    ``probe`` makes the context manager that records the router's (and, with ``min_index_gap``, the sparse
+    indexer's) selection gaps (``RouterProbe`` by default); ``need_router`` asserts the router ran. The
+    DeepSeek-V3 family, V3.2 and K3.1 scripts call this with their own vocabulary and probes."""
+    probe = probe or RouterProbe
     for attempt in range(MAX_PROMPT_TRIES):
         rng = np.random.default_rng(seed + attempt)
-        prompt = rng.integers(0, VOCAB, size=PROMPT_LEN).astype(np.int32)
+        prompt = rng.integers(0, vocab, size=PROMPT_LEN).astype(np.int32)
         exp = run_reference(model, prompt)
-        with RouterProbe() as probe:
+        p = probe()
+        with p:
             again = run_reference(model, prompt)
         for k in ("prefill_logits", "decode_logits", "full_logits"):
             assert np.array_equal(exp[k], again[k]), f"probing changed {k}"
-        router_gap, zeroed = probe.min_gap() if probe.records else (float("inf"), 0)
+        if min_index_gap is not None:
+            assert p.records and p.index_gaps, "the router or the sparse indexer never ran"
+        elif need_router:
+            assert p.records, "the router never ran"
+        router_gap, zeroed = p.min_gap() if p.records else (float("inf"), 0)
+        index_gap_min = min(p.index_gaps) if min_index_gap is not None else None
         distinct = len(set(exp["decode_tokens"].tolist()))
         if (
             exp["_greedy_gap"] >= MIN_GREEDY_GAP
             and router_gap >= MIN_ROUTER_GAP
+            and (index_gap_min is None or index_gap_min >= min_index_gap)
             and distinct >= MIN_DISTINCT_DECODE_TOKENS
         ):
             stats = {
                 "prompt_seed": seed + attempt,
                 "min_greedy_top2_gap": round(exp["_greedy_gap"], 6),
                 "min_router_selection_gap": round(router_gap, 6),
-                "router_picks_from_zeroed_groups": zeroed,
-                "distinct_decode_tokens": distinct,
-                "next_token_after_decode": exp["_next_token"],
-                "max_abs_diff_cached_vs_full": float(f"{check_consistency(exp):.3g}"),
-                "logits_std": round(float(exp["full_logits"].std()), 4),
             }
+            if index_gap_min is not None:
+                stats["min_indexer_topk_gap"] = round(float(index_gap_min), 6)
+                stats["sparse_indexer_calls"] = len(p.index_gaps)
+            stats.update(
+                {
+                    "router_picks_from_zeroed_groups": zeroed,
+                    "distinct_decode_tokens": distinct,
+                    "next_token_after_decode": exp["_next_token"],
+                    "max_abs_diff_cached_vs_full": float(f"{check_consistency(exp):.3g}"),
+                    "logits_std": round(float(exp["full_logits"].std()), 4),
+                }
+            )
             return exp, stats
     raise RuntimeError(f"no robust prompt found in {MAX_PROMPT_TRIES} tries (seed {seed})")
 
 
-def save_expected(path: Path, exp: dict, stats: dict) -> None:
+def save_expected(path: Path, exp: dict, stats: dict, generator: str = "scripts/make_k3_fixtures.py") -> None:
+    """Writes a fixture's expected arrays (keys without a leading ``_``) with the generator, pins and seed."""
     arrays = {k: mx.array(v) for k, v in exp.items() if not k.startswith("_")}
     meta = {
-        "generator": "scripts/make_k3_fixtures.py",
+        "generator": generator,
         "mlx": PINS["mlx"],
         "mlx_lm": PINS["mlx-lm"],
         "prompt_seed": str(stats["prompt_seed"]),
-        "decode_tokens": "tokens fed to decode steps 0..N-1; [0]=argmax(prefill_logits[-1]), "
-        "[i]=argmax(decode_logits[i-1])",
-        "full_logits": "cache-less forward of concat(prompt, decode_tokens)",
     }
+    if generator == "scripts/make_k3_fixtures.py":
+        meta["decode_tokens"] = (
+            "tokens fed to decode steps 0..N-1; [0]=argmax(prefill_logits[-1]), [i]=argmax(decode_logits[i-1])"
+        )
+        meta["full_logits"] = "cache-less forward of concat(prompt, decode_tokens)"
     mx.save_safetensors(str(path), dict(sorted(arrays.items())), metadata=meta)
 
 

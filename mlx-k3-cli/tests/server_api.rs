@@ -240,6 +240,15 @@ fn bad_requests_get_openai_errors_and_the_server_survives() {
     bad("/v1/completions", &json!({"prompt": "x", "echo": true}).to_string(), Some("echo"), None);
     bad("/api/chat", &with(json!({"sesion": "x"})), Some("sesion"), Some("unknown_field"));
     bad("/api/chat/stop", "{}", None, Some("invalid_value"));
+    // Images: the server fetches no URLs, and k3-nano has no vision tower.
+    let image = |url: &str| {
+        json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]}]})
+        .to_string()
+    };
+    bad(chat, &image("https://example.com/cat.png"), Some("messages[0].content[1].image_url.url"), None);
+    bad(chat, &image("data:image/gif;base64,R0lGODlh"), Some("messages[0].content[1].image_url.url"), None);
+    bad(chat, &image("data:image/png;base64,iVBORw0KGgo="), Some("messages"), None);
 
     // Prompts longer than the context: digits pre-tokenize in groups of at most three, so 3 x ctx digits are
     // at least ctx tokens whatever the vocabulary.

@@ -3,7 +3,8 @@
 //! generation end, reload and find the conversation kept in the browser. A screenshot is saved to
 //! `target/test-artifacts/web_chat.png`. A second test has the page show a stored assistant reply with
 //! fenced and unfenced Python and checks that the code is displayed as code (indentation, `__init__`), and
-//! that the page says what k3-nano is.
+//! that the page says what k3-nano is. A third serves with a drafter and reads the reply's footer: tokens
+//! per verify cycle, as the metrics count them.
 //!
 //! Chromium is found on PATH (or `MLX_K3_CHROMIUM`); if missing, the test installs it with apt-get (as root,
 //! or with sudo). It skips, loudly, only when Chromium can be neither found nor installed.
@@ -333,4 +334,48 @@ fn web_chat_page_shows_code_as_code_and_says_what_k3_nano_is() {
         json!("k3-nano is a 3M-parameter model trained on Python code: expect Python-like text, not answers.")
     );
     b.screenshot(&artifacts().join("web_chat_code.png"));
+}
+
+#[test]
+fn web_chat_footer_shows_tokens_per_cycle_with_a_drafter() {
+    let Some(exe) = chromium() else {
+        eprintln!("\nSKIPPED web_chat_footer_shows_tokens_per_cycle_with_a_drafter: chromium is not installed and");
+        eprintln!("`apt-get install chromium` failed. Install Debian's chromium package to run this test.\n");
+        return;
+    };
+    // k3-nano drafting for itself: every draft is kept, so a cycle emits num_draft + 1 tokens.
+    let model = server_support::model_dir();
+    let s = Server::start(&["--draft-model", model.to_str().unwrap(), "--num-draft", "3"]);
+    let mut b = Browser::launch(&exe);
+    b.call("Page.enable", json!({}));
+    b.call("Page.navigate", json!({"url": s.at("/")}));
+    b.wait_for(
+        "document.readyState === 'complete' && document.body.dataset.state === 'idle'",
+        Duration::from_secs(30),
+        "the page to load",
+    );
+    b.eval(
+        "document.getElementById('max-tokens').value = '24';
+         document.getElementById('temperature').value = '0';
+         document.getElementById('prompt').value = 'def add(a, b):';
+         document.getElementById('send').click(); true",
+    );
+    b.wait_for(
+        "document.body.dataset.state === 'idle' && document.querySelectorAll('.msg').length === 2",
+        Duration::from_secs(60),
+        "the reply",
+    );
+    let meta = b.eval("document.querySelector('.msg.assistant:last-child .meta').textContent");
+    let meta = meta.as_str().unwrap();
+    let cycles = s.metric("mlx_k3_spec_cycles_total");
+    assert!(cycles > 0.0, "no verify cycle ran ({meta})");
+    let per_cycle = meta
+        .split(" \u{b7} ")
+        .find_map(|p| p.strip_suffix(" tokens/cycle"))
+        .unwrap_or_else(|| panic!("the footer has no tokens/cycle: {meta}"));
+    let per_cycle: f64 = per_cycle.parse().unwrap();
+    // The same figure the metrics give: (accepted + cycles) / cycles.
+    let accepted = s.metric("mlx_k3_spec_accepted_tokens_total");
+    assert!((per_cycle - (accepted + cycles) / cycles).abs() < 0.006, "{meta}: {accepted} accepted in {cycles}");
+    assert!(per_cycle > 1.0, "{meta}");
 }

@@ -230,6 +230,9 @@ async function send(text) {
         const parts = [finish === "cancelled" ? "stopped" : finish];
         if (u.completion_tokens !== undefined) parts.push(u.completion_tokens + " tokens");
         if (t.generation_tps) parts.push(t.generation_tps.toFixed(1) + " tok/s");
+        const sp = d.speculative;
+        if (sp && sp.cycles > 0) parts.push(sp.tokens_per_cycle.toFixed(2) + " tokens/cycle");
+        else if (sp && sp.plain_steps > 0) parts.push("drafting off");
         if (u.cached_tokens) parts.push(u.cached_tokens + " prompt tokens from cache");
         msg.meta = parts.join(" \u00b7 ");
       } else if (event === "error") {

@@ -35,6 +35,7 @@ pub mod generate;
 pub mod gguf;
 pub mod io;
 pub mod kernels;
+pub mod media;
 pub mod memory;
 pub mod model;
 pub mod ops;

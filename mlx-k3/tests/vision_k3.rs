@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 
 use logit_fixtures::{argmax, ids, last_row, rel_err};
 use mlx_k3::io::{save_safetensors, Safetensors};
-use mlx_k3::model::vision::{merge_features, placeholder_ids, VisionTower};
-use mlx_k3::model::{KimiK3, LoadOptions, ModelConfig};
+use mlx_k3::model::vision::{merge_features, MediaGrid, VisionTower};
+use mlx_k3::model::{KimiK3, LoadOptions};
 use mlx_k3::{Array, Dtype};
 
 const TOL: f32 = 1e-4;
@@ -26,14 +26,14 @@ fn fixture() -> PathBuf {
 
 struct Expected {
     st: Safetensors,
-    grids: Vec<(usize, usize, usize)>,
+    grids: Vec<MediaGrid>,
 }
 
 impl Expected {
     fn load() -> Expected {
         let st = Safetensors::load(fixture().join("expected.safetensors")).unwrap();
         let g = st.get("grids").unwrap().to_vec::<i32>().unwrap();
-        let grids = g.chunks(3).map(|c| (c[0] as usize, c[1] as usize, c[2] as usize)).collect();
+        let grids = g.chunks(3).map(|c| MediaGrid { t: c[0] as usize, h: c[1] as usize, w: c[2] as usize }).collect();
         Expected { st, grids }
     }
 
@@ -43,21 +43,23 @@ impl Expected {
 
     /// The pixel rows of grids `range`.
     fn pixels(&self, range: std::ops::Range<usize>) -> Array {
-        let start: usize = self.grids[..range.start].iter().map(|g| g.0 * g.1 * g.2).sum();
-        let len: usize = self.grids[range].iter().map(|g| g.0 * g.1 * g.2).sum();
+        let start: usize = self.grids[..range.start].iter().map(MediaGrid::patches).sum();
+        let len: usize = self.grids[range].iter().map(MediaGrid::patches).sum();
         self.get("pixel_values").slice_axis(0, start as i32, (start + len) as i32).unwrap()
     }
 }
 
 fn tower(dir: &Path) -> VisionTower {
-    VisionTower::load(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())).expect("a vision_config")
+    VisionTower::load(dir, Some(Dtype::F32))
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .expect("a vision_config")
 }
 
 #[test]
 fn tower_features_match_mlx_vlm() {
     let exp = Expected::load();
     let t = tower(&fixture());
-    assert_eq!(exp.grids, [(1, 2, 4), (1, 4, 10), (3, 2, 4)]);
+    assert_eq!(exp.grids, [MediaGrid::image(2, 4), MediaGrid::image(4, 10), MediaGrid::video(3, 2, 4)]);
     for (name, range) in
         [("features_image", 0..1), ("features_images", 0..2), ("features_video", 2..3), ("features_all", 0..3)]
     {
@@ -71,7 +73,7 @@ fn tower_features_match_mlx_vlm() {
         assert!(e <= TOL, "{name}: rel err {e}");
     }
     // The tower alone (before the projector), so a projector error cannot hide a tower error or vice versa.
-    let VisionTower::K3(k3) = &t;
+    let VisionTower::MoonVit3d(k3) = &t else { panic!("a kimi_k3 checkpoint gives the moonvit3d tower") };
     let merged = k3.tower(&exp.pixels(0..3), &exp.grids).unwrap();
     let e = rel_err(&merged, &exp.get("tower_all"));
     println!("tower_all: rel err {e:.2e}");
@@ -83,8 +85,7 @@ fn prompt_with_images_and_video_matches_mlx_vlm() {
     let exp = Expected::load();
     let dir = fixture();
     let t = tower(&dir);
-    let cfg = ModelConfig::load(&dir).unwrap();
-    let placeholders = placeholder_ids(&cfg);
+    let placeholders = t.placeholder_ids().to_vec();
     assert_eq!(placeholders, [250]);
     let model = KimiK3::load(&dir, LoadOptions { dtype: Some(Dtype::F32), lazy: false, shard: None }).unwrap();
 
@@ -182,7 +183,7 @@ fn bf16_tower_weights_are_used_as_stored() {
 #[test]
 fn text_only_checkpoints_have_no_tower() {
     let dir = logit_fixtures::dir("k3").join("a_latent_norm_attnres");
-    assert!(VisionTower::load(&dir).unwrap().is_none());
+    assert!(VisionTower::load(&dir, Some(Dtype::F32)).unwrap().is_none());
 }
 
 fn err_of<T: std::fmt::Debug>(r: mlx_k3::Result<T>) -> String {
@@ -195,20 +196,20 @@ fn bad_inputs_are_errors_that_name_them() {
     let t = tower(&fixture());
     let px = exp.pixels(0..1);
     // Patch count and grids disagree.
-    let e = err_of(t.encode(&px, &[(1, 2, 6)]));
+    let e = err_of(t.encode(&px, &[MediaGrid::image(2, 6)]));
     assert!(e.contains("the grids hold 12 patches, pixel_values has 8"), "{e}");
     // Not a multiple of the 2 x 2 merge.
-    let e = err_of(t.encode(&exp.pixels(0..1).slice_axis(0, 0, 6).unwrap(), &[(1, 2, 3)]));
+    let e = err_of(t.encode(&exp.pixels(0..1).slice_axis(0, 0, 6).unwrap(), &[MediaGrid::image(2, 3)]));
     assert!(e.contains("grid 0 (1, 2, 3)") && e.contains("multiples of the merge kernel"), "{e}");
     // More frames than the time embedding has.
     let five = Array::from_vec(vec![0f32; 5 * 8 * 3 * 14 * 14], &[40, 3, 14, 14]).unwrap();
-    let e = err_of(t.encode(&five, &[(5, 2, 4)]));
+    let e = err_of(t.encode(&five, &[MediaGrid::video(5, 2, 4)]));
     assert!(e.contains("5 frames") && e.contains("init_pos_emb_time = 4"), "{e}");
     // Wrong patch shape, no grids, an empty grid.
-    let e = err_of(t.encode(&px.transpose(&[0, 2, 3, 1]).unwrap(), &[(1, 2, 4)]));
+    let e = err_of(t.encode(&px.transpose(&[0, 2, 3, 1]).unwrap(), &[MediaGrid::image(2, 4)]));
     assert!(e.contains("pixel_values must be [patches, 3, 14, 14]"), "{e}");
     assert!(err_of(t.encode(&px, &[])).contains("no grids"));
-    assert!(err_of(t.encode(&px, &[(0, 2, 4)])).contains("empty side"));
+    assert!(err_of(t.encode(&px, &[MediaGrid::video(0, 2, 4)])).contains("empty side"));
 }
 
 #[test]
@@ -219,7 +220,7 @@ fn bad_checkpoints_are_errors_that_name_the_tensor_or_field() {
         },
         |_| {},
     );
-    let e = err_of(VisionTower::load(missing.path()));
+    let e = err_of(VisionTower::load(missing.path(), Some(Dtype::F32)));
     assert!(e.contains("'vision_tower.encoder.blocks.1.wo.weight' is missing"), "{e}");
 
     let wrong = edited_copy(
@@ -229,7 +230,7 @@ fn bad_checkpoints_are_errors_that_name_the_tensor_or_field() {
         },
         |_| {},
     );
-    let e = err_of(VisionTower::load(wrong.path()));
+    let e = err_of(VisionTower::load(wrong.path(), Some(Dtype::F32)));
     assert!(e.contains("'mm_projector.proj.2.weight' has shape [16, 128], expected [32, 128]"), "{e}");
 
     let extra = edited_copy(
@@ -239,19 +240,19 @@ fn bad_checkpoints_are_errors_that_name_the_tensor_or_field() {
         },
         |_| {},
     );
-    let e = err_of(VisionTower::load(extra.path()));
+    let e = err_of(VisionTower::load(extra.path(), Some(Dtype::F32)));
     assert!(e.contains("'vision_tower.encoder.blocks.2.wo.weight' is not part of"), "{e}");
 
     let kind = edited_copy(|_| {}, |c| c["vision_config"]["merge_type"] = "avg".into());
-    let e = err_of(VisionTower::load(kind.path()));
+    let e = err_of(VisionTower::load(kind.path(), Some(Dtype::F32)));
     assert!(e.contains("vision_config.merge_type: 'avg' is not supported") && e.contains("config.json"), "{e}");
 
     let typed = edited_copy(|_| {}, |c| c["vision_config"]["vt_hidden_size"] = "wide".into());
-    let e = err_of(VisionTower::load(typed.path()));
+    let e = err_of(VisionTower::load(typed.path(), Some(Dtype::F32)));
     assert!(e.contains("vision_config.vt_hidden_size"), "{e}");
 
     let heads = edited_copy(|_| {}, |c| c["vision_config"]["vt_num_attention_heads"] = 5.into());
-    let e = err_of(VisionTower::load(heads.path()));
+    let e = err_of(VisionTower::load(heads.path(), Some(Dtype::F32)));
     assert!(e.contains("vision_config.qkv_hidden_size: 48 must split into vt_num_attention_heads = 5"), "{e}");
 }
 

@@ -32,6 +32,7 @@ mod auth;
 pub mod error;
 pub mod generation;
 mod limits;
+pub(crate) mod media;
 mod metrics;
 pub(crate) mod openai;
 pub(crate) mod prompt;

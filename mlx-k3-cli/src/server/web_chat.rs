@@ -7,7 +7,7 @@
 //! | `thinking` | `{"text"}`: a piece of reasoning |
 //! | `answer` | `{"text"}`: a piece of the answer |
 //! | `tool_calls` | `{"tool_calls"}` in OpenAI's shape |
-//! | `done` | `{"finish_reason"` (stop, length, cancelled, tool_calls)`, "reasoning", "content", "usage", "timing"}` |
+//! | `done` | `{"finish_reason"` (stop, length, cancelled, tool_calls)`, "reasoning", "content", "usage", "timing", "speculative"}` (the last null unless a drafter ran) |
 //! | `error` | `{"error": {...}}` when generation fails after it started |
 //!
 //! The client sends the whole conversation each turn; the session id keeps its KV state in the engine, so
@@ -245,6 +245,17 @@ impl StreamFormat for WebChatStream {
                     FinishReason::Stop => "stop",
                 };
                 let s = &result.stats;
+                // Speculative decoding's counts, for the page's footer (tokens per verify cycle).
+                let speculative = s.spec.as_ref().map(|sp| {
+                    json!({
+                        "cycles": sp.cycles,
+                        "drafted": sp.drafted,
+                        "accepted": sp.accepted,
+                        "tokens_per_cycle": sp.tokens_per_cycle(),
+                        "plain_steps": sp.plain_steps,
+                        "fallbacks": sp.fallbacks,
+                    })
+                });
                 out.push(event(
                     "done",
                     json!({
@@ -261,6 +272,7 @@ impl StreamFormat for WebChatStream {
                             "prompt_tps": s.prompt_tps,
                             "generation_tps": s.generation_tps,
                         },
+                        "speculative": speculative,
                     }),
                 ));
                 true

@@ -137,10 +137,68 @@ pub struct GenerationStats {
     pub spec: Option<speculative::SpecStats>,
 }
 
+/// The media of a multimodal prompt: the embeddings that replace its placeholder tokens, and for each medium
+/// its content key and token count, so a prompt cache never resumes from a state computed for another image.
+#[derive(Clone, Debug)]
+pub struct PromptMedia {
+    /// The features `[N, D]` the vision tower gave, in prompt order (one row per placeholder token).
+    pub features: Array,
+    /// The token ids that mark a placeholder position ([`crate::model::vision::merge_features`]).
+    pub placeholders: Vec<u32>,
+    /// The media in prompt order: medium `i` takes the next `items[i].tokens` placeholder tokens.
+    pub items: Vec<MediaItem>,
+}
+
+/// One medium (an image, a video chunk) of a [`PromptMedia`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MediaItem {
+    /// A key of its content (e.g. a hash of the image file): equal keys mean equal embeddings.
+    pub key: u64,
+    /// The placeholder tokens it fills.
+    pub tokens: usize,
+}
+
+/// The positions `[start, end)` from a medium's first to its last placeholder token, and its key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct MediaSpan {
+    start: usize,
+    end: usize,
+    key: u64,
+}
+
+impl PromptMedia {
+    /// Each medium's span in `prompt`; errors if the placeholder tokens and the media's token counts differ.
+    fn spans(&self, prompt: &[u32]) -> Result<Vec<MediaSpan>> {
+        let positions: Vec<usize> =
+            prompt.iter().enumerate().filter(|(_, t)| self.placeholders.contains(t)).map(|(i, _)| i).collect();
+        let want: usize = self.items.iter().map(|m| m.tokens).sum();
+        if positions.len() != want || self.items.iter().any(|m| m.tokens == 0) {
+            return Err(Error::invalid(
+                "generate",
+                format!(
+                    "the prompt has {} media placeholder tokens for {} media of {want} tokens",
+                    positions.len(),
+                    self.items.len()
+                ),
+            ));
+        }
+        let mut spans = Vec::with_capacity(self.items.len());
+        let mut next = 0;
+        for m in &self.items {
+            let (first, last) = (positions[next], positions[next + m.tokens - 1]);
+            spans.push(MediaSpan { start: first, end: last + 1, key: m.key });
+            next += m.tokens;
+        }
+        Ok(spans)
+    }
+}
+
 /// The KV/recurrent state of one conversation, with the tokens it holds, and snapshots taken at the end of
 /// each prefill so a later prompt that shares a prefix can resume there (KDA state cannot be rewound).
 pub struct PromptCache {
     tokens: Vec<u32>,
+    /// The media spans among `tokens` (placeholder ids alone do not say which image they held).
+    media: Vec<MediaSpan>,
     cache: Option<ModelCache>,
     snapshots: Vec<(usize, ModelCache)>,
     max_snapshots: usize,
@@ -148,7 +206,7 @@ pub struct PromptCache {
 
 impl Default for PromptCache {
     fn default() -> Self {
-        PromptCache { tokens: Vec::new(), cache: None, snapshots: Vec::new(), max_snapshots: 4 }
+        PromptCache { tokens: Vec::new(), media: Vec::new(), cache: None, snapshots: Vec::new(), max_snapshots: 4 }
     }
 }
 
@@ -191,9 +249,22 @@ impl PromptCache {
     /// back to `k`, the snapshots longer than `k` (taken on the branch being abandoned) must go: a later
     /// prompt sharing `k + 1` or more tokens with that old branch but not with this one would otherwise
     /// resume from the old branch's state (issue 41, item 1: the web chat's "edit a message").
-    fn prepare(&mut self, model: &KimiK3, prompt: &[u32]) -> Result<usize> {
+    fn prepare(&mut self, model: &KimiK3, prompt: &[u32], media: &[MediaSpan]) -> Result<usize> {
         let limit = prompt.len().saturating_sub(1);
-        let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(limit);
+        let mut common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(limit);
+        // Equal placeholder tokens of different media are different prompts: the shared prefix ends where a
+        // held medium is not the prompt's medium at the same place (a medium cut by the prefix's end counts
+        // as different too, since its rows would be merged anew).
+        for held in &self.media {
+            if held.start < common && !media.contains(held) {
+                common = common.min(held.start);
+            }
+        }
+        for new in media {
+            if new.start < common && new.end > common {
+                common = new.start;
+            }
+        }
         if self.cache.is_some() && common == self.tokens.len() {
             return Ok(common);
         }
@@ -222,6 +293,7 @@ impl PromptCache {
     /// Cuts the held tokens back to `n` and drops the snapshots past them (see [`PromptCache::prepare`]).
     fn truncate(&mut self, n: usize) {
         self.tokens.truncate(n);
+        self.media.retain(|m| m.end <= n);
         self.snapshots.retain(|(m, _)| *m <= n);
     }
 
@@ -269,6 +341,18 @@ fn prefill(
     prompt: &[u32],
     opts: &GenerateOptions,
 ) -> Result<GenerationStats> {
+    prefill_media(model, pcache, prompt, None, opts)
+}
+
+/// [`prefill`] of a prompt whose placeholder tokens take the rows of `media` (the whole prompt's input
+/// embeddings are merged once; each chunk runs its rows through [`KimiK3::forward_embeddings`]).
+fn prefill_media(
+    model: &KimiK3,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    media: Option<&PromptMedia>,
+    opts: &GenerateOptions,
+) -> Result<GenerationStats> {
     if prompt.is_empty() {
         return Err(Error::invalid("generate", "the prompt is empty"));
     }
@@ -277,20 +361,43 @@ fn prefill(
         return Err(Error::invalid("generate", format!("prompt token {bad} is outside the vocabulary (0..{vocab})")));
     }
     opts.validate(vocab)?;
-    let cached = pcache.prepare(model, prompt)?;
+    let spans = match media {
+        Some(m) => m.spans(prompt)?,
+        None => Vec::new(),
+    };
+    let body_end = prompt.len() - 1;
+    if spans.iter().any(|s| s.end > body_end) {
+        return Err(Error::invalid("generate", "the prompt ends inside a medium (its last token must be text)"));
+    }
+    let merged = match media {
+        Some(m) => {
+            let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
+            let placeholders: Vec<i32> = m.placeholders.iter().map(|&t| t as i32).collect();
+            let h = model.embed_tokens(&ids_array(prompt)?)?;
+            Some(crate::model::vision::merge_features(&h, &ids, &placeholders, &m.features)?)
+        }
+        None => None,
+    };
+    let cached = pcache.prepare(model, prompt, &spans)?;
     let stats =
         GenerationStats { prompt_tokens: prompt.len(), prefilled_tokens: prompt.len() - cached, ..Default::default() };
     let chunk = opts.prefill_chunk.max(1);
-    let body_end = prompt.len() - 1;
     let mut pos = cached;
     while pos < body_end {
         let end = (pos + chunk).min(body_end);
-        let ids = ids_array(&prompt[pos..end])?;
         let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
-        model.forward(&ids, Some(cache))?;
+        match &merged {
+            Some(h) => model.forward_embeddings(&h.slice_axis(1, pos as i32, end as i32)?, Some(cache))?,
+            None => model.forward(&ids_array(&prompt[pos..end])?, Some(cache))?,
+        };
         crate::eval(&cache.arrays())?;
         pcache.tokens.extend_from_slice(&prompt[pos..end]);
         pos = end;
+    }
+    for s in spans {
+        if s.start >= cached {
+            pcache.media.push(s);
+        }
     }
     pcache.remember();
     Ok(stats)
@@ -312,12 +419,25 @@ pub fn generate_tokens(
     pcache: &mut PromptCache,
     prompt: &[u32],
     opts: &GenerateOptions,
+    on_token: impl FnMut(TokenEvent<'_>) -> bool,
+) -> Result<(Vec<u32>, FinishReason, GenerationStats)> {
+    generate_tokens_media(model, pcache, prompt, None, opts, on_token)
+}
+
+/// [`generate_tokens`] for a prompt with media: its placeholder tokens take the rows of `media`'s features,
+/// and the prompt cache resumes only where the held media equal the prompt's (by their keys).
+pub fn generate_tokens_media(
+    model: &KimiK3,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    media: Option<&PromptMedia>,
+    opts: &GenerateOptions,
     mut on_token: impl FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<(Vec<u32>, FinishReason, GenerationStats)> {
     let mut sampler = Sampler::new(opts.sampler.clone())?;
     memory::reset_peak();
     let start = Instant::now();
-    let mut stats = prefill(model, pcache, prompt, opts)?;
+    let mut stats = prefill_media(model, pcache, prompt, media, opts)?;
     let body_end = prompt.len() - 1;
 
     // The tokens the penalties see, extended lazily with each sampled token.
@@ -474,9 +594,39 @@ pub fn generate_text_with(
     pcache: &mut PromptCache,
     prompt: &[u32],
     opts: &GenerateOptions,
+    on_text: impl FnMut(&str) -> bool,
+) -> Result<TextGeneration> {
+    generate_text_impl(model, draft, None, tokenizer, pcache, prompt, opts, on_text)
+}
+
+/// [`generate_text`] for a prompt with media ([`generate_tokens_media`]).
+pub fn generate_text_media(
+    model: &KimiK3,
+    media: Option<&PromptMedia>,
+    tokenizer: &Tokenizer,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_text: impl FnMut(&str) -> bool,
+) -> Result<TextGeneration> {
+    generate_text_impl(model, None, media, tokenizer, pcache, prompt, opts, on_text)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn generate_text_impl(
+    model: &KimiK3,
+    draft: Option<(&mut dyn speculative::Drafter, &speculative::SpecOptions)>,
+    media: Option<&PromptMedia>,
+    tokenizer: &Tokenizer,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    opts: &GenerateOptions,
     mut on_text: impl FnMut(&str) -> bool,
 ) -> Result<TextGeneration> {
     opts.validate(model.config().vocab_size)?;
+    if draft.is_some() && media.is_some() {
+        return Err(Error::invalid("generate", "speculative decoding does not take prompts with images yet"));
+    }
     let mut dec = StreamDecoder::new();
     let mut text = String::new();
     let mut emitted = 0usize;
@@ -508,7 +658,7 @@ pub fn generate_text_with(
         go_on
     };
     let (tokens, mut reason, stats) = match draft {
-        None => generate_tokens(model, pcache, prompt, opts, on_token)?,
+        None => generate_tokens_media(model, pcache, prompt, media, opts, on_token)?,
         Some((drafter, spec)) => {
             let (t, r, mut st, sst) =
                 speculative::generate_speculative(model, drafter, pcache, prompt, opts, spec, on_token)?;

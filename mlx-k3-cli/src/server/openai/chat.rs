@@ -14,6 +14,7 @@ use super::only_default;
 use crate::engine::{Event, Request};
 use crate::server::error::{ApiError, JsonBody};
 use crate::server::generation::{failure, usage, Generation};
+use crate::server::media::{extract_images, ImageLimits, RequestImage};
 use crate::server::prompt::{self, Prompt};
 use crate::server::sampling::{check_session, now_secs, response_id, thinking_effort, Sampling, Stop};
 use crate::server::split::{Delta, ReplySplitter};
@@ -141,6 +142,8 @@ pub struct CheckedChat {
     pub stream: bool,
     /// Whether a stream ends with a usage chunk.
     pub include_usage: bool,
+    /// The images of `image_url` parts, in order (their parts left bare in `messages`).
+    pub images: Vec<RequestImage>,
 }
 
 /// Checks a parsed request for a checkpoint whose chat encoding is `chat_format` (the
@@ -150,7 +153,13 @@ pub fn check(req: ChatRequest, chat_format: &str) -> Result<CheckedChat, ApiErro
     only_default("logprobs", req.logprobs != Some(true), "log-probabilities are not returned by this server")?;
     only_default("top_logprobs", req.top_logprobs.is_none(), "log-probabilities are not returned by this server")?;
     let response_format = check_response_format(req.response_format, chat_format)?;
-    let messages = convert_messages(req.messages)?;
+    let mut api_messages = req.messages;
+    let images = extract_images(
+        api_messages.iter_mut().map(|m| &mut m.content),
+        |i| format!("messages[{i}].content"),
+        &ImageLimits::default(),
+    )?;
+    let messages = convert_messages(api_messages)?;
     let tools = check_tools(req.tools)?;
     let thinking = thinking_effort(req.thinking_effort.as_deref(), req.reasoning_effort.as_deref())?;
     // tool_choice "none": Kimi K3's encoding tells the model; other encodings leave the tools out.
@@ -172,12 +181,15 @@ pub fn check(req: ChatRequest, chat_format: &str) -> Result<CheckedChat, ApiErro
     let options = sampling.options(usize::MAX)?;
     let session = check_session(req.session)?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    Ok(CheckedChat { messages, tools, chat, options, session, stream: req.stream, include_usage })
+    Ok(CheckedChat { messages, tools, chat, options, session, stream: req.stream, include_usage, images })
 }
 
 async fn run(state: State, owner: Owner, req: ChatRequest) -> Result<Response, ApiError> {
-    let CheckedChat { messages, tools, chat, options, session, stream, include_usage } =
+    let CheckedChat { messages, tools, chat, options, session, stream, include_usage, images } =
         check(req, state.engine.info().chat_format)?;
+    if !images.is_empty() {
+        return Err(ApiError::bad_param("messages", "the loaded model has no vision tower: it takes no images"));
+    }
     let thinking = chat.thinking;
     let prompt = prompt::encode(&state, Prompt::Chat { messages, tools, options: chat }, "messages").await?;
     let mut request = Request::new(prompt.ids, prompt.chat, options);
@@ -290,10 +302,12 @@ fn convert_messages(messages: Vec<ApiMessage>) -> Result<Vec<ChatMessage>, ApiEr
                 for p in &parts {
                     match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
                         (Some("text"), Some(_)) => {}
+                        // An image part whose image `extract_images` took out.
+                        (Some("image_url"), None) if p.get("image_url").is_none() => {}
                         (kind, _) => {
                             return Err(ApiError::bad_param(
                                 &param("content"),
-                                format!("content part of type {kind:?}: only text parts are supported"),
+                                format!("content part of type {kind:?}: only text and image_url parts are supported"),
                             ))
                         }
                     }
@@ -515,7 +529,10 @@ mod tests {
         assert_eq!((m[0].role.as_str(), &m[0].content), ("system", &json!([{"type": "text", "text": "Be brief."}])));
         assert_eq!(m[1].tool_calls[0].function.arguments, json!({"city": "Paris"}));
         assert_eq!(m[2].name, None, "the chat encoding names a tool result, as its reference does");
-        let image = serde_json::from_value(json!([{"role": "user", "content": [{"type": "image_url"}]}])).unwrap();
-        assert_eq!(convert_messages(image).unwrap_err().param.as_deref(), Some("messages[0].content"));
+        let audio = serde_json::from_value(json!([{"role": "user", "content": [{"type": "input_audio"}]}])).unwrap();
+        assert_eq!(convert_messages(audio).unwrap_err().param.as_deref(), Some("messages[0].content"));
+        // An image part with its image still in it has not been through `extract_images`.
+        let image = json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]);
+        assert!(convert_messages(serde_json::from_value(image).unwrap()).is_err());
     }
 }

@@ -3,71 +3,112 @@
 //! in place of the prompt's media placeholder tokens; [`crate::model::KimiK3::forward_embeddings`] runs the
 //! text model on the result.
 
-use std::path::Path;
-
-use crate::model::ModelConfig;
-use crate::ops::concatenate;
-use crate::{Array, Error, Result};
-
+pub mod moonvit;
 pub mod moonvit3d;
 
-pub use moonvit3d::MoonVit3d;
+use std::path::Path;
 
-/// A checkpoint's vision tower and projector: images and video chunks in, embeddings of the text model's
-/// width out, one row per placeholder token.
-#[derive(Clone, Debug)]
+use crate::model::config::ModelConfig;
+use crate::model::weights::TensorRecord;
+use crate::model::KimiK3;
+use crate::ops::concatenate;
+use crate::{Array, Device, Dtype, Error, Result};
+
+/// The patch grid of one image (`t = 1`) or one video chunk (`t` frames): `t * h * w` patches, in frame,
+/// then row, then column order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MediaGrid {
+    /// Frames.
+    pub t: usize,
+    /// Patch rows.
+    pub h: usize,
+    /// Patch columns.
+    pub w: usize,
+}
+
+impl MediaGrid {
+    /// An image of `h x w` patches.
+    pub fn image(h: usize, w: usize) -> MediaGrid {
+        MediaGrid { t: 1, h, w }
+    }
+
+    /// A video chunk of `t` frames of `h x w` patches.
+    pub fn video(t: usize, h: usize, w: usize) -> MediaGrid {
+        MediaGrid { t, h, w }
+    }
+
+    /// Patches the grid covers.
+    pub fn patches(&self) -> usize {
+        self.t * self.h * self.w
+    }
+}
+
+/// A checkpoint's vision tower with its projector: patches in, text-width features out.
+#[derive(Debug)]
 pub enum VisionTower {
-    /// Kimi K3's `moonvit3d` tower with the `patchmergerv2` projector.
-    K3(MoonVit3d),
+    /// Kimi K2.5 / K2.7's MoonViT (`kimi_k25` checkpoints), see [`moonvit`].
+    MoonVit(moonvit::MoonVit),
+    /// Kimi K3's `moonvit3d` with the `patchmergerv2` projector (`kimi_k3` checkpoints), see [`moonvit3d`].
+    MoonVit3d(moonvit3d::MoonVit3d),
 }
 
 impl VisionTower {
-    /// The tower of the checkpoint in `dir`, or `None` when its `config.json` describes no vision part.
-    pub fn load(dir: &Path) -> Result<Option<VisionTower>> {
-        let cfg = ModelConfig::load(dir)?;
-        let path = dir.join("config.json");
-        match (cfg.model_type.as_str(), cfg.raw.get("vision_config")) {
-            ("kimi_k3", Some(v)) if !v.is_null() => {
-                let vc = moonvit3d::VisionConfig::parse(v, &path)?;
-                Ok(Some(VisionTower::K3(MoonVit3d::load(dir, vc, cfg.text.hidden_size)?)))
-            }
-            _ => Ok(None),
+    /// Loads the tower of the checkpoint in `dir` with activations in `dtype` (default: the text model's
+    /// default on this device); None when `config.json` has no `vision_config`.
+    pub fn load(dir: &Path, dtype: Option<Dtype>) -> Result<Option<VisionTower>> {
+        VisionTower::load_with_config(dir, &ModelConfig::load(dir)?, dtype)
+    }
+
+    /// [`VisionTower::load`] with `dir`'s config already parsed.
+    pub fn load_with_config(dir: &Path, cfg: &ModelConfig, dtype: Option<Dtype>) -> Result<Option<VisionTower>> {
+        if cfg.raw.get("vision_config").is_none_or(|v| v.is_null()) {
+            return Ok(None);
+        }
+        let dtype = match dtype {
+            Some(d) => d,
+            None => KimiK3::default_dtype(Device::default_device()?),
+        };
+        match cfg.model_type.as_str() {
+            "kimi_k25" => Ok(moonvit::MoonVit::load(dir, cfg, dtype)?.map(VisionTower::MoonVit)),
+            "kimi_k3" => Ok(moonvit3d::MoonVit3d::load(dir, cfg, dtype)?.map(VisionTower::MoonVit3d)),
+            other => Err(Error::Format {
+                path: dir.join("config.json"),
+                message: format!("vision_config: no vision tower is implemented for model_type '{other}'"),
+            }),
         }
     }
 
-    /// Features `[tokens, D_text]` for `pixel_values` `[N, 3, p, p]` (the processor's patches, channels
-    /// first) and one grid `(t, h, w)` in patches per image (`t = 1`) or video chunk, in the order the
-    /// prompt's placeholders expect them.
-    pub fn encode(&self, pixels: &Array, grids: &[(usize, usize, usize)]) -> Result<Array> {
+    /// The features `[tokens, D_text]` of `pixel_values` `[patches, C, p, p]` covering `grids` in order.
+    pub fn encode(&self, pixel_values: &Array, grids: &[MediaGrid]) -> Result<Array> {
         match self {
-            VisionTower::K3(t) => t.encode(pixels, grids),
+            VisionTower::MoonVit(m) => m.encode(pixel_values, grids),
+            VisionTower::MoonVit3d(m) => m.encode(pixel_values, grids),
         }
     }
 
-    /// Placeholder tokens one grid becomes in the prompt.
-    pub fn tokens_for(&self, grid: (usize, usize, usize)) -> usize {
+    /// The features (placeholder tokens in the prompt) one grid gives.
+    pub fn tokens_for(&self, grid: MediaGrid) -> usize {
         match self {
-            VisionTower::K3(t) => t.tokens_for(grid),
+            VisionTower::MoonVit(m) => m.tokens_for(grid),
+            VisionTower::MoonVit3d(m) => m.tokens_for(grid),
         }
     }
-}
 
-/// The placeholder token ids of a checkpoint's `config.json` (`image_token_index`, then
-/// `media_placeholder_token_id`, default 163605 as mlx-vlm's `kimi_k3` has it): the ids
-/// [`merge_features`] replaces.
-pub fn placeholder_ids(cfg: &ModelConfig) -> Vec<i32> {
-    let mut ids = Vec::new();
-    for key in ["image_token_index", "media_placeholder_token_id"] {
-        if let Some(id) = cfg.raw.get(key).and_then(|v| v.as_i64()).and_then(|v| i32::try_from(v).ok()) {
-            if !ids.contains(&id) {
-                ids.push(id);
-            }
+    /// The prompt token ids that [`merge_features`] replaces with features.
+    pub fn placeholder_ids(&self) -> &[i32] {
+        match self {
+            VisionTower::MoonVit(m) => &m.config().placeholders,
+            VisionTower::MoonVit3d(m) => m.placeholders(),
         }
     }
-    if ids.is_empty() && cfg.model_type == "kimi_k3" {
-        ids.push(163605);
+
+    /// Every weight of the tower and projector.
+    pub fn tensor_records(&self) -> &[TensorRecord] {
+        match self {
+            VisionTower::MoonVit(m) => m.tensor_records(),
+            VisionTower::MoonVit3d(m) => m.tensor_records(),
+        }
     }
-    ids
 }
 
 /// The input embeddings `h` `[B, T, D]` of the prompt `ids` (`B * T` token ids, row-major) with the rows at

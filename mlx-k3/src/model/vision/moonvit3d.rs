@@ -24,10 +24,16 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::MediaGrid;
 use crate::fast::{self, AttentionMask};
 use crate::model::loader::read_media_tensors;
+use crate::model::weights::TensorRecord;
+use crate::model::ModelConfig;
 use crate::ops::{concatenate, stack};
 use crate::{Array, Dtype, Error, Result};
+
+/// mlx-vlm's `kimi_k3` default `media_placeholder_token_id`.
+const DEFAULT_PLACEHOLDER: i32 = 163605;
 
 /// The block norms' epsilon, fixed in the reference (not a config field).
 const BLOCK_NORM_EPS: f32 = 1.0 / 128.0;
@@ -343,6 +349,10 @@ impl Tensors {
 pub struct MoonVit3d {
     cfg: VisionConfig,
     text_hidden: usize,
+    /// The dtype [`MoonVit3d::encode`] returns (the tower itself computes in f32).
+    dtype: Dtype,
+    placeholders: Vec<i32>,
+    records: Vec<TensorRecord>,
     /// The patch embedding as a matrix `[p * p * 3, D]` over patches flattened row, column, channel.
     patch_w: Array,
     patch_b: Option<Array>,
@@ -356,11 +366,50 @@ pub struct MoonVit3d {
 }
 
 impl MoonVit3d {
-    /// Reads the tower and projector of the checkpoint in `dir` (`vision_tower.*`, `mm_projector.*` under
-    /// mlx-vlm's names; the patch embedding in MLX's `[D, p, p, 3]` or the release's `[D, 3, p, p]` layout)
-    /// for the parsed `vision_config` and the text model's width.
-    pub fn load(dir: &Path, cfg: VisionConfig, text_hidden: usize) -> Result<MoonVit3d> {
+    /// Reads the tower and projector of the checkpoint in `dir` (`config.json` already parsed as `model`;
+    /// `vision_tower.*`, `mm_projector.*` under mlx-vlm's names; the patch embedding in MLX's `[D, p, p, 3]`
+    /// or the release's `[D, 3, p, p]` layout); None when the config has no `vision_config`. The tower
+    /// computes in f32 whatever the weights' dtype; `dtype` is the dtype of the features it returns.
+    pub fn load(dir: &Path, model: &ModelConfig, dtype: Dtype) -> Result<Option<MoonVit3d>> {
+        let path = dir.join("config.json");
+        let Some(v) = model.raw.get("vision_config").filter(|v| !v.is_null()) else {
+            return Ok(None);
+        };
+        if !dtype.is_float() {
+            return Err(Error::invalid("load", format!("feature dtype must be a float type, not {dtype}")));
+        }
+        let cfg = VisionConfig::parse(v, &path)?;
+        let text_hidden = model.text.hidden_size;
+        let mut placeholders = Vec::new();
+        for key in ["image_token_index", "media_placeholder_token_id"] {
+            match model.raw.get(key) {
+                None | Some(Value::Null) => {}
+                Some(x) => {
+                    let id = x.as_i64().and_then(|i| i32::try_from(i).ok()).filter(|&i| i >= 0).ok_or_else(|| {
+                        Error::Format { path: path.clone(), message: format!("{key}: expected a token id, found {x}") }
+                    })?;
+                    if !placeholders.contains(&id) {
+                        placeholders.push(id);
+                    }
+                }
+            }
+        }
+        if placeholders.is_empty() {
+            placeholders.push(DEFAULT_PLACEHOLDER);
+        }
         let mut t = Tensors::read(dir)?;
+        let records: Vec<TensorRecord> = t
+            .map
+            .iter()
+            .map(|(name, (a, _))| TensorRecord {
+                path: name.clone(),
+                params: a.size() as u64,
+                bytes: a.nbytes() as u64,
+                stored_bytes: a.nbytes() as u64,
+                spec: None,
+                dtype: a.dtype(),
+            })
+            .collect();
         let d = cfg.vt_hidden_size;
         let p = cfg.patch_size;
         let name = "vision_tower.patch_embed.proj.weight";
@@ -403,7 +452,32 @@ impl MoonVit3d {
                 message: format!("tensor '{extra}' is not part of the moonvit3d tower this vision_config describes"),
             });
         }
-        Ok(MoonVit3d { cfg, text_hidden, patch_w, patch_b, pos, blocks, final_norm, proj0, proj2, post_norm })
+        Ok(Some(MoonVit3d {
+            cfg,
+            text_hidden,
+            dtype,
+            placeholders,
+            records,
+            patch_w,
+            patch_b,
+            pos,
+            blocks,
+            final_norm,
+            proj0,
+            proj2,
+            post_norm,
+        }))
+    }
+
+    /// The prompt token ids the features replace (`image_token_index`, then `media_placeholder_token_id`;
+    /// 163605 when the config names neither).
+    pub fn placeholders(&self) -> &[i32] {
+        &self.placeholders
+    }
+
+    /// Every tensor of the tower and projector, as stored.
+    pub fn tensor_records(&self) -> &[TensorRecord] {
+        &self.records
     }
 
     /// The parsed `vision_config`.
@@ -416,14 +490,14 @@ impl MoonVit3d {
         self.text_hidden
     }
 
-    /// Tokens a grid `(t, h, w)` becomes: `(h / kh) * (w / kw)` (frames are averaged).
-    pub fn tokens_for(&self, grid: (usize, usize, usize)) -> usize {
+    /// Tokens a grid becomes: `(h / kh) * (w / kw)` (frames are averaged).
+    pub fn tokens_for(&self, grid: MediaGrid) -> usize {
         let m = self.cfg.merge();
-        (grid.1 / m[0]) * (grid.2 / m[1])
+        (grid.h / m[0]) * (grid.w / m[1])
     }
 
     /// Checks `pixel_values` against `grids`, naming what is wrong.
-    fn check_inputs(&self, pixels: &Array, grids: &[(usize, usize, usize)]) -> Result<()> {
+    fn check_inputs(&self, pixels: &Array, grids: &[MediaGrid]) -> Result<()> {
         let bad = |m: String| Error::invalid("vision encode", m);
         let p = self.cfg.patch_size as i32;
         let shape = pixels.shape();
@@ -438,7 +512,7 @@ impl MoonVit3d {
         }
         let m = self.cfg.merge();
         let mut total = 0usize;
-        for (i, &(t, h, w)) in grids.iter().enumerate() {
+        for (i, &MediaGrid { t, h, w }) in grids.iter().enumerate() {
             if t == 0 || h == 0 || w == 0 {
                 return Err(bad(format!("grid {i} ({t}, {h}, {w}) has an empty side")));
             }
@@ -466,7 +540,7 @@ impl MoonVit3d {
 
     /// The tower's merged patches `[tokens, kh * kw, D]` for `pixel_values` `[N, 3, p, p]` and one grid
     /// `(t, h, w)` per image or video chunk (the grids' patches one after another in `pixel_values`).
-    pub fn tower(&self, pixels: &Array, grids: &[(usize, usize, usize)]) -> Result<Array> {
+    pub fn tower(&self, pixels: &Array, grids: &[MediaGrid]) -> Result<Array> {
         self.check_inputs(pixels, grids)?;
         let n = pixels.dim(0)?;
         let p = self.cfg.patch_size as i32;
@@ -477,7 +551,7 @@ impl MoonVit3d {
         }
         let mut outs = Vec::with_capacity(grids.len());
         let mut start = 0i32;
-        for &(t, h, w) in grids {
+        for &MediaGrid { t, h, w } in grids {
             let len = (t * h * w) as i32;
             let xi = x.slice_axis(0, start, start + len)?.add(&self.position(t, h, w)?)?;
             outs.push(self.encode_one(&xi, t, h, w)?);
@@ -489,9 +563,9 @@ impl MoonVit3d {
 
     /// Features `[tokens, D_text]` to put in place of the prompt's placeholders: the tower, then the
     /// projector.
-    pub fn encode(&self, pixels: &Array, grids: &[(usize, usize, usize)]) -> Result<Array> {
+    pub fn encode(&self, pixels: &Array, grids: &[MediaGrid]) -> Result<Array> {
         let merged = self.tower(pixels, grids)?;
-        self.project(&merged)
+        self.project(&merged)?.astype(self.dtype)
     }
 
     /// The projector over the tower's merged patches `[tokens, kh * kw, D]`.

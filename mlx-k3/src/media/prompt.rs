@@ -1,0 +1,148 @@
+//! Placeholder expansion: the prompt gets one media token per merged patch of each image, so the tower's
+//! embeddings replace them one for one ([`crate::model::vision::merge_features`]).
+//!
+//! Kimi K3 (`KimiK3Processor.__call__` and `build_chat_segments(image_prompts=...)` of mlx-vlm 0.7.10): every
+//! `<|kimi_image_placeholder|>` in the rendered chat, in order, becomes
+//! `<|media_begin|>image {W}x{H}<|media_content|>` + `<|media_pad|>` x tokens + `<|media_end|>`, where `W x H`
+//! is the image's original size. Like the reference, a placeholder string inside message text counts too
+//! (the text around it stays ordinary text); the expansion itself is encoded with special tokens allowed.
+//!
+//! Kimi K2.5 (`KimiK25Processor.__call__`): the prompt is tokenized first and each `<|media_pad|>` token, in
+//! order, is repeated to the image's token count.
+//!
+//! Where the reference would go on with a count mismatch (more placeholders than images raises in K3's
+//! segment path, fewer leaves images unused; K2.5 leaves extra pads single), these are errors naming both
+//! counts: the merge would fail on such a prompt anyway.
+
+use super::Processed;
+use crate::chat::{RenderedPrompt, Segment};
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// What a Kimi K3 image part renders as before expansion.
+pub const IMAGE_PLACEHOLDER: &str = crate::chat::k3::IMAGE_PLACEHOLDER;
+/// The media token the tower's embeddings replace (both families).
+pub const MEDIA_PAD: &str = "<|media_pad|>";
+
+/// K3's `make_image_prompt`: the text one image expands to.
+pub fn k3_image_prompt(width: usize, height: usize, tokens: usize) -> String {
+    format!("<|media_begin|>image {width}x{height}<|media_content|>{}<|media_end|>", MEDIA_PAD.repeat(tokens))
+}
+
+fn count_err(placeholders: usize, images: usize) -> Error {
+    Error::invalid("media", format!("the prompt has {placeholders} image placeholders for {images} images"))
+}
+
+/// K3: the segments with every image placeholder replaced by its image's prompt (a special segment).
+pub fn expand_k3_segments(segments: &[Segment], images: &[Processed]) -> Result<Vec<Segment>> {
+    let found: usize = segments.iter().map(|s| s.text.matches(IMAGE_PLACEHOLDER).count()).sum();
+    if found != images.len() {
+        return Err(count_err(found, images.len()));
+    }
+    let mut next = images.iter();
+    let mut out = Vec::with_capacity(segments.len() + 2 * images.len());
+    for s in segments {
+        if !s.text.contains(IMAGE_PLACEHOLDER) {
+            out.push(s.clone());
+            continue;
+        }
+        let mut parts = s.text.split(IMAGE_PLACEHOLDER).peekable();
+        while let Some(part) = parts.next() {
+            if !part.is_empty() {
+                out.push(Segment { text: part.to_string(), special: s.special });
+            }
+            if parts.peek().is_some() {
+                let im = next.next().expect("counted above");
+                let (w, h) = im.original_size;
+                out.push(Segment { text: k3_image_prompt(w, h, im.tokens), special: true });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A prompt ready for the model: its token ids and the ids whose rows the media embeddings replace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MediaPrompt {
+    /// The prompt's token ids.
+    pub ids: Vec<u32>,
+    /// The placeholder token ids for [`crate::model::vision::merge_features`] (`<|media_pad|>`).
+    pub placeholder_ids: Vec<u32>,
+}
+
+/// The id of `<|media_pad|>` in `tok`, or an error saying the tokenizer has no media tokens.
+pub fn media_pad_id(tok: &Tokenizer) -> Result<u32> {
+    tok.token_to_id(MEDIA_PAD).ok_or_else(|| {
+        Error::invalid("media", format!("the tokenizer has no {MEDIA_PAD} token (not a vision checkpoint?)"))
+    })
+}
+
+/// K3: expands a rendered chat's image placeholders for `images` and encodes it as the K3 encoder does
+/// (each segment on its own; special tokens only in special segments). The pad-token count of the result is
+/// checked against the images' token total.
+pub fn k3_prompt(tok: &Tokenizer, rendered: &RenderedPrompt, images: &[Processed]) -> Result<MediaPrompt> {
+    let pad = media_pad_id(tok)?;
+    let mut expanded = rendered.clone();
+    expanded.segments = expand_k3_segments(&rendered.segments, images)?;
+    let ids = expanded.encode(tok)?;
+    check_pads(&ids, pad, images)?;
+    Ok(MediaPrompt { ids, placeholder_ids: vec![pad] })
+}
+
+/// K2.5: repeats each `<|media_pad|>` token of the encoded prompt `ids` to its image's token count.
+pub fn k25_prompt(tok: &Tokenizer, ids: &[u32], images: &[Processed]) -> Result<MediaPrompt> {
+    let pad = media_pad_id(tok)?;
+    let found = ids.iter().filter(|&&t| t == pad).count();
+    if found != images.len() {
+        return Err(count_err(found, images.len()));
+    }
+    let total: usize = images.iter().map(|i| i.tokens).sum();
+    let mut out = Vec::with_capacity(ids.len() + total);
+    let mut next = images.iter();
+    for &t in ids {
+        if t == pad {
+            let n = next.next().expect("counted above").tokens;
+            out.extend(std::iter::repeat_n(pad, n));
+        } else {
+            out.push(t);
+        }
+    }
+    Ok(MediaPrompt { ids: out, placeholder_ids: vec![pad] })
+}
+
+fn check_pads(ids: &[u32], pad: u32, images: &[Processed]) -> Result<()> {
+    let want: usize = images.iter().map(|i| i.tokens).sum();
+    let got = ids.iter().filter(|&&t| t == pad).count();
+    if got != want {
+        // A message that itself contains the pad token's text as a special segment would do this.
+        return Err(Error::invalid(
+            "media",
+            format!("the expanded prompt has {got} {MEDIA_PAD} tokens where the images need {want}"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::media::{Image, ImageProcessor, Mode, ProcessorKind};
+
+    #[test]
+    fn a_placeholder_inside_text_splits_it_and_the_text_stays_text() {
+        let p = ImageProcessor::new(ProcessorKind::K3);
+        let im = p.process(&Image::from_raw(30, 20, Mode::Rgb, vec![7; 30 * 20 * 3]).unwrap()).unwrap();
+        assert_eq!(im.tokens, 2); // 30x20 pads to 56x28: 4 x 2 patches, merged 2x2
+        let segs = [Segment { text: format!("a{IMAGE_PLACEHOLDER}b"), special: false }];
+        let out = expand_k3_segments(&segs, &[im]).unwrap();
+        let want = [
+            Segment { text: "a".into(), special: false },
+            Segment {
+                text: "<|media_begin|>image 30x20<|media_content|><|media_pad|><|media_pad|><|media_end|>".into(),
+                special: true,
+            },
+            Segment { text: "b".into(), special: false },
+        ];
+        assert_eq!(out, want);
+    }
+}
