@@ -169,6 +169,20 @@ fn inspect_summarizes_a_quantized_checkpoint() {
 }
 
 #[test]
+fn inspect_lists_the_vision_tower() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/vision_k3");
+    let (ok, stdout, stderr) = mlx_k3(&["inspect", dir.to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("media encoder"), "{stdout}");
+    // 2 blocks x 6 tensors + patch embedding, position grid and final norm; the projector's two matrices and
+    // norm: 128 x 128 + 32 x 128 + 32 parameters. All float32, as the fixture stores them.
+    let tower = stdout.lines().find(|l| l.starts_with("vision_tower.*")).expect("a vision_tower row");
+    assert!(tower.split_whitespace().nth(1) == Some("15") && tower.ends_with("float32"), "{tower}");
+    let proj = stdout.lines().find(|l| l.starts_with("mm_projector.*")).expect("an mm_projector row");
+    assert!(proj.split_whitespace().take(3).eq(["mm_projector.*", "3", "20512"]), "{proj}");
+}
+
+#[test]
 fn inspect_summarizes_a_deepseek_v3_family_checkpoint() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/deepseek_v3");
     let (ok, stdout, stderr) = mlx_k3(&["inspect", dir.join("a_yarn_grouped_mixed").to_str().unwrap()]);

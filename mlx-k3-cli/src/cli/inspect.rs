@@ -180,6 +180,27 @@ pub(super) fn run(args: Args) -> Result<()> {
             t.num_hidden_layers
         );
     }
+    // A multimodal checkpoint's media encoder (vision tower and projector) is not part of the text model
+    // above: `model::vision::VisionTower` loads it, and `convert` copies it through unchanged.
+    // Per prefix: tensors, parameters, bytes, dtypes.
+    type MediaRow = (usize, u64, u64, BTreeMap<String, u64>);
+    let mut media: BTreeMap<&str, MediaRow> = BTreeMap::new();
+    let media_tensors = loader::read_media_tensors(&args.dir)?;
+    for (name, (a, _)) in &media_tensors {
+        let prefix = loader::MEDIA_PREFIXES.iter().find(|p| name.starts_with(**p)).copied().unwrap_or("media");
+        let e = media.entry(prefix).or_default();
+        e.0 += 1;
+        e.1 += a.size() as u64;
+        e.2 += a.nbytes() as u64;
+        *e.3.entry(a.dtype().name().to_string()).or_default() += 1;
+    }
+    if !media.is_empty() {
+        println!("\nmedia encoder (loaded by the vision tower, not the text model; `convert` copies it through):");
+        for (prefix, (n, params, bytes, dtypes)) in &media {
+            let d: Vec<String> = dtypes.keys().cloned().collect();
+            println!("{:<22} {n:>7} {params:>14} {:>12}  {}", format!("{prefix}.*"), fmt_bytes(*bytes), d.join(", "));
+        }
+    }
     if args.check {
         check_finite(&args.dir)?;
     }

@@ -18,6 +18,7 @@ use super::recipe::{Format, Promote, Recipe};
 use super::source::{Module, Source, Unit};
 use super::store::{self, HostTensor, Output, Resume};
 use crate::codebook;
+use crate::model::loader::is_media_tensor;
 use crate::model::ModelConfig;
 use crate::quant::{self, QuantMode, QuantSpec, Quantized};
 use crate::tiered::Tier;
@@ -507,6 +508,9 @@ struct Plan {
     targets: BTreeMap<String, (Target, bool)>,
 }
 
+/// The file `convert` writes a checkpoint's media encoder (vision tower and projector) to, unchanged.
+pub const MEDIA_SHARD: &str = "model-media-encoder.safetensors";
+
 /// Output file name of unit `i` of `n`.
 pub fn shard_name(i: usize, n: usize) -> String {
     format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
@@ -570,7 +574,10 @@ fn check(job: &ConvertJob) -> Result<(Source, Plan)> {
 /// Runs a conversion.
 pub fn convert(job: &ConvertJob) -> Result<ConvertSummary> {
     let (mut src, plan) = check(job)?;
-    let n_units = src.units.len();
+    // The media encoder (vision tower and projector), when present, is one more unit, copied through into a
+    // file of its own, so the text model's shards are named and filled as without it.
+    let n_text = src.units.len();
+    let n_units = n_text + usize::from(src.media.is_some());
     let tiered = plan.targets.values().any(|(t, _)| matches!(t, Target::Tiered { .. }));
     let fp_job = json!({
         "tool": "convert",
@@ -604,7 +611,7 @@ pub fn convert(job: &ConvertJob) -> Result<ConvertSummary> {
     let pb = job.progress;
     pb.start(job.tool, n_units as u64, 0);
     let mut written = 0;
-    let units: Vec<Unit> = src.units.clone();
+    let units: Vec<Unit> = src.units.iter().chain(&src.media).cloned().collect();
     for (ui, unit) in units.iter().enumerate() {
         if out.done(ui).is_some() {
             src.release(unit);
@@ -613,7 +620,8 @@ pub fn convert(job: &ConvertJob) -> Result<ConvertSummary> {
         }
         pb.describe(&unit.name);
         let (tensors, report) = convert_unit(job, &src, &plan, unit, tier_plan.as_ref())?;
-        out.write_unit(ui, &shard_name(ui, n_units), &tensors, report)?;
+        let file = if ui < n_text { shard_name(ui, n_text) } else { MEDIA_SHARD.to_string() };
+        out.write_unit(ui, &file, &tensors, report)?;
         drop(tensors);
         src.release(unit);
         crate::memory::clear_cache();
@@ -879,6 +887,11 @@ fn convert_unit(
     }
     for name in &unit.plain {
         let a = src.plain(name)?;
+        if is_media_tensor(name) {
+            // Passthrough: the tower's own names, dtype and layout, as the source stores them.
+            tensors.push((name.clone(), HostTensor::from_array(&a)?));
+            continue;
+        }
         let a =
             if a.dtype().is_float() { a.astype(if keeps_f32(name) { Dtype::F32 } else { recipe.dtype })? } else { a };
         tensors.push((checkpoint_name(name, &src.config), HostTensor::from_array(&a)?));

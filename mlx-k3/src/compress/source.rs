@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use super::classes::{layer_of, module_of, TensorClass};
 use crate::codebook::{self, Codebook};
 use crate::model::config::{ModelConfig, PathQuant};
-use crate::model::loader::{infer_spec, read_weights, RawWeights};
+use crate::model::loader::{infer_spec, read_media_tensors, read_weights, RawWeights};
 use crate::model::KimiK3;
 use crate::quant::{self, QuantMode, QuantSpec, Quantized};
 use crate::tiered::{self, TieredExperts};
@@ -68,6 +68,9 @@ pub struct Source {
     shapes: BTreeMap<String, Vec<i32>>,
     /// Units in order: layers, then globals.
     pub units: Vec<Unit>,
+    /// The media encoder's tensors (`vision_tower.*`, `mm_projector.*`, ...) as one unit of plain tensors under
+    /// their stored names, when the checkpoint has any: `convert` copies them through unchanged.
+    pub media: Option<Unit>,
 }
 
 impl Source {
@@ -91,7 +94,20 @@ impl Source {
             .collect();
         units.push(Unit { name: "globals".into(), layer: None, modules: Vec::new(), plain: Vec::new() });
         let unit_of = |name: &str| layer_of(name).filter(|&i| i < n).unwrap_or(n);
-        let mut src = Source { dir: dir.to_path_buf(), config, raw, shapes, units: Vec::new() };
+        let mut raw = raw;
+        let mut media = Vec::new();
+        for (name, (a, file)) in read_media_tensors(dir)? {
+            raw.tensors.insert(name.clone(), a);
+            raw.files.insert(name.clone(), file);
+            media.push(name);
+        }
+        let media = (!media.is_empty()).then(|| Unit {
+            name: "media encoder".into(),
+            layer: None,
+            modules: Vec::new(),
+            plain: media,
+        });
+        let mut src = Source { dir: dir.to_path_buf(), config, raw, shapes, units: Vec::new(), media };
         for (path, (class, tensors)) in modules {
             let (shape, format) = src.describe(&path, &tensors)?;
             units[unit_of(&path)].modules.push(Module { path, class, shape, format, tensors });

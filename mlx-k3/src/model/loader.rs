@@ -330,7 +330,36 @@ pub fn parse_safetensors_header(bytes: &[u8], file_size: u64, path: &Path) -> Re
     Ok(locs)
 }
 
-const SKIPPED_PREFIXES: [&str; 4] = ["vision_tower", "vision_model", "multi_modal_projector", "mm_projector"];
+/// Tensor-name prefixes of a multimodal checkpoint's media encoder (tower and projector): never part of the
+/// text model.
+pub const MEDIA_PREFIXES: [&str; 4] = ["vision_tower", "vision_model", "multi_modal_projector", "mm_projector"];
+const SKIPPED_PREFIXES: [&str; 4] = MEDIA_PREFIXES;
+
+/// Whether tensor `name` belongs to the media encoder (see [`MEDIA_PREFIXES`]).
+pub fn is_media_tensor(name: &str) -> bool {
+    MEDIA_PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
+/// The media encoder's tensors of `dir` (lazily opened), under their stored names, with the file each is in;
+/// a name in two files is an error naming both.
+pub fn read_media_tensors(dir: &Path) -> Result<BTreeMap<String, (Array, PathBuf)>> {
+    let mut out: BTreeMap<String, (Array, PathBuf)> = BTreeMap::new();
+    for path in weight_files(dir)? {
+        validate_safetensors(&path)?;
+        let st = Safetensors::load(&path)?;
+        for key in st.keys().into_iter().filter(|k| is_media_tensor(k)) {
+            if let Some((_, prev)) = out.get(&key) {
+                return Err(Error::Format {
+                    path: path.clone(),
+                    message: format!("tensor '{key}' also appears in {}", prev.display()),
+                });
+            }
+            let a = st.get(&key)?;
+            out.insert(key, (a, path.clone()));
+        }
+    }
+    Ok(out)
+}
 
 /// Opens every shard of `dir` lazily and returns the tensors under sanitized names. With `experts`, release
 /// checkpoints' per-expert tensors are stacked for that range of experts only (the rest are never read).

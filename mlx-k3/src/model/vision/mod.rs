@@ -4,6 +4,7 @@
 //! text model on the result.
 
 pub mod moonvit;
+pub mod moonvit3d;
 
 use std::path::Path;
 
@@ -47,6 +48,8 @@ impl MediaGrid {
 pub enum VisionTower {
     /// Kimi K2.5 / K2.7's MoonViT (`kimi_k25` checkpoints), see [`moonvit`].
     MoonVit(moonvit::MoonVit),
+    /// Kimi K3's `moonvit3d` with the `patchmergerv2` projector (`kimi_k3` checkpoints), see [`moonvit3d`].
+    MoonVit3d(moonvit3d::MoonVit3d),
 }
 
 impl VisionTower {
@@ -67,6 +70,7 @@ impl VisionTower {
         };
         match cfg.model_type.as_str() {
             "kimi_k25" => Ok(moonvit::MoonVit::load(dir, cfg, dtype)?.map(VisionTower::MoonVit)),
+            "kimi_k3" => Ok(moonvit3d::MoonVit3d::load(dir, cfg, dtype)?.map(VisionTower::MoonVit3d)),
             other => Err(Error::Format {
                 path: dir.join("config.json"),
                 message: format!("vision_config: no vision tower is implemented for model_type '{other}'"),
@@ -78,6 +82,7 @@ impl VisionTower {
     pub fn encode(&self, pixel_values: &Array, grids: &[MediaGrid]) -> Result<Array> {
         match self {
             VisionTower::MoonVit(m) => m.encode(pixel_values, grids),
+            VisionTower::MoonVit3d(m) => m.encode(pixel_values, grids),
         }
     }
 
@@ -85,6 +90,7 @@ impl VisionTower {
     pub fn tokens_for(&self, grid: MediaGrid) -> usize {
         match self {
             VisionTower::MoonVit(m) => m.tokens_for(grid),
+            VisionTower::MoonVit3d(m) => m.tokens_for(grid),
         }
     }
 
@@ -92,6 +98,7 @@ impl VisionTower {
     pub fn placeholder_ids(&self) -> &[i32] {
         match self {
             VisionTower::MoonVit(m) => &m.config().placeholders,
+            VisionTower::MoonVit3d(m) => m.placeholders(),
         }
     }
 
@@ -99,6 +106,7 @@ impl VisionTower {
     pub fn tensor_records(&self) -> &[TensorRecord] {
         match self {
             VisionTower::MoonVit(m) => m.tensor_records(),
+            VisionTower::MoonVit3d(m) => m.tensor_records(),
         }
     }
 }
