@@ -427,3 +427,29 @@ fn generate_refuses_images_for_a_model_without_a_vision_tower() {
     assert!(!ok);
     assert!(err.contains("/no/such.png"), "{err}");
 }
+
+#[test]
+fn generate_takes_an_image_for_a_vision_checkpoint() {
+    // The end-to-end vision fixture (tests/vision_chat.rs checks its tokens against mlx-vlm): the image
+    // expands to the prompt mlx-vlm's processor builds (173 tokens for this chat, per the fixture manifest).
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/vision_chat");
+    let png = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/vision_preprocess/rgb.png");
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    let case = &manifest["cases"][0];
+    let text = case["messages"][0]["content"][1]["text"].as_str().unwrap();
+    let (ok, out, err) = mlx_k3(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--image",
+        png.to_str().unwrap(),
+        "--prompt",
+        text,
+        "--max-tokens",
+        "4",
+    ]);
+    assert!(ok, "{err}");
+    let want = format!("prompt: {} tokens", case["prompt_tokens"]);
+    assert!(out.contains(&want) || err.contains(&want), "{out}\n{err}");
+}
