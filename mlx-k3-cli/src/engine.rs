@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 
 use mlx_k3::chat::{ParsedOutput, ThinkingEffort};
 use mlx_k3::generate::speculative::{DraftModel, SpecOptions};
-use mlx_k3::generate::{GenerateOptions, Pipeline, PromptCache, PromptEncoder, TextGeneration};
+use mlx_k3::generate::{GenerateOptions, ImagePrompt, Pipeline, PromptCache, PromptEncoder, TextGeneration};
 use mlx_k3::model::shard::Comm;
 use mlx_k3::model::{KimiK3, LoadOptions};
 use mlx_k3::{Error, Result};
@@ -35,12 +35,15 @@ pub struct Request {
     pub session: Option<String>,
     /// Set to stop the generation early.
     pub cancel: Arc<AtomicBool>,
+    /// The prompt's images, processed ([`mlx_k3::generate::PromptEncoder::encode_chat_images`]); the
+    /// engine runs the vision tower on them.
+    pub images: Option<ImagePrompt>,
 }
 
 impl Request {
-    /// A request without session or cancel flag.
+    /// A request without session, cancel flag or images.
     pub fn new(ids: Vec<u32>, chat: Option<ThinkingEffort>, options: GenerateOptions) -> Self {
-        Request { ids, chat, options, session: None, cancel: Arc::new(AtomicBool::new(false)) }
+        Request { ids, chat, options, session: None, cancel: Arc::new(AtomicBool::new(false)), images: None }
     }
 }
 
@@ -439,6 +442,10 @@ fn serve(
             format!("the prompt has {} tokens; the model's context is {max_ctx}", ids.len()),
         );
     }
+    if comm.is_some() && request.images.is_some() {
+        // The other ranks get token ids only: the tower's features would have to reach them too.
+        return fail(FailureKind::BadRequest, "prompts with images are not served with --distributed yet".into());
+    }
     if comm.is_some() {
         // What generation would refuse is refused here, before the other ranks are involved: once they have
         // the order, any failure leaves the ranks out of step.
@@ -476,9 +483,14 @@ fn serve(
     }
     let cancel = request.cancel.clone();
     let on_text = |piece: &str| !cancel.load(Ordering::SeqCst) && events.send(Event::Text(piece.to_string())).is_ok();
-    let result = match draft.filter(|_| options.speculative) {
-        Some((drafter, spec)) => p.generate_speculative(drafter, spec, &mut cache, ids, &options, on_text),
-        None => p.generate(&mut cache, ids, &options, on_text),
+    let result = match (&request.images, draft.filter(|_| options.speculative)) {
+        // The tower runs here, on the model's thread; drafting does not take images yet, so a prompt with
+        // images decodes plainly (greedy output is the same either way).
+        (Some(images), _) => {
+            p.encode_media(images).and_then(|media| p.generate_media(&mut cache, ids, Some(&media), &options, on_text))
+        }
+        (None, Some((drafter, spec))) => p.generate_speculative(drafter, spec, &mut cache, ids, &options, on_text),
+        (None, None) => p.generate(&mut cache, ids, &options, on_text),
     };
     match result {
         Ok(r) => {

@@ -690,3 +690,38 @@ fn kimi_k2_think_blocks_come_back_as_reasoning() {
         assert_eq!(content, case["streamed"]["content"].as_str().unwrap(), "streamed {}", case["reply"]);
     }
 }
+
+#[test]
+fn chat_requests_with_images_run_the_vision_tower() {
+    // The end-to-end vision fixture (tests/vision_chat.rs checks the same chat against mlx-vlm): an
+    // image_url data URL expands to the prompt mlx-vlm's processor builds, a second turn about the same
+    // image in a session reuses the first turn's state, and a broken image is a 400 naming it.
+    let _g = serial();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures");
+    let s = Server::start_with(&root.join("vision_chat"), &[]);
+    let manifest: Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("vision_chat/manifest.json")).unwrap()).unwrap();
+    let case = &manifest["cases"][0];
+    let text = case["messages"][0]["content"][1]["text"].as_str().unwrap();
+    use base64::Engine as _;
+    let png = std::fs::read(root.join("vision_preprocess/rgb.png")).unwrap();
+    let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&png));
+    let body = |url: &str| {
+        json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}],
+            "max_tokens": 4, "temperature": 0, "session": "img"})
+    };
+    let (code, r) = s.post("/v1/chat/completions", &body(&url));
+    assert_eq!(code, 200, "{r}");
+    assert_eq!(r["usage"]["prompt_tokens"], case["prompt_tokens"], "{r}");
+    let (code, again) = s.post("/v1/chat/completions", &body(&url));
+    assert_eq!(code, 200, "{again}");
+    assert_eq!(again["choices"][0]["message"]["content"], r["choices"][0]["message"]["content"]);
+    let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    assert!(cached > 0, "the same image in the same session was not reused: {again}");
+
+    let broken = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&png[..40]));
+    let (code, v) = s.post("/v1/chat/completions", &body(&broken));
+    assert_eq!(code, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("image 0"), "{v}");
+}

@@ -10,6 +10,7 @@ use serde_json::Value;
 use super::error::ApiError;
 use super::State;
 use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
+use mlx_k3::generate::{ImageInput, ImagePrompt};
 
 /// What a request asks to continue.
 pub enum Prompt {
@@ -25,13 +26,17 @@ pub enum Prompt {
         tools: Option<Value>,
         /// Thinking, tool_choice, response_format.
         options: ChatOptions,
+        /// The images of the messages' image parts, in order.
+        images: Vec<ImageInput>,
     },
 }
 
-/// A prompt's token ids, and for a chat prompt its thinking effort (the reply is parsed as chat).
+/// A prompt's token ids, for a chat prompt its thinking effort (the reply is parsed as chat), and for a
+/// prompt with images their processed pixels (the engine runs the vision tower on them).
 pub struct Encoded {
     pub ids: Vec<u32>,
     pub chat: Option<ThinkingEffort>,
+    pub images: Option<ImagePrompt>,
 }
 
 /// Prompts of at most this many bytes of text are tokenized at once, without waiting for a turn.
@@ -63,20 +68,29 @@ pub async fn encode(state: &State, prompt: Prompt, param: &str) -> Result<Encode
             ),
         ));
     }
-    let (ids, chat) = match prompt {
-        Prompt::Tokens(ids) => (ids, None),
-        Prompt::Text(text) => (tokenize(state, text_bytes, move |e| e.encode_raw(&text)).await?, None),
-        Prompt::Chat { messages, tools, options } => {
+    let (ids, chat, images) = match prompt {
+        Prompt::Tokens(ids) => (ids, None, None),
+        Prompt::Text(text) => (tokenize(state, text_bytes, move |e| e.encode_raw(&text)).await?, None, None),
+        Prompt::Chat { messages, tools, options, images } if images.is_empty() => {
             let thinking = options.thinking;
             let ids = tokenize(state, text_bytes, move |e| e.encode_chat(&messages, tools.as_ref(), &options)).await?;
-            (ids, Some(thinking))
+            (ids, Some(thinking), None)
+        }
+        Prompt::Chat { messages, tools, options, images } => {
+            // Decoding and resizing images is heavy work too: it takes a turn like a large prompt.
+            let thinking = options.thinking;
+            let ip = tokenize(state, usize::MAX, move |e| {
+                e.encode_chat_images(&messages, tools.as_ref(), &options, &images)
+            })
+            .await?;
+            (ip.ids.clone(), Some(thinking), Some(ip))
         }
     };
     // The engine checks this too; refusing here keeps a request that cannot run out of its queue.
     if ids.len() + 1 > ctx {
         return Err(too_long(param, format!("the prompt has {} tokens; the model's context is {ctx}", ids.len())));
     }
-    Ok(Encoded { ids, chat })
+    Ok(Encoded { ids, chat, images })
 }
 
 /// The bytes of text a message's content holds: a string, or the `text` of its content parts (what the chat
@@ -89,11 +103,11 @@ fn text_bytes_of(content: &Value) -> usize {
     }
 }
 
-async fn tokenize(
+async fn tokenize<T: Send + 'static>(
     state: &State,
     bytes: usize,
-    f: impl FnOnce(&mlx_k3::generate::PromptEncoder) -> mlx_k3::Result<Vec<u32>> + Send + 'static,
-) -> Result<Vec<u32>, ApiError> {
+    f: impl FnOnce(&mlx_k3::generate::PromptEncoder) -> mlx_k3::Result<T> + Send + 'static,
+) -> Result<T, ApiError> {
     let _turn = if bytes > SMALL_PROMPT_BYTES {
         Some(
             state

@@ -125,7 +125,7 @@ async fn run(state: State, owner: Owner, req: WebChatRequest) -> Result<Response
     let CheckedWebChat { messages, thinking, options, session } = check(req)?;
     let prompt = prompt::encode(
         &state,
-        Prompt::Chat { messages, tools: None, options: ChatOptions::thinking(thinking) },
+        Prompt::Chat { messages, tools: None, options: ChatOptions::thinking(thinking), images: Vec::new() },
         "messages",
     )
     .await?;

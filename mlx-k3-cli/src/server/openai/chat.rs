@@ -21,6 +21,7 @@ use crate::server::split::{Delta, ReplySplitter};
 use crate::server::stream::{sse, StreamFormat};
 use crate::server::{Owner, State};
 use mlx_k3::chat::{ChatMessage, ChatOptions, FunctionCall, ParsedOutput, ToolCall};
+use mlx_k3::generate::ImageInput;
 use mlx_k3::generate::{FinishReason, GenerateOptions, TextGeneration};
 
 /// The request body.
@@ -187,12 +188,18 @@ pub fn check(req: ChatRequest, chat_format: &str) -> Result<CheckedChat, ApiErro
 async fn run(state: State, owner: Owner, req: ChatRequest) -> Result<Response, ApiError> {
     let CheckedChat { messages, tools, chat, options, session, stream, include_usage, images } =
         check(req, state.engine.info().chat_format)?;
-    if !images.is_empty() {
+    if !images.is_empty() && state.engine.encoder().image_processor.is_none() {
         return Err(ApiError::bad_param("messages", "the loaded model has no vision tower: it takes no images"));
     }
+    let images = images
+        .into_iter()
+        .enumerate()
+        .map(|(i, im)| ImageInput { name: format!("image {i} ({})", im.media_type), bytes: im.bytes })
+        .collect();
     let thinking = chat.thinking;
-    let prompt = prompt::encode(&state, Prompt::Chat { messages, tools, options: chat }, "messages").await?;
+    let prompt = prompt::encode(&state, Prompt::Chat { messages, tools, options: chat, images }, "messages").await?;
     let mut request = Request::new(prompt.ids, prompt.chat, options);
+    request.images = prompt.images;
     request.session = session.map(|s| owner.session(&s));
 
     let mut generation = Generation::submit(&state.engine, request)?;
