@@ -379,3 +379,58 @@ fn web_chat_footer_shows_tokens_per_cycle_with_a_drafter() {
     assert!((per_cycle - (accepted + cycles) / cycles).abs() < 0.006, "{meta}: {accepted} accepted in {cycles}");
     assert!(per_cycle > 1.0, "{meta}");
 }
+
+#[test]
+fn web_chat_page_sends_an_attached_image() {
+    let Some(exe) = chromium() else {
+        eprintln!("\nSKIPPED web_chat_page_sends_an_attached_image: chromium is not installed and");
+        eprintln!("`apt-get install chromium` failed. Install Debian's chromium package to run this test.\n");
+        return;
+    };
+    // The end-to-end vision fixture (a tiny K3 checkpoint with a tower; tests/vision_chat.rs checks it
+    // against mlx-vlm).
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures");
+    let png = root.join("vision_preprocess/rgb.png").canonicalize().unwrap();
+    let s = Server::start_with(&root.join("vision_chat"), &[]);
+    let mut b = Browser::launch(&exe);
+    b.call("Page.enable", json!({}));
+    b.call("Page.navigate", json!({"url": s.at("/")}));
+    b.wait_for(
+        "document.readyState === 'complete' && !document.getElementById('attach').hidden",
+        Duration::from_secs(30),
+        "the page to offer the image button (the model has a vision tower)",
+    );
+    // Choose the file as a user would in the file dialog.
+    let root_node = b.call("DOM.getDocument", json!({}))["root"]["nodeId"].clone();
+    let input = b.call("DOM.querySelector", json!({"nodeId": root_node, "selector": "#image-file"}))["nodeId"].clone();
+    b.call("DOM.setFileInputFiles", json!({"nodeId": input, "files": [png.to_str().unwrap()]}));
+    b.wait_for("document.querySelectorAll('#attachments img').length === 1", Duration::from_secs(10), "the thumbnail");
+    b.eval(
+        "document.getElementById('max-tokens').value = '4';
+         document.getElementById('temperature').value = '0';
+         document.getElementById('prompt').value = 'What is in the picture?';
+         document.getElementById('send').click(); true",
+    );
+    b.wait_for(
+        "document.body.dataset.state === 'idle' && document.querySelectorAll('.msg').length === 2",
+        Duration::from_secs(60),
+        "the reply",
+    );
+    // The image is shown in the conversation, the thumbnail strip is cleared, and the reply came back.
+    assert_eq!(b.eval("document.querySelectorAll('.msg.user .images img').length"), json!(1));
+    assert_eq!(b.eval("document.querySelectorAll('#attachments img').length"), json!(0));
+    let meta = b.eval("document.querySelector('.msg.assistant:last-child .meta').textContent");
+    assert!(
+        !meta.as_str().unwrap().is_empty() && b.eval("document.querySelector('.msg.assistant .error')") == json!(null),
+        "{meta}"
+    );
+    // The server saw the image: its prompt is longer than the text alone (the image's tokens are in it).
+    assert_eq!(s.metric("mlx_k3_requests_total"), 1.0);
+    let with_image = s.metric("mlx_k3_prompt_tokens_total");
+    let body = json!({"messages": [{"role": "user", "content": "What is in the picture?"}], "max_tokens": 1,
+                      "thinking_effort": "high"});
+    let (code, v) = s.post_raw("/api/chat", &body.to_string());
+    assert_eq!(code, 200, "{v}");
+    let text_only = s.metric("mlx_k3_prompt_tokens_total") - with_image;
+    assert!(with_image > text_only, "prompt tokens with the image {with_image}, without {text_only}");
+}

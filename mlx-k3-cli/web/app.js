@@ -7,6 +7,8 @@ const $ = (id) => document.getElementById(id);
 const STORE = "mlx-k3.chat";
 let data = load();
 let running = null; // {session, controller, msg, view} while a reply streams
+let pending = []; // images (data: URLs) attached to the next message
+let vision = false; // whether the model takes images (/health)
 
 function load() {
   try {
@@ -17,7 +19,14 @@ function load() {
 }
 
 function save() {
-  localStorage.setItem(STORE, JSON.stringify(data));
+  try {
+    localStorage.setItem(STORE, JSON.stringify(data));
+  } catch (_) {
+    // Over the storage quota (images are large): keep the conversations without their images.
+    const slim = JSON.parse(JSON.stringify(data));
+    for (const s of slim.sessions) for (const m of s.messages) if (m.images) m.images = [];
+    try { localStorage.setItem(STORE, JSON.stringify(slim)); } catch (_) { /* nothing more to drop */ }
+  }
 }
 
 function newId() {
@@ -98,12 +107,57 @@ function messageView(msg) {
     view.meta.className = "meta";
     div.appendChild(view.meta);
   } else {
+    if (msg.images && msg.images.length) {
+      const box = document.createElement("div");
+      box.className = "images";
+      for (const url of msg.images) {
+        const img = document.createElement("img");
+        img.src = url;
+        img.alt = "attached image";
+        box.appendChild(img);
+      }
+      div.appendChild(box);
+    }
     view.body = document.createElement("div");
     view.body.className = "body";
     div.appendChild(view.body);
   }
   updateView(view, msg);
   return view;
+}
+
+// ---- images ----
+
+function renderAttachments() {
+  const box = $("attachments");
+  box.textContent = "";
+  box.hidden = pending.length === 0;
+  pending.forEach((url, i) => {
+    const t = document.createElement("div");
+    t.className = "thumb";
+    const img = document.createElement("img");
+    img.src = url;
+    img.alt = "image to send";
+    const del = document.createElement("button");
+    del.type = "button";
+    del.textContent = "\u00d7";
+    del.title = "Remove";
+    del.onclick = () => { pending.splice(i, 1); renderAttachments(); };
+    t.append(img, del);
+    box.appendChild(t);
+  });
+}
+
+function attachFiles(files) {
+  for (const f of files) {
+    if (!/^image\/(png|jpeg|webp)$/.test(f.type)) {
+      setState("idle", f.name + ": only PNG, JPEG and WebP images can be sent");
+      continue;
+    }
+    const r = new FileReader();
+    r.onload = () => { pending.push(r.result); renderAttachments(); };
+    r.readAsDataURL(f);
+  }
 }
 
 function updateView(view, msg) {
@@ -171,8 +225,13 @@ async function* sseEvents(body) {
 async function send(text) {
   const s = current();
   if (s.messages.length === 0) s.title = text.slice(0, 40);
-  s.messages.push({ role: "user", content: text });
-  const history = s.messages.map((m) => ({ role: m.role, content: m.content }));
+  const user = { role: "user", content: text };
+  if (pending.length) user.images = pending;
+  pending = [];
+  renderAttachments();
+  s.messages.push(user);
+  const history = s.messages.map((m) =>
+    m.images && m.images.length ? { role: m.role, content: m.content, images: m.images } : { role: m.role, content: m.content });
   const msg = { role: "assistant", content: "", reasoning: "" };
   s.messages.push(msg);
   save();
@@ -299,6 +358,16 @@ $("prompt").addEventListener("keydown", (e) => {
   }
 });
 $("stop").addEventListener("click", stop);
+$("attach").addEventListener("click", () => $("image-file").click());
+$("image-file").addEventListener("change", (e) => { attachFiles(e.target.files); e.target.value = ""; });
+$("prompt").addEventListener("paste", (e) => {
+  if (!vision) return;
+  const files = Array.from(e.clipboardData ? e.clipboardData.files : []);
+  if (files.length) {
+    e.preventDefault();
+    attachFiles(files);
+  }
+});
 $("new-chat").addEventListener("click", () => {
   if (running) return;
   data.current = null;
@@ -312,6 +381,8 @@ const K3_NANO_NOTE = "k3-nano is a 3M-parameter model trained on Python code: ex
 
 fetch("/health").then((r) => r.json()).then((h) => {
   $("model").textContent = "model: " + h.model + " (context " + h.max_context + ")";
+  vision = !!h.vision;
+  $("attach").hidden = !vision;
   if (h.model === "k3-nano") {
     $("notice").textContent = K3_NANO_NOTE;
     $("notice").hidden = false;

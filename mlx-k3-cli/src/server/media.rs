@@ -53,7 +53,12 @@ fn part_image(part: &Value, param: &str, limits: &ImageLimits) -> Result<Option<
         },
         _ => return Err(ApiError::bad_param(&format!("{param}.image_url"), "an image part needs image_url.url")),
     };
-    let param = format!("{param}.image_url.url");
+    data_url_image(url, &format!("{param}.image_url.url"), limits).map(Some)
+}
+
+/// The image a `data:` URL carries (`param` names it in errors): base64 PNG, JPEG or WebP within `limits`.
+pub fn data_url_image(url: &str, param: &str, limits: &ImageLimits) -> Result<RequestImage, ApiError> {
+    let param = param.to_string();
     let Some(rest) = url.strip_prefix("data:") else {
         let scheme = url.split(':').next().unwrap_or("");
         return Err(ApiError::bad_param(
@@ -94,7 +99,7 @@ fn part_image(part: &Value, param: &str, limits: &ImageLimits) -> Result<Option<
     }
     let digest = Sha256::digest(&bytes);
     let key = u64::from_le_bytes(digest[..8].try_into().unwrap_or([0; 8]));
-    Ok(Some(RequestImage { bytes, media_type, key }))
+    Ok(RequestImage { bytes, media_type, key })
 }
 
 fn too_large(param: &str, n: usize, limits: &ImageLimits) -> ApiError {

@@ -33,7 +33,8 @@ pub async fn count(AxState(state): AxState<State>, req: Request, next: Next) -> 
 /// `GET /health`.
 pub async fn health(AxState(state): AxState<State>) -> Json<Value> {
     let info = state.engine.info();
-    Json(json!({"status": "ok", "model": info.id, "max_context": info.max_context}))
+    let vision = state.engine.encoder().image_processor.is_some();
+    Json(json!({"status": "ok", "model": info.id, "max_context": info.max_context, "vision": vision}))
 }
 
 /// `GET /metrics`.

@@ -31,6 +31,7 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, JsonBody};
 use super::generation::{failure, Generation};
+use super::media::{data_url_image, ImageLimits, RequestImage};
 use super::prompt::{self, Prompt};
 use super::sampling::{thinking_effort, Sampling};
 use super::split::{Delta, ReplySplitter};
@@ -38,7 +39,7 @@ use super::stream::{sse, StreamFormat};
 use super::{Owner, State};
 use crate::engine::{Event, Request};
 use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
-use mlx_k3::generate::{FinishReason, GenerateOptions};
+use mlx_k3::generate::{FinishReason, GenerateOptions, ImageInput};
 
 /// Default new tokens per turn when the request gives none.
 const DEFAULT_MAX_TOKENS: usize = 1024;
@@ -63,6 +64,9 @@ pub struct WebChatRequest {
 struct WebMessage {
     role: String,
     content: String,
+    /// A user message's images, as `data:` URLs (shown before its text).
+    #[serde(default)]
+    images: Vec<String>,
 }
 
 /// `POST /api/chat`.
@@ -87,6 +91,8 @@ pub struct CheckedWebChat {
     pub options: GenerateOptions,
     /// The session id: the request's, or a new one.
     pub session: String,
+    /// The messages' images, in order (their image parts are in `messages`).
+    pub images: Vec<RequestImage>,
 }
 
 /// Checks a parsed request: every bad field is a 400 naming it. Pure, so the fuzz targets run it.
@@ -95,6 +101,8 @@ pub fn check(req: WebChatRequest) -> Result<CheckedWebChat, ApiError> {
         return Err(ApiError::bad_param("messages", "messages must not be empty"));
     }
     let mut messages = Vec::with_capacity(req.messages.len());
+    let mut images = Vec::new();
+    let limits = ImageLimits::default();
     for (i, m) in req.messages.into_iter().enumerate() {
         if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
             return Err(ApiError::bad_param(
@@ -102,7 +110,26 @@ pub fn check(req: WebChatRequest) -> Result<CheckedWebChat, ApiError> {
                 format!("role '{}' is not system, user or assistant", m.role),
             ));
         }
-        messages.push(ChatMessage::new(&m.role, &m.content));
+        if m.images.is_empty() {
+            messages.push(ChatMessage::new(&m.role, &m.content));
+            continue;
+        }
+        if m.role != "user" {
+            return Err(ApiError::bad_param(&format!("messages[{i}].images"), "only user messages carry images"));
+        }
+        let mut parts = Vec::with_capacity(m.images.len() + 1);
+        for (j, url) in m.images.iter().enumerate() {
+            if images.len() == limits.max_images {
+                return Err(ApiError::bad_param(
+                    &format!("messages[{i}].images"),
+                    format!("more than {} images in one request", limits.max_images),
+                ));
+            }
+            images.push(data_url_image(url, &format!("messages[{i}].images[{j}]"), &limits)?);
+            parts.push(json!({"type": "image_url"}));
+        }
+        parts.push(json!({"type": "text", "text": m.content}));
+        messages.push(ChatMessage { content: Value::Array(parts), ..ChatMessage::new("user", "") });
     }
     let thinking = thinking_effort(req.thinking_effort.as_deref(), None)?;
     let sampling = Sampling {
@@ -118,18 +145,27 @@ pub fn check(req: WebChatRequest) -> Result<CheckedWebChat, ApiError> {
         Some(s) => s,
         None => new_session_id(),
     };
-    Ok(CheckedWebChat { messages, thinking, options, session })
+    Ok(CheckedWebChat { messages, thinking, options, session, images })
 }
 
 async fn run(state: State, owner: Owner, req: WebChatRequest) -> Result<Response, ApiError> {
-    let CheckedWebChat { messages, thinking, options, session } = check(req)?;
+    let CheckedWebChat { messages, thinking, options, session, images } = check(req)?;
+    if !images.is_empty() && state.engine.encoder().image_processor.is_none() {
+        return Err(ApiError::bad_param("messages", "the loaded model has no vision tower: it takes no images"));
+    }
+    let images = images
+        .into_iter()
+        .enumerate()
+        .map(|(i, im)| ImageInput { name: format!("image {i} ({})", im.media_type), bytes: im.bytes })
+        .collect();
     let prompt = prompt::encode(
         &state,
-        Prompt::Chat { messages, tools: None, options: ChatOptions::thinking(thinking), images: Vec::new() },
+        Prompt::Chat { messages, tools: None, options: ChatOptions::thinking(thinking), images },
         "messages",
     )
     .await?;
     let mut request = Request::new(prompt.ids, prompt.chat, options);
+    request.images = prompt.images;
     request.session = Some(owner.session(&session));
 
     let mut generation = Generation::submit(&state.engine, request)?;
