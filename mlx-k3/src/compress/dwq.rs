@@ -625,12 +625,14 @@ fn end_to_end(
     let mut step = 0usize;
     let mut validations: Vec<(usize, f64)> = Vec::new();
     let mut losses: Vec<f64> = Vec::new();
+    let mut grad_norms: Vec<f64> = Vec::new();
     let mut best: BTreeMap<String, Array> = BTreeMap::new();
     if let Some(rec) = out.done(ckpt_unit) {
         let st = Safetensors::load(job.out.join(&rec.file))?;
         let r = &rec.report;
         step = r["step"].as_u64().unwrap_or(0) as usize;
         losses = f64s(&r["train_loss"]);
+        grad_norms = f64s(&r["grad_norm"]);
         validations = r["validations"]
             .as_array()
             .into_iter()
@@ -748,9 +750,16 @@ fn end_to_end(
             };
             let (vals, grads) = transforms::value_and_grad(loss_fn, &primals, &argnums)?;
             let loss = vals[0].item::<f32>()? as f64;
+            // The gradient's global L2 norm over every trained parameter (a diagnostic, and what the parity
+            // fixture compares with mlx-lm's).
+            let mut sq = 0.0f64;
+            for g in &grads {
+                sq += g.astype(Dtype::F32)?.square()?.sum_all(false)?.item::<f32>()? as f64;
+            }
             let pairs: Vec<(&str, &Array)> = flat.iter().map(|(_, n)| n.as_str()).zip(grads.iter()).collect();
             opt.update(&pairs)?;
             losses.push(loss);
+            grad_norms.push(sq.sqrt());
             step += 1;
             pb.describe(&format!("step {step}/{}: KL at T={} {loss:.4e}", job.steps, e.temperature));
             pb.advance(1);
@@ -773,6 +782,7 @@ fn end_to_end(
                 let state = json!({
                     "step": step,
                     "train_loss": losses.iter().map(|&l| ordered(l)).collect::<Vec<_>>(),
+                    "grad_norm": grad_norms.iter().map(|&l| ordered(l)).collect::<Vec<_>>(),
                     "validations": validations.iter().map(|&(s, k)| json!({"step": s, "val_kl": ordered(k)})).collect::<Vec<_>>(),
                 });
                 out.write_unit(ckpt_unit, CHECKPOINT, &tensors, state)?;
@@ -830,6 +840,7 @@ fn end_to_end(
         "improved": best_step > 0,
         "validations": validations.iter().map(|&(s, k)| json!({"step": s, "val_kl": ordered(k)})).collect::<Vec<_>>(),
         "train_loss": losses.iter().map(|&l| ordered(l)).collect::<Vec<_>>(),
+        "grad_norm": grad_norms.iter().map(|&l| ordered(l)).collect::<Vec<_>>(),
     });
     finish(job, out, n_units, &fingerprint, &report)?;
     Ok(DwqSummary { resume, written, report })
