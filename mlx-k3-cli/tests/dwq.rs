@@ -538,6 +538,31 @@ fn dwq_end_to_end_lowers_kl_keeps_the_best_and_trains_only_what_it_says() {
     let n = a.keys().filter(|k| k.contains("switch_mlp.") && k.ends_with("s") && a[*k].0.is_float()).count();
     assert_eq!(r["dwq"]["trained_tensors"].as_u64(), Some(n as u64));
 
+    // A codebook build (f16 super-block scales, which enter the kernels rounded from their f32 masters).
+    let cb = convert(
+        tmp.path(),
+        "cb",
+        "dtype = \"bfloat16\"\n[default]\nformat = \"codebook\"\n\
+         fallback = { format = \"affine\", bits = 2, group_size = 32 }\n\
+         [classes.router]\nformat = \"affine\"\nbits = 8\ngroup_size = 32\n\
+         [classes.embeddings]\nformat = \"affine\"\nbits = 8\ngroup_size = 32\n",
+        &[],
+    );
+    let outcb = tmp.path().join("cb-e2e");
+    let (bc, oc) = (cb.display().to_string(), outcb.display().to_string());
+    let mut args = e2e_args(&bc, &data, &oc, &["--only-below-8-bits"]);
+    args.push("--json");
+    let r: Value = serde_json::from_str(&run_ok(&args)).unwrap();
+    let (before, after) = (r["dwq"]["val_kl_before"].as_f64().unwrap(), r["dwq"]["val_kl_after"].as_f64().unwrap());
+    eprintln!("codebook end to end: validation KL {before:.5} -> {after:.5}");
+    assert!(after < before, "codebook: {before} -> {after}");
+    let (a, bt) = (tensors(&cb), tensors(&outcb));
+    let changed: Vec<&String> = a.keys().filter(|k| a[*k] != bt[*k]).collect();
+    assert!(changed.iter().any(|k| a.contains_key(&k.replace(".scales", ".codes"))), "no codebook scale trained");
+    for k in &changed {
+        assert!((k.ends_with(".scales") || k.ends_with(".biases")) && !k.contains("mlp.gate."), "{k} changed");
+    }
+
     // Bad options fail with the flag named.
     for (flag, v) in [("--temperature", "0"), ("--val-every", "0")] {
         let o = tmp.path().join("bad").display().to_string();
