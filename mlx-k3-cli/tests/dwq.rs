@@ -3,7 +3,8 @@
 //! equal finite differences; DWQ lowers the validation KL of affine, codebook and tiered (codebook + MXFP4)
 //! builds, never raises it for a layer, trains only float scales and biases (codes, routers and MXFP4's E8M0
 //! scales come out byte-identical), and reports the KL that `eval kl` measures independently; a run killed
-//! with SIGKILL at several points resumes to byte-identical files.
+//! with SIGKILL at several points resumes to byte-identical files. The end-to-end mode (`--mode end-to-end`)
+//! is tested the same way, and step by step against mlx-lm's `dwq_quantize` on an mlx-lm-quantized fixture.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
