@@ -490,10 +490,10 @@ pub(super) struct DwqArgs {
     /// Windows per training step.
     #[arg(long, default_value_t = 4)]
     batch: usize,
-    /// Adam steps per layer (and per retry).
+    /// Adam steps: per layer and retry (layer-wise mode), in all (end-to-end mode).
     #[arg(long, default_value_t = 32)]
     steps: usize,
-    /// Learning rate (halved at each retry after a rollback).
+    /// Learning rate (layer-wise mode: halved at each retry after a rollback).
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
     /// Retries at half the rate when a layer's validation KL rose (layer-wise mode).
