@@ -211,13 +211,112 @@ mx::array product(const Format& f, const mx::array& x, const mx::array* w, bool 
   return mx::gather_mm(x, W, lhs, rhs, false, s);
 }
 
-// PackedQmm's output from its inputs (the layout of PackedQmm::eval_cpu) with MLX ops.
-mx::array packed_reference(const std::vector<mx::array>& in, const Layout& layout, Gather gather, mx::Stream s) {
+// The experts a gathered product reads: their ids (sorted, distinct) and, for each expert of the stack, its
+// row among them (0 for the others).
+struct Routed {
+  std::vector<uint32_t> used;
+  std::vector<uint32_t> pos;
+};
+
+// Host values of an index array as uint32 (evaluated now), or nothing where it cannot be read: MLX refuses
+// to evaluate inside compile and vmap traces (an exception, caught here), or any other error.
+std::optional<std::vector<uint32_t>> host_indices(const mx::array& a, mx::Stream s) {
+  try {
+    auto r = mx::contiguous(mx::flatten(mx::astype(a, mx::uint32, s), s), false, s);
+    mx::eval(r);
+    if (!r.flags().row_contiguous) return std::nullopt;
+    const uint32_t* p = r.data<uint32_t>();
+    return std::vector<uint32_t>(p, p + r.size());
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+// The distinct experts `rhs` names in a stack of E, when they are fewer than E: the backward of a gathered
+// codebook or tiered product then dequantizes only those (docs/architecture.md). The gradients are the same:
+// the experts no pair reads get zeros either way.
+std::optional<Routed> routed_experts(const mx::array& rhs, int E, mx::Stream s) {
+  auto ids = host_indices(rhs, s);
+  if (!ids) return std::nullopt;
+  std::vector<char> seen(E, 0);
+  for (uint32_t e : *ids) {
+    if (e >= (uint32_t)E) return std::nullopt;  // out of range: the whole-stack path reports it as MLX does
+    seen[e] = 1;
+  }
+  Routed r;
+  r.pos.assign(E, 0);
+  for (int e = 0; e < E; ++e) {
+    if (seen[e]) {
+      r.pos[e] = (uint32_t)r.used.size();
+      r.used.push_back((uint32_t)e);
+    }
+  }
+  if ((int)r.used.size() == E) return std::nullopt;
+  return r;
+}
+
+mx::array u32_array(const std::vector<uint32_t>& v) {
+  return mx::array(v.data(), {(int)v.size()}, mx::uint32);
+}
+
+// PackedQmm's output from its inputs (the layout of PackedQmm::eval_cpu) with MLX ops. With `routed` (gathered
+// with rhs only), only the routed experts' weights are dequantized: a stack of those, read through remapped
+// rhs indices.
+mx::array packed_reference(const std::vector<mx::array>& in, const Layout& layout, Gather gather, mx::Stream s,
+                           const Routed* routed = nullptr) {
   const auto& x = in[0];
   std::optional<mx::array> lhs, rhs;
   if (gather.lhs) lhs = in[1];
   if (gather.rhs) rhs = in[1 + gather.lhs];
   size_t next = gather.first_weight();
+  if (routed != nullptr && rhs) {
+    const auto used = u32_array(routed->used);
+    const auto rhs2 = mx::take(u32_array(routed->pos), mx::astype(*rhs, mx::uint32, s), 0, s);
+    if (!layout.tiered) {
+      const Format& f = layout.formats[0];
+      std::vector<mx::array> w;
+      for (int i = 0; i < n_arrays(f.kind); ++i) w.push_back(mx::take(in[next + i], used, 0, s));
+      auto W = mx::swapaxes(dequantize_format(f, w.data(), s), -1, -2, s);
+      return mx::gather_mm(x, W, lhs, rhs2, false, s);
+    }
+    // Tiered: per tier, the slots of the routed experts in that tier, dequantized and stacked; then each
+    // routed expert's row of that stack.
+    const auto tier = host_indices(in[next], s);
+    const auto slot = host_indices(in[next + 1], s);
+    if (tier && slot) {
+      next += 2;
+      std::vector<mx::array> parts;
+      std::vector<uint32_t> row(routed->used.size(), 0);
+      uint32_t total = 0;
+      for (size_t t = 0; t < layout.formats.size(); ++t) {
+        const Format& f = layout.formats[t];
+        if (f.kind == WeightFormat::none) continue;
+        std::vector<uint32_t> slots;
+        for (uint32_t e : routed->used) {
+          if ((*tier)[e] == t) slots.push_back((*slot)[e]);
+        }
+        std::sort(slots.begin(), slots.end());
+        slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
+        if (!slots.empty()) {
+          const auto idx = u32_array(slots);
+          std::vector<mx::array> w;
+          for (int i = 0; i < n_arrays(f.kind); ++i) w.push_back(mx::take(in[next + i], idx, 0, s));
+          parts.push_back(dequantize_format(f, w.data(), s));
+          for (size_t j = 0; j < routed->used.size(); ++j) {
+            const uint32_t e = routed->used[j];
+            if ((*tier)[e] == t) {
+              row[j] = total + (uint32_t)(std::lower_bound(slots.begin(), slots.end(), (*slot)[e]) - slots.begin());
+            }
+          }
+          total += (uint32_t)slots.size();
+        }
+        next += n_arrays(f.kind);
+      }
+      auto stack = parts.size() == 1 ? parts[0] : mx::concatenate(parts, 0, s);
+      auto W = mx::swapaxes(mx::take(stack, u32_array(row), 0, s), -1, -2, s);  // [u, K, N]
+      return mx::gather_mm(x, W, lhs, rhs2, false, s);
+    }
+  }
   if (!layout.tiered) return product(layout.formats[0], x, &in[next], gather.on, lhs, rhs, s);
   // Tiered: every tier's stack dequantized and concatenated, then reordered into expert order by tier and slot.
   const auto& tier = in[next];
@@ -322,9 +421,18 @@ class PackedQmm : public mx::UnaryPrimitive {
     auto s = stream();
     auto layout = layout_;
     auto gather = gather_;
-    return vjp_through(name(), primals, cotangents, argnums, gather.first_weight(), layout.tiered ? 2 : 0,
+    // Gathered codebook and tiered stacks: only the routed experts are dequantized (MLX's own formats go
+    // through its gather_qmm, whose backward reads the packed stack as it is).
+    std::optional<Routed> routed;
+    const size_t w0 = gather.first_weight();
+    if (gather.on && gather.rhs && (layout.tiered || layout.formats[0].kind == WeightFormat::codebook) &&
+        primals[w0].ndim() >= 1) {
+      routed = routed_experts(primals[1 + gather.lhs], primals[w0].shape(0), s);
+    }
+    return vjp_through(name(), primals, cotangents, argnums, w0, layout.tiered ? 2 : 0,
                        [&](const std::vector<mx::array>& in) {
-                         return std::vector<mx::array>{packed_reference(in, layout, gather, s)};
+                         return std::vector<mx::array>{
+                             packed_reference(in, layout, gather, s, routed ? &*routed : nullptr)};
                        },
                        s);
   }

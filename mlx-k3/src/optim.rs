@@ -156,6 +156,38 @@ impl Adam {
         self.slots.iter().map(|(k, s)| Ok((k.clone(), s.master.astype(s.dtype)?))).collect()
     }
 
+    /// Puts back a state saved from [`Adam::master`], [`Adam::moments`] and [`Adam::step`] (a resumed run):
+    /// the master copy and both moments of parameter `name` (float32, shaped like it). With the same step
+    /// count (see [`Adam::set_step`]) the following updates are those of the run that saved it.
+    pub fn restore(&mut self, name: &str, master: &Array, m: &Array, v: &Array) -> Result<()> {
+        let s = self.slot(name)?;
+        for (what, a) in [("master copy", master), ("first moment", m), ("second moment", v)] {
+            if a.shape() != s.shape || a.dtype() != Dtype::F32 {
+                return Err(Error::invalid(
+                    "Adam",
+                    format!(
+                        "the saved {what} of `{name}` is {} {:?}, expected float32 {:?}",
+                        a.dtype(),
+                        a.shape(),
+                        s.shape
+                    ),
+                ));
+            }
+        }
+        let (master, m, v) = (master.copy()?, m.copy()?, v.copy()?);
+        crate::eval(&[&master, &m, &v])?;
+        let s = self.slots.get_mut(name).expect("checked above");
+        s.master = master;
+        s.m = m;
+        s.v = v;
+        Ok(())
+    }
+
+    /// Sets the step counter (the bias corrections of the next update use `step + 1`): a resumed run.
+    pub fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
     /// One step: each gradient updates the parameter it names (shaped like it; any floating dtype, cast to
     /// float32). Parameters without a gradient in this step keep their value and moments. The new state is
     /// evaluated before returning, so the graph does not grow from step to step. On an error nothing changes.

@@ -122,3 +122,41 @@ fn bad_use_is_a_named_error() {
     assert_eq!(opt.step(), 0);
     assert_eq!(opt.param("p").unwrap().to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
 }
+
+/// A state saved after some steps and restored into a fresh optimizer (a resumed run) continues exactly as
+/// the original: the same parameters, bit for bit, after more steps. A saved state of the wrong shape or
+/// dtype is refused with the parameter named.
+#[test]
+fn restored_state_continues_bit_identically() {
+    let grads: Vec<Array> = (0..6)
+        .map(|t| Array::from_slice(&[0.3f32 * t as f32 - 1.0, 2.0 / (t as f32 + 1.0), -0.7], &[3]).unwrap())
+        .collect();
+    let p0 = Array::from_slice(&[1.0f32, -2.0, 0.5], &[3]).unwrap().astype(Dtype::BF16).unwrap();
+    let mut a = Adam::new(0.05).unwrap();
+    a.add("p", &p0).unwrap();
+    for g in &grads[..3] {
+        a.update(&[("p", g)]).unwrap();
+    }
+    let (m, v) = a.moments("p").unwrap();
+    let (master, m, v) = (a.master("p").unwrap().copy().unwrap(), m.copy().unwrap(), v.copy().unwrap());
+    let mut b = Adam::new(0.05).unwrap();
+    b.add("p", &p0).unwrap();
+    b.restore("p", &master, &m, &v).unwrap();
+    b.set_step(a.step());
+    for g in &grads[3..] {
+        a.update(&[("p", g)]).unwrap();
+        b.update(&[("p", g)]).unwrap();
+    }
+    assert_eq!(a.step(), b.step());
+    let bits =
+        |o: &Adam| o.master("p").unwrap().to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&a), bits(&b));
+    assert_eq!(b.param("p").unwrap().dtype(), Dtype::BF16);
+
+    let short = Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap();
+    let e = b.restore("p", &short, &m, &v).unwrap_err().to_string();
+    assert!(e.contains("`p`") && e.contains("master"), "{e}");
+    let half = master.astype(Dtype::F16).unwrap();
+    assert!(b.restore("p", &master, &half, &v).is_err());
+    assert!(b.restore("q", &master, &m, &v).is_err());
+}

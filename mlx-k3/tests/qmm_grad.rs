@@ -304,3 +304,96 @@ fn adam_on_codebook_scales_lowers_the_distillation_loss() {
         assert!(losses[29] < 0.85 * losses[0], "{losses:?}");
     });
 }
+
+/// The backward of a gathered codebook or tiered product dequantizes only the experts the pairs route to
+/// (docs/architecture.md): with a subset of the stack routed, the gradients equal the whole-stack reference's,
+/// the unrouted experts' scales get exact zeros, and the backward's peak memory stays below one f32 copy of
+/// the whole stack (which the whole-stack path must hold: 64 experts of 64 × 256, 4 MiB).
+#[test]
+fn gathered_backward_reads_only_the_routed_experts() {
+    cpu(|| {
+        // Codebook stack, experts 1 and 4 of 6 routed.
+        let cb = codebook_weights(6, 16, K, 30);
+        let x = randn(&[3, 1, K as i32], 31);
+        let lhs = Array::from_slice(&[0u32, 1, 2, 2], &[4]).unwrap();
+        let rhs = Array::from_slice(&[4u32, 1, 1, 4], &[4]).unwrap();
+        let ours = |a: &[Array]| codebook::gather_codebook_qmm(&a[0], &with_scales(&cb, &a[1]), Some(&lhs), Some(&rhs));
+        compare(
+            "gather_codebook_qmm",
+            ours,
+            |a| {
+                let w = codebook::dequantize_reference(&with_scales(&cb, &a[1]))?.swapaxes(-1, -2)?;
+                ops::gather_mm(&a[0], &w, Some(&lhs), Some(&rhs), false)
+            },
+            &[x.clone(), cb.scales.clone()],
+            &[0, 1],
+        );
+        let g =
+            transforms::grad(|a: &[Array]| Ok(vec![ours(a)?.sum_all(false)?]), &[x, cb.scales.clone()], &[1]).unwrap();
+        let per = (g[0].size() / 6) as usize;
+        let gv = g[0].to_vec_f32().unwrap();
+        for e in 0..6 {
+            let any = gv[e * per..(e + 1) * per].iter().any(|v| *v != 0.0);
+            assert_eq!(any, e == 1 || e == 4, "expert {e}: gradient nonzero = {any}");
+        }
+
+        // Tiered stack, experts 0 (affine) and 3 (codebook) routed: the MXFP4 tier is not read at all.
+        let tiers = [Tier::Affine, Tier::Codebook, Tier::Mxfp4, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
+        let spec = QuantSpec::affine(64, 4);
+        let (t, _) = tiered::build_tiered(&randn(&[6, 16, K as i32], 32), &tiers, spec, None).unwrap();
+        let tcb = t.codebook.clone().unwrap();
+        let (aq, _) = t.affine.clone().unwrap();
+        let with = |a: &[Array]| TieredExperts {
+            tier: t.tier.clone(),
+            slot: t.slot.clone(),
+            codebook: Some(with_scales(&tcb, &a[1])),
+            mxfp4: t.mxfp4.clone(),
+            affine: Some((affine(&aq, &a[2], &a[3]), spec)),
+        };
+        let x = randn(&[4, 1, K as i32], 33);
+        let lhs = Array::from_slice(&[0u32, 1, 2, 3, 3], &[5]).unwrap();
+        let rhs = Array::from_slice(&[3u32, 0, 0, 3, 0], &[5]).unwrap();
+        compare(
+            "gather_tiered_qmm",
+            |a| tiered::gather_tiered_qmm(&a[0], &with(a), Some(&lhs), Some(&rhs)),
+            |a| {
+                let w = tiered::dequantize_tiered(&with(a))?.swapaxes(-1, -2)?;
+                ops::gather_mm(&a[0], &w, Some(&lhs), Some(&rhs), false)
+            },
+            &[x, tcb.scales.clone(), aq.scales.clone(), aq.biases.clone().unwrap()],
+            &[0, 1, 2, 3],
+        );
+
+        // Peak memory of the backward with 2 of 64 experts routed; with all 64 routed (the whole stack is
+        // then dequantized, as it must be) the same measurement sees at least the f32 stack.
+        let (e, n, k) = (64usize, 64usize, 256usize);
+        let big = codebook_weights(e, n, k, 34);
+        let peak = |tokens: usize, rhs: &[u32]| -> usize {
+            let x = randn(&[tokens as i32, 1, k as i32], 35);
+            let rhs = Array::from_slice(rhs, &[rhs.len() as i32]).unwrap();
+            mlx_k3::eval(&[&big.codes, &big.qh, &big.scales, &x, &rhs]).unwrap();
+            mlx_k3::memory::clear_cache();
+            let base = mlx_k3::memory::active();
+            mlx_k3::memory::reset_peak();
+            let g = transforms::grad(
+                |a: &[Array]| {
+                    let y = codebook::gather_codebook_qmm(&x, &with_scales(&big, &a[0]), None, Some(&rhs))?;
+                    Ok(vec![y.sum_all(false)?])
+                },
+                &[big.scales.clone()],
+                &[0],
+            )
+            .unwrap();
+            g[0].eval().unwrap();
+            mlx_k3::memory::peak().saturating_sub(base)
+        };
+        let whole = e * n * k * 4;
+        let two = peak(2, &[7, 50]);
+        let all = peak(e, &(0..e as u32).collect::<Vec<_>>());
+        eprintln!(
+            "backward peak above the inputs: {two} bytes with 2 experts routed, {all} with all {e} (f32 stack {whole})"
+        );
+        assert!(all >= whole, "the measurement misses the whole stack: {all} < {whole}");
+        assert!(two < whole / 4, "the backward held {two} bytes, a whole f32 stack is {whole}");
+    });
+}

@@ -2,7 +2,8 @@
 """mlx-lm's DWQ next to `mlx-k3 dwq` on the same build, data, steps and learning rate (docs/compression.md#dwq).
 
 Runs mlx-lm 0.32.2's `mlx_lm.quant.dwq.dwq_quantize` (end to end: KL of the logits at temperature 2, Adam with
-bias correction on float32 copies of the scales and biases of every affine module below 8 bits) on a build
+bias correction on float32 copies of the scales and biases of every affine module below 8 bits, and of every
+float parameter the loaded model leaves trainable: norms, KDA's A_log, ...; dwq_quantize freezes nothing) on a build
 that mlx-lm loads (MLX formats only), with the calibration windows `mlx-k3 dwq` uses, then measures with mlx-lm
 KL(teacher || model), top-1 flips and the perplexity on held-out evaluation windows, for the build, mlx-lm's
 result and (given --ours) the output of `mlx-k3 dwq`.

@@ -448,6 +448,15 @@ pub(super) fn run_prune(args: PruneArgs) -> Result<()> {
     Ok(())
 }
 
+/// `mlx-k3 dwq --mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum DwqMode {
+    /// One decoder layer at a time.
+    LayerWise,
+    /// The whole model at once.
+    EndToEnd,
+}
+
 #[derive(ClapArgs, Debug)]
 pub(super) struct DwqArgs {
     /// The teacher (the unquantized model the build was made from).
@@ -481,15 +490,31 @@ pub(super) struct DwqArgs {
     /// Windows per training step.
     #[arg(long, default_value_t = 4)]
     batch: usize,
-    /// Adam steps per layer (and per retry).
+    /// Adam steps: per layer and retry (layer-wise mode), in all (end-to-end mode).
     #[arg(long, default_value_t = 32)]
     steps: usize,
-    /// Learning rate (halved at each retry after a rollback).
+    /// Learning rate (layer-wise mode: halved at each retry after a rollback).
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
-    /// Retries at half the rate when a layer's validation KL rose.
+    /// Retries at half the rate when a layer's validation KL rose (layer-wise mode).
     #[arg(long, default_value_t = 2)]
     retries: usize,
+    /// `layer-wise` (one decoder layer at a time against the teacher's hidden states) or `end-to-end` (every
+    /// layer at once against the teacher's logits, as mlx-lm's DWQ).
+    #[arg(long, value_enum, default_value_t = DwqMode::LayerWise)]
+    mode: DwqMode,
+    /// Softmax temperature of the end-to-end loss (KL of the logits divided by it; mlx-lm's default).
+    #[arg(long, default_value_t = 2.0)]
+    temperature: f64,
+    /// End-to-end mode: validate (and checkpoint) every this many steps; the best validated parameters are kept.
+    #[arg(long, default_value_t = 8)]
+    val_every: usize,
+    /// End-to-end mode: the forward sees the parameters rounded to their stored dtype, not their f32 masters.
+    #[arg(long)]
+    stored_forward: bool,
+    /// Train only modules quantized below 8 bits (as mlx-lm's DWQ), not every float scale and bias.
+    #[arg(long)]
+    only_below_8_bits: bool,
     /// Remove whatever is in --out first.
     #[arg(long)]
     overwrite: bool,
@@ -516,6 +541,15 @@ pub(super) fn run_dwq(args: DwqArgs) -> Result<()> {
         retries: args.retries,
         overwrite: args.overwrite,
         stop_after: None,
+        only_below_8_bits: args.only_below_8_bits,
+        mode: match args.mode {
+            DwqMode::LayerWise => mlx_k3::compress::dwq::Mode::LayerWise,
+            DwqMode::EndToEnd => mlx_k3::compress::dwq::Mode::EndToEnd(mlx_k3::compress::dwq::EndToEnd {
+                temperature: args.temperature,
+                val_every: args.val_every,
+                stored_forward: args.stored_forward,
+            }),
+        },
         progress: &bar,
     })?;
     let out = with_run_info(
@@ -523,6 +557,20 @@ pub(super) fn run_dwq(args: DwqArgs) -> Result<()> {
         t0,
     );
     print(&out, args.report.json, || {
+        if s.report["mode"] == json!("end-to-end") {
+            println!("{}: validation KL (held-out windows) during end-to-end training", args.out.display());
+            println!("{:>6} {:>12}", "step", "val KL");
+            for v in s.report["validations"].as_array().into_iter().flatten() {
+                println!("{:>6} {:>12.6}", v["step"], v["val_kl"].as_f64().unwrap_or(f64::NAN));
+            }
+            println!(
+                "model: KL {:.6} -> {:.6} (kept: step {})",
+                s.report["val_kl_before"].as_f64().unwrap_or(f64::NAN),
+                s.report["val_kl_after"].as_f64().unwrap_or(f64::NAN),
+                s.report["best_step"]
+            );
+            return;
+        }
         println!("{}: validation KL per layer (held-out windows)", args.out.display());
         println!("{:>5} {:>12} {:>12} {:>9} {:>10}", "layer", "before", "after", "rollbacks", "lr");
         for b in s.report["blocks"].as_array().into_iter().flatten() {

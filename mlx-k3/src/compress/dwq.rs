@@ -33,6 +33,7 @@ use super::progress::Progress;
 use super::store::{self, HostTensor, Output, Resume};
 use super::{convert, data};
 use crate::io::Safetensors;
+use crate::model::config::{PathQuant, QuantizationConfig};
 use crate::model::{KimiK3, LayerState, LoadOptions, ModelConfig};
 use crate::optim::Adam;
 use crate::{transforms, Array, Dtype, Error, Result};
@@ -68,9 +69,43 @@ pub struct DwqJob<'a> {
     /// Replace whatever the output folder holds.
     pub overwrite: bool,
     /// Stop (with an error) after writing this many units in this run: the tests' stand-in for a kill.
+    /// In end-to-end mode a checkpoint counts as a unit.
     pub stop_after: Option<usize>,
+    /// Train only the modules quantized below 8 bits (codebook scales and the affine tier of tiered stacks
+    /// count as below 8 bits), as mlx-lm's DWQ does; otherwise every float scale and bias outside the router.
+    pub only_below_8_bits: bool,
+    /// Layer by layer or the whole model at once.
+    pub mode: Mode,
     /// Where progress goes.
     pub progress: &'a dyn Progress,
+}
+
+/// How DWQ trains.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Mode {
+    /// One decoder layer at a time against the teacher's hidden states, with a monotone rollback per layer.
+    LayerWise,
+    /// Every trainable parameter at once against the teacher's final logits (see [`EndToEnd`]).
+    EndToEnd(EndToEnd),
+}
+
+/// The end-to-end mode's options (docs/compression.md#end-to-end-mode).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EndToEnd {
+    /// The training loss is KL(softmax(teacher / T) ‖ softmax(student / T)); mlx-lm's default is 2.
+    pub temperature: f64,
+    /// Validation (true KL, temperature 1, on the held-out windows) every this many steps and after the last;
+    /// the output keeps the parameters of the best validation.
+    pub val_every: usize,
+    /// The forward sees the parameters rounded to their stored dtype (as the layer-wise mode does) instead
+    /// of their float32 master copies.
+    pub stored_forward: bool,
+}
+
+impl Default for EndToEnd {
+    fn default() -> Self {
+        EndToEnd { temperature: 2.0, val_every: 8, stored_forward: false }
+    }
 }
 
 /// How a run ended.
@@ -108,8 +143,15 @@ fn read_build(dir: &Path, layers: usize) -> Result<BuildTensors> {
     Ok(BuildTensors { units })
 }
 
-/// Whether a tensor of a decoder layer is trained: a float quantization scale or bias outside the router.
-fn trainable(name: &str, a: &Array, cfg: &crate::model::TextConfig) -> bool {
+/// Whether a tensor of a decoder layer is trained: a float quantization scale or bias outside the router
+/// (with `only_below_8_bits`, of a module quantized below 8 bits).
+fn trainable(
+    name: &str,
+    a: &Array,
+    cfg: &crate::model::TextConfig,
+    quant: &QuantizationConfig,
+    only_below_8_bits: bool,
+) -> bool {
     let Some((module, leaf)) = name.rsplit_once('.') else { return false };
     if leaf != "scales" && leaf != "biases" {
         return false;
@@ -118,9 +160,24 @@ fn trainable(name: &str, a: &Array, cfg: &crate::model::TextConfig) -> bool {
         return false;
     }
     // Tiered stacks store their planes as `{module}.{tier}.{leaf}`.
-    let module =
-        ["codebook", "affine", "mxfp4"].iter().find_map(|t| module.strip_suffix(&format!(".{t}"))).unwrap_or(module);
-    classify(module, cfg) != TensorClass::Router
+    let tier = ["codebook", "affine", "mxfp4"].iter().find(|t| module.ends_with(&format!(".{t}")));
+    let module = tier.map_or(module, |t| &module[..module.len() - t.len() - 1]);
+    if classify(module, cfg) == TensorClass::Router {
+        return false;
+    }
+    if !only_below_8_bits {
+        return true;
+    }
+    let bits = match (quant.for_path(module), tier) {
+        (Some(PathQuant::Quantized(spec)), None) => Some(spec.bits),
+        (Some(PathQuant::Tiered { affine: Some(spec) }), Some(&"affine")) => Some(spec.bits),
+        // Codebook matrices and tiers (about 2 bits); a tiered stack's affine tier without a recorded spec.
+        (Some(PathQuant::Codebook | PathQuant::Tiered { .. }), _) => None,
+        (Some(PathQuant::Unquantized), _) => return false,
+        (None, _) => quant.default.map(|d| d.bits),
+        (Some(PathQuant::Quantized(_)), Some(_)) => None,
+    };
+    bits.is_none_or(|b| b < 8)
 }
 
 /// Mean KL(p ‖ q) over positions for teacher log-probabilities `logp` and student logits.
@@ -188,7 +245,10 @@ pub fn dwq(job: &DwqJob) -> Result<DwqSummary> {
     let layers = s.num_hidden_layers;
     let n_units = layers + 1;
 
-    let fp_job = json!({
+    if let Mode::EndToEnd(e) = job.mode {
+        return end_to_end(job, &e, &cfg, &train, &val);
+    }
+    let mut fp_job = json!({
         "tool": "dwq",
         "version": env!("CARGO_PKG_VERSION"),
         "teacher": store::source_identity(job.teacher)?,
@@ -201,15 +261,15 @@ pub fn dwq(job: &DwqJob) -> Result<DwqSummary> {
         "lr": job.lr,
         "retries": job.retries,
     });
+    if job.only_below_8_bits {
+        // Only when set, so that the layer-wise outputs written before the option existed still resume.
+        fp_job["only_below_8_bits"] = json!(true);
+    }
     let fingerprint = store::fingerprint(&fp_job);
     let build = read_build(job.build, layers)?;
     let (mut out, resume) = Output::open(job.out, &fingerprint, job.overwrite)?;
     if resume == Resume::Complete {
-        let p = job.out.join(store::MANIFEST);
-        let text = std::fs::read_to_string(&p).map_err(|source| Error::Io { path: p.clone(), source })?;
-        let manifest: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-        let report = manifest.get("dwq").cloned().unwrap_or(Value::Null);
-        return Ok(DwqSummary { resume, written: 0, report });
+        return completed(job, resume);
     }
 
     let opts = LoadOptions { dtype: Some(Dtype::F32), ..Default::default() };
@@ -281,8 +341,11 @@ pub fn dwq(job: &DwqJob) -> Result<DwqSummary> {
         } else {
             pb.describe(&format!("layer {b}"));
             let base: BTreeMap<String, Array> = unit.iter().map(|(_, n, a)| (n.clone(), a.clone())).collect();
-            let names: Vec<String> =
-                unit.iter().filter(|(_, n, a)| trainable(n, a, s)).map(|(_, n, _)| n.clone()).collect();
+            let names: Vec<String> = unit
+                .iter()
+                .filter(|(_, n, a)| trainable(n, a, s, &quant, job.only_below_8_bits))
+                .map(|(_, n, _)| n.clone())
+                .collect();
             let kl_before = val_kl(&student, b, None, &v_states)?;
             let mut lr = job.lr;
             let mut attempts = Vec::new();
@@ -401,6 +464,8 @@ pub fn dwq(job: &DwqJob) -> Result<DwqSummary> {
     let kl_first = blocks.first().and_then(|r| r.get("val_kl_before").cloned()).unwrap_or(Value::Null);
     let kl_last = blocks.last().and_then(|r| r.get("val_kl_after").cloned()).unwrap_or(Value::Null);
     let report = json!({
+        "mode": "layer-wise",
+        "only_below_8_bits": job.only_below_8_bits,
         "teacher": job.teacher.display().to_string(),
         "build": job.build.display().to_string(),
         "ctx": job.ctx,
@@ -415,9 +480,16 @@ pub fn dwq(job: &DwqJob) -> Result<DwqSummary> {
         "blocks": blocks,
     });
 
+    finish(job, out, n_units, &fingerprint, &report)?;
+    Ok(DwqSummary { resume, written, report })
+}
+
+/// Writes the index of units `0..n_units` (the model's tensors), the build's config.json and side files, and
+/// the manifest.
+fn finish(job: &DwqJob, out: Output, n_units: usize, fingerprint: &str, report: &Value) -> Result<()> {
     let mut weight_map = BTreeMap::new();
     let mut total = 0u64;
-    for rec in records.values() {
+    for rec in out.records().range(0..n_units).map(|(_, r)| r) {
         for t in &rec.tensors {
             weight_map.insert(t.split(' ').next().unwrap_or("").to_string(), rec.file.clone());
         }
@@ -430,8 +502,7 @@ pub fn dwq(job: &DwqJob) -> Result<DwqSummary> {
     let config = std::fs::read(&cp).map_err(|source| Error::Io { path: cp.clone(), source })?;
     out.write_file("config.json", &config)?;
     convert::copy_side_files(job.build, &out)?;
-    out.finish(&json!({"tool": "dwq", "fingerprint": fingerprint, "dwq": report}))?;
-    Ok(DwqSummary { resume, written, report })
+    out.finish(&json!({"tool": "dwq", "fingerprint": fingerprint, "dwq": report}))
 }
 
 fn base_size(unit: &[(String, String, Array)], name: &str) -> usize {
@@ -442,4 +513,335 @@ fn pretty(v: &Value) -> Result<String> {
     let mut s = serde_json::to_string_pretty(v).map_err(|e| Error::invalid("dwq", e.to_string()))?;
     s.push('\n');
     Ok(s)
+}
+
+/// Mean over positions of KL(softmax(teacher) ‖ softmax(student · `scale`)) for the teacher's
+/// log-probabilities `logp` (already at the same temperature) and student logits.
+fn kl_mean_scaled(logp: &Array, logits: &Array, scale: f64) -> Result<Array> {
+    let l = logits.astype(Dtype::F32)?;
+    let l = if scale == 1.0 { l } else { l.multiply(scale)? };
+    let logq = l.subtract(&l.logsumexp(&[-1], true)?)?;
+    logp.exp()?.multiply(&logp.subtract(&logq)?)?.sum(&[-1], false)?.mean_all(false)
+}
+
+/// The end-to-end mode's checkpoint: a unit of the output's journal after the model's units, removed when
+/// the output is complete.
+const CHECKPOINT: &str = "dwq-checkpoint.safetensors";
+
+/// The report of an output that an earlier run completed.
+fn completed(job: &DwqJob, resume: Resume) -> Result<DwqSummary> {
+    let p = job.out.join(store::MANIFEST);
+    let text = std::fs::read_to_string(&p).map_err(|source| Error::Io { path: p.clone(), source })?;
+    let manifest: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+    let report = manifest.get("dwq").cloned().unwrap_or(Value::Null);
+    Ok(DwqSummary { resume, written: 0, report })
+}
+
+fn f64s(v: &Value) -> Vec<f64> {
+    v.as_array().into_iter().flatten().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect()
+}
+
+/// End-to-end DWQ (docs/compression.md#end-to-end-mode): every trainable parameter of every layer at once,
+/// loss = KL(teacher ‖ student) of the final logits at a temperature, validation every `val_every` steps,
+/// the best validated parameters kept, a checkpoint of the optimizer at each validation.
+fn end_to_end(
+    job: &DwqJob,
+    e: &EndToEnd,
+    cfg: &ModelConfig,
+    train: &[Vec<u32>],
+    val: &[Vec<u32>],
+) -> Result<DwqSummary> {
+    if !(e.temperature.is_finite() && e.temperature > 0.0) {
+        return Err(Error::invalid("dwq", format!("--temperature must be a positive number, got {}", e.temperature)));
+    }
+    if e.val_every == 0 {
+        return Err(Error::invalid("dwq", "--val-every must be at least 1"));
+    }
+    let s = &cfg.text;
+    let layers = s.num_hidden_layers;
+    let n_units = layers + 1;
+    let ckpt_unit = n_units;
+    let forward = if e.stored_forward { "stored dtype" } else { "float32 master" };
+    let fp_job = json!({
+        "tool": "dwq",
+        "mode": "end-to-end",
+        "version": env!("CARGO_PKG_VERSION"),
+        "teacher": store::source_identity(job.teacher)?,
+        "build": store::source_identity(job.build)?,
+        "train_windows": data::windows_id(train),
+        "val_windows": data::windows_id(val),
+        "ctx": job.ctx,
+        "batch": job.batch,
+        "steps": job.steps,
+        "lr": job.lr,
+        "temperature": e.temperature,
+        "val_every": e.val_every,
+        "forward": forward,
+        "only_below_8_bits": job.only_below_8_bits,
+    });
+    let fingerprint = store::fingerprint(&fp_job);
+    let build = read_build(job.build, layers)?;
+    let (mut out, resume) = Output::open(job.out, &fingerprint, job.overwrite)?;
+    if resume == Resume::Complete {
+        return completed(job, resume);
+    }
+    let quant = cfg.quantization.clone();
+    let base: Vec<BTreeMap<String, Array>> =
+        build.units[..layers].iter().map(|u| u.iter().map(|(_, n, a)| (n.clone(), a.clone())).collect()).collect();
+    let names: Vec<Vec<String>> = build.units[..layers]
+        .iter()
+        .map(|u| {
+            u.iter().filter(|(_, n, a)| trainable(n, a, s, &quant, job.only_below_8_bits)).map(|(_, n, _)| n.clone())
+        })
+        .map(|it| it.collect())
+        .collect();
+    // (layer, name) in the order the parameters enter the loss.
+    let flat: Vec<(usize, String)> =
+        names.iter().enumerate().flat_map(|(b, ns)| ns.iter().map(move |n| (b, n.clone()))).collect();
+    if flat.is_empty() {
+        return Err(Error::invalid(
+            "dwq",
+            format!(
+                "{}: no decoder layer has a float scale or bias to train{}",
+                job.build.display(),
+                if job.only_below_8_bits { " in a module below 8 bits" } else { "" }
+            ),
+        ));
+    }
+    let trained_params: usize = flat.iter().map(|(b, n)| base[*b][n].size()).sum();
+    // Codebook scales enter their kernel as float16 whatever the forward mode (the format's own dtype).
+    let rounded: Vec<bool> = flat
+        .iter()
+        .map(|(b, n)| {
+            e.stored_forward || n.strip_suffix(".scales").is_some_and(|m| base[*b].contains_key(&format!("{m}.codes")))
+        })
+        .collect();
+
+    let mut opt = Adam::new(job.lr)?;
+    for (b, n) in &flat {
+        opt.add(n, &base[*b][n])?;
+    }
+    // The run's state: the step reached, the validations, the per-step training losses, the best parameters.
+    let mut step = 0usize;
+    let mut validations: Vec<(usize, f64)> = Vec::new();
+    let mut losses: Vec<f64> = Vec::new();
+    let mut grad_norms: Vec<f64> = Vec::new();
+    let mut best: BTreeMap<String, Array> = BTreeMap::new();
+    if let Some(rec) = out.done(ckpt_unit) {
+        let st = Safetensors::load(job.out.join(&rec.file))?;
+        let r = &rec.report;
+        step = r["step"].as_u64().unwrap_or(0) as usize;
+        losses = f64s(&r["train_loss"]);
+        grad_norms = f64s(&r["grad_norm"]);
+        validations = r["validations"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|v| (v["step"].as_u64().unwrap_or(0) as usize, v["val_kl"].as_f64().unwrap_or(f64::NAN)))
+            .collect();
+        for (_, n) in &flat {
+            opt.restore(n, &st.get(&format!("master.{n}"))?, &st.get(&format!("m.{n}"))?, &st.get(&format!("v.{n}"))?)?;
+            best.insert(n.clone(), st.get(&format!("best.{n}"))?);
+        }
+        opt.set_step(step as u64);
+    }
+    let best_of = |validations: &[(usize, f64)]| -> Option<(usize, f64)> {
+        // The first of equal minima: a later step must be strictly better to replace the kept parameters.
+        validations.iter().copied().fold(None, |acc, (st, kl)| match acc {
+            Some((_, k)) if !(kl < k) => acc,
+            _ => Some((st, kl)),
+        })
+    };
+
+    let pb = job.progress;
+    let mut written = 0;
+    let stop = |written: usize| -> Result<()> {
+        match job.stop_after {
+            Some(n) if written >= n => {
+                Err(Error::invalid("dwq", format!("stopped after {n} units, as asked (stop_after)")))
+            }
+            _ => Ok(()),
+        }
+    };
+    if step < job.steps || validations.is_empty() {
+        let opts = LoadOptions { dtype: Some(Dtype::F32), ..Default::default() };
+        let batches: Vec<Array> = train.chunks(job.batch).map(ids_of).collect::<Result<_>>()?;
+        let val_ids: Vec<Array> = val.iter().map(|w| ids_of(std::slice::from_ref(w))).collect::<Result<_>>()?;
+        // The teacher's log-probabilities are computed once and kept: at temperature T for each training
+        // batch, at 1 for each validation window (float32, windows × (ctx − 1) × vocab × 4 bytes each).
+        let inv_t = 1.0 / e.temperature;
+        let (t_train, t_val) = {
+            let teacher = KimiK3::load(job.teacher, opts)?;
+            let logp = |ids: &Array, scale: f64| -> Result<Array> {
+                let l = teacher.forward(ids, None)?.astype(Dtype::F32)?;
+                let l = if scale == 1.0 { l } else { l.multiply(scale)? };
+                let lp = l.subtract(&l.logsumexp(&[-1], true)?)?;
+                lp.eval()?;
+                Ok(lp)
+            };
+            let tt: Vec<Array> = batches.iter().map(|b| logp(b, inv_t)).collect::<Result<_>>()?;
+            let tv: Vec<Array> = val_ids.iter().map(|b| logp(b, 1.0)).collect::<Result<_>>()?;
+            (tt, tv)
+        };
+        crate::memory::clear_cache();
+        let student = KimiK3::load(job.build, opts)?;
+
+        // Validation KL (temperature 1) with the parameters as they would be written (stored dtype).
+        let validate = |params: &BTreeMap<String, Array>| -> Result<f64> {
+            let mut cand = Vec::with_capacity(layers);
+            for b in 0..layers {
+                cand.push(if names[b].is_empty() {
+                    None
+                } else {
+                    let mut m = base[b].clone();
+                    for n in &names[b] {
+                        m.insert(n.clone(), params[n].clone());
+                    }
+                    Some(student.build_layer(b, m, &quant, job.build)?)
+                });
+            }
+            let mut total = 0.0;
+            for (ids, lp) in val_ids.iter().zip(&t_val) {
+                let mut x = student.embed_state(ids)?;
+                for (b, c) in cand.iter().enumerate() {
+                    x = student.layer_forward(b, c.as_ref(), &x)?;
+                }
+                total += kl_mean_scaled(lp, &student.head(&x)?, 1.0)?.item::<f32>()? as f64;
+            }
+            Ok(total / val_ids.len() as f64)
+        };
+        let stored = |opt: &Adam| -> Result<BTreeMap<String, Array>> {
+            let p: BTreeMap<String, Array> = opt.params()?.into_iter().collect();
+            crate::eval(&p.values().collect::<Vec<_>>())?;
+            Ok(p)
+        };
+        if validations.is_empty() {
+            pb.describe("validation of the build");
+            let p = stored(&opt)?;
+            validations.push((0, validate(&p)?));
+            best = p;
+        }
+
+        pb.start("dwq", job.steps as u64, step as u64);
+        let argnums: Vec<usize> = (0..flat.len()).collect();
+        while step < job.steps {
+            let k = step % batches.len();
+            let (ids, target) = (&batches[k], &t_train[k]);
+            let primals: Vec<Array> = flat.iter().map(|(_, n)| opt.master(n).cloned()).collect::<Result<_>>()?;
+            let loss_fn = |p: &[Array]| -> Result<Vec<Array>> {
+                let _scope = crate::kernels::differentiable_scope();
+                let mut x = student.embed_state(ids)?;
+                let mut i = 0;
+                for b in 0..layers {
+                    if names[b].is_empty() {
+                        x = student.layer_forward(b, None, &x)?;
+                        continue;
+                    }
+                    let mut m = base[b].clone();
+                    for n in &names[b] {
+                        let a = if rounded[i] { p[i].astype(base[b][n].dtype())? } else { p[i].clone() };
+                        m.insert(n.clone(), a);
+                        i += 1;
+                    }
+                    let layer = student.build_layer(b, m, &quant, job.build)?;
+                    x = student.layer_forward(b, Some(&layer), &x)?;
+                }
+                Ok(vec![kl_mean_scaled(target, &student.head(&x)?, inv_t)?])
+            };
+            let (vals, grads) = transforms::value_and_grad(loss_fn, &primals, &argnums)?;
+            let loss = vals[0].item::<f32>()? as f64;
+            // The gradient's global L2 norm over every trained parameter (a diagnostic, and what the parity
+            // fixture compares with mlx-lm's).
+            let mut sq = 0.0f64;
+            for g in &grads {
+                sq += g.astype(Dtype::F32)?.square()?.sum_all(false)?.item::<f32>()? as f64;
+            }
+            let pairs: Vec<(&str, &Array)> = flat.iter().map(|(_, n)| n.as_str()).zip(grads.iter()).collect();
+            opt.update(&pairs)?;
+            losses.push(loss);
+            grad_norms.push(sq.sqrt());
+            step += 1;
+            pb.describe(&format!("step {step}/{}: KL at T={} {loss:.4e}", job.steps, e.temperature));
+            pb.advance(1);
+            if step % e.val_every == 0 || step == job.steps {
+                let p = stored(&opt)?;
+                let kl = validate(&p)?;
+                validations.push((step, kl));
+                if best_of(&validations) == Some((step, kl)) {
+                    best = p;
+                }
+                // Checkpoint: the optimizer (f32 masters, moments), the best parameters and the history.
+                let mut tensors = Vec::with_capacity(4 * flat.len());
+                for (_, n) in &flat {
+                    let (m, v) = opt.moments(n)?;
+                    tensors.push((format!("master.{n}"), HostTensor::from_array(opt.master(n)?)?));
+                    tensors.push((format!("m.{n}"), HostTensor::from_array(m)?));
+                    tensors.push((format!("v.{n}"), HostTensor::from_array(v)?));
+                    tensors.push((format!("best.{n}"), HostTensor::from_array(&best[n])?));
+                }
+                let state = json!({
+                    "step": step,
+                    "train_loss": losses.iter().map(|&l| ordered(l)).collect::<Vec<_>>(),
+                    "grad_norm": grad_norms.iter().map(|&l| ordered(l)).collect::<Vec<_>>(),
+                    "validations": validations.iter().map(|&(s, k)| json!({"step": s, "val_kl": ordered(k)})).collect::<Vec<_>>(),
+                });
+                out.write_unit(ckpt_unit, CHECKPOINT, &tensors, state)?;
+                written += 1;
+                stop(written)?;
+            }
+            crate::memory::clear_cache();
+        }
+        pb.finish();
+    }
+
+    // The output: every layer with the best validated parameters (the build's own when no step beat it).
+    let (best_step, best_kl) = best_of(&validations).unwrap_or((0, f64::NAN));
+    for b in 0..=layers {
+        if out.done(b).is_some() {
+            continue;
+        }
+        let unit = &build.units[b];
+        let mut tensors = Vec::with_capacity(unit.len());
+        for (key, name, a) in unit {
+            let a = if b < layers { best.get(name).unwrap_or(a) } else { a };
+            tensors.push((key.clone(), HostTensor::from_array(a)?));
+        }
+        let what = if b < layers { format!("model.layers.{b}") } else { "globals".to_string() };
+        out.write_unit(b, &convert::shard_name(b, n_units), &tensors, json!({"unit": what}))?;
+        written += 1;
+        stop(written)?;
+    }
+    let ck = job.out.join(CHECKPOINT);
+    if ck.exists() {
+        std::fs::remove_file(&ck).map_err(|source| Error::Io { path: ck.clone(), source })?;
+    }
+    let kl_before = validations.first().map_or(f64::NAN, |v| v.1);
+    let report = json!({
+        "mode": "end-to-end",
+        "teacher": job.teacher.display().to_string(),
+        "build": job.build.display().to_string(),
+        "ctx": job.ctx,
+        "train_windows": {"skip": job.skip, "count": job.windows, "id": data::windows_id(train)},
+        "val_windows": {"skip": job.val_skip, "count": job.val_windows, "id": data::windows_id(val)},
+        "batch": job.batch,
+        "steps": job.steps,
+        "lr": job.lr,
+        "temperature": e.temperature,
+        "val_every": e.val_every,
+        "forward": forward,
+        "only_below_8_bits": job.only_below_8_bits,
+        "trained_tensors": flat.len(),
+        "trained_params": trained_params,
+        // The cached teacher log-probabilities (float32, every training and validation position).
+        "teacher_cache_bytes": (train.len() + val.len()) * (job.ctx - 1) * s.vocab_size * 4,
+        "val_kl_before": ordered(kl_before),
+        "val_kl_after": ordered(best_kl),
+        "best_step": best_step,
+        "improved": best_step > 0,
+        "validations": validations.iter().map(|&(s, k)| json!({"step": s, "val_kl": ordered(k)})).collect::<Vec<_>>(),
+        "train_loss": losses.iter().map(|&l| ordered(l)).collect::<Vec<_>>(),
+        "grad_norm": grad_norms.iter().map(|&l| ordered(l)).collect::<Vec<_>>(),
+    });
+    finish(job, out, n_units, &fingerprint, &report)?;
+    Ok(DwqSummary { resume, written, report })
 }
