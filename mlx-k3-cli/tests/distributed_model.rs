@@ -583,3 +583,40 @@ fn deepseek_v3_generate_and_serve_give_mlx_lm_tokens() {
     let s = Server::start_with(&model, &[]);
     assert_eq!(complete(&s, &prompt, 32), want, "the server's completion");
 }
+
+#[test]
+fn an_image_prompt_over_two_ranks_prints_what_one_rank_prints() {
+    // The end-to-end vision fixture (tests/vision_chat.rs checks one rank against mlx-vlm): rank 0 runs the
+    // vision tower and broadcasts the features; both ranks generate from them.
+    let dir = scratch("image");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures");
+    let model = root.join("vision_chat").display().to_string();
+    let png = root.join("vision_preprocess/rgb.png").display().to_string();
+    let args = strings(&[
+        "generate",
+        "--model",
+        &model,
+        "--image",
+        &png,
+        "--prompt",
+        "What is in the picture?",
+        "--max-tokens",
+        "8",
+    ]);
+    let one = Command::new(bin()).args(&args).output().unwrap();
+    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
+    let want = String::from_utf8_lossy(&one.stdout).into_owned();
+    assert!(want.trim_end_matches('\n').len() >= 4, "one rank printed {want:?}");
+    for tp in [false, true] {
+        let mut args = args.clone();
+        args.extend(strings(&["--distributed", "ring"]));
+        if tp {
+            args.push("--tp".into());
+        }
+        let outs = wait_all(spawn_ranks(&dir, 2, &args), Duration::from_secs(180));
+        for (r, o) in outs.iter().enumerate() {
+            assert!(o.status.success(), "tp {tp}: rank {r}: {}", String::from_utf8_lossy(&o.stderr));
+        }
+        assert_eq!(String::from_utf8_lossy(&outs[0].stdout), want, "tp {tp}: rank 0 vs one rank");
+    }
+}

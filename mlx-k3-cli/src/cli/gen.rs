@@ -8,9 +8,12 @@ use clap::Args as ClapArgs;
 use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
 use mlx_k3::generate::speculative::{DraftModel, SpecOptions};
 use mlx_k3::generate::{
-    GenerateOptions, GenerationStats, ImageInput, Pipeline, PromptCache, SamplerConfig, TextGeneration,
+    GenerateOptions, GenerationStats, ImageInput, ImagePrompt, Pipeline, PromptCache, PromptMedia, SamplerConfig,
+    TextGeneration,
 };
+use mlx_k3::model::shard::Comm;
 use mlx_k3::model::{KimiK3, LoadOptions};
+use mlx_k3::Array;
 use mlx_k3::{Dtype, Error, Result};
 use serde_json::json;
 
@@ -266,7 +269,16 @@ pub(super) fn generate(args: GenerateArgs) -> Result<()> {
             parts.push(json!({"type": "text", "text": args.prompt}));
             msgs.push(ChatMessage { content: serde_json::Value::Array(parts), ..ChatMessage::new("user", "") });
         }
-        p.encode_chat_media(&msgs, None, &ChatOptions::thinking(thinking), &images)?
+        if images.is_empty() {
+            (p.encode_chat(&msgs, None, &ChatOptions::thinking(thinking))?, None)
+        } else {
+            let prompt = p.encode_chat_images(&msgs, None, &ChatOptions::thinking(thinking), &images)?;
+            let media = match p.model.comm() {
+                None => p.encode_media(&prompt)?,
+                Some(c) => shared_media(&p, c, &prompt)?,
+            };
+            (prompt.ids, Some(media))
+        }
     } else {
         (p.encode_raw(&args.prompt)?, None)
     };
@@ -302,6 +314,33 @@ pub(super) fn generate(args: GenerateArgs) -> Result<()> {
     }
     print_stats(&r.stats);
     Ok(())
+}
+
+/// The media of an image prompt on a model split over ranks: rank 0 runs the vision tower and broadcasts
+/// the features (f32, row-major); the other ranks build the same media from them without running the tower.
+fn shared_media(p: &Pipeline, comm: &Comm, prompt: &ImagePrompt) -> Result<PromptMedia> {
+    let rows: usize = prompt.items.iter().map(|m| m.tokens).sum();
+    let dim = p.model.config().hidden_size;
+    let bytes = if comm.shard().rank == 0 {
+        let media = p.encode_media(prompt)?;
+        let values = media.features.astype(Dtype::F32)?.to_vec::<f32>()?;
+        let mut b = Vec::with_capacity(values.len() * 4);
+        for v in values {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        comm.broadcast_bytes(Some(&b))?
+    } else {
+        comm.broadcast_bytes(None)?
+    };
+    if bytes.len() != rows * dim * 4 {
+        return Err(Error::invalid(
+            "distributed",
+            format!("rank 0 sent {} bytes of image features where {rows} x {dim} f32 were expected", bytes.len()),
+        ));
+    }
+    let values: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let features = Array::from_vec(values, &[rows as i32, dim as i32])?.astype(p.model.dtype())?;
+    Ok(PromptMedia { features, placeholders: prompt.placeholders.clone(), items: prompt.items.clone() })
 }
 
 /// Options of `chat`.

@@ -153,6 +153,18 @@ impl Pipeline {
         Ok((prompt.ids, Some(media)))
     }
 
+    /// As [`PromptEncoder::encode_chat_images`]: the prompt with images, before the tower.
+    pub fn encode_chat_images(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        opts: &ChatOptions,
+        images: &[ImageInput],
+    ) -> Result<ImagePrompt> {
+        let processor = self.vision.as_ref().map(|v| &v.processor);
+        encode_chat_images(&self.tokenizer, &self.chat, processor, messages, tools, opts, images)
+    }
+
     /// Runs the vision tower on an [`ImagePrompt`]'s processed images: the media its placeholders take.
     pub fn encode_media(&self, prompt: &ImagePrompt) -> Result<PromptMedia> {
         let vision = self.vision.as_ref().ok_or_else(no_vision)?;
