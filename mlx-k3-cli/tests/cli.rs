@@ -453,3 +453,23 @@ fn generate_takes_an_image_for_a_vision_checkpoint() {
     let want = format!("prompt: {} tokens", case["prompt_tokens"]);
     assert!(out.contains(&want) || err.contains(&want), "{out}\n{err}");
 }
+
+#[test]
+fn plan_counts_the_vision_tower_on_every_rank() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/vision_chat");
+    let (ok, out, err) = mlx_k3(&["plan", "--model", dir.to_str().unwrap(), "--ranks", "2"]);
+    assert!(ok, "{err}");
+    let row = out.lines().find(|l| l.starts_with("vision tower")).unwrap_or_else(|| panic!("no vision row:\n{out}"));
+    // The tower's bytes, independently: every vision_tower.* / mm_projector.* tensor of the checkpoint.
+    let st = Safetensors::load(dir.join("model.safetensors")).unwrap();
+    let bytes: usize = st
+        .keys()
+        .iter()
+        .filter(|k| k.starts_with("vision_tower.") || k.starts_with("mm_projector."))
+        .map(|k| st.get(k).unwrap().nbytes())
+        .sum();
+    let cells: Vec<&str> = row.split_whitespace().skip(2).collect();
+    let want = format!("{:.2}", bytes as f64 / 1024.0);
+    assert_eq!(cells.len(), 6, "{row}");
+    assert!(cells.chunks(2).all(|c| c[0] == want && c[1] == "KiB"), "{row}: want {want} KiB on every column");
+}

@@ -136,7 +136,18 @@ pub(super) fn plan(args: PlanArgs) -> Result<()> {
         }
         println!("{line}");
     }
-    let mut line = format!("{:<22} {:>12}", "total", fmt_bytes(whole_by.values().sum()));
+    // A multimodal checkpoint's vision tower is not split: every rank loads it (rank 0 runs it).
+    let media: u64 =
+        mlx_k3::model::loader::read_media_tensors(&args.model)?.values().map(|(a, _)| a.nbytes() as u64).sum();
+    if media > 0 {
+        let mut line = format!("{:<22} {:>12}", "vision tower", fmt_bytes(media));
+        for t in totals.iter_mut() {
+            *t += media;
+            line.push_str(&format!(" {:>12}", fmt_bytes(media)));
+        }
+        println!("{line}");
+    }
+    let mut line = format!("{:<22} {:>12}", "total", fmt_bytes(whole_by.values().sum::<u64>() + media));
     for t in &totals {
         line.push_str(&format!(" {:>12}", fmt_bytes(*t)));
     }
