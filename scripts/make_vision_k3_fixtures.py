@@ -57,7 +57,6 @@ transformers and an image stack:
 from __future__ import annotations
 
 import copy
-import importlib.metadata
 import json
 import shutil
 import sys
@@ -71,14 +70,7 @@ PINS = {"mlx": pins.MLX, "mlx-lm": pins.MLX_LM, "mlx-vlm": pins.MLX_VLM}
 
 
 def _check_pins() -> None:
-    bad = []
-    for dist, want in PINS.items():
-        try:
-            have = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            have = None
-        if have != want:
-            bad.append(f"{dist}=={want} (found {have or 'nothing'})")
+    bad = pins.missing(PINS)
     if bad:
         sys.exit(
             "make_vision_k3_fixtures.py needs exactly " + ", ".join(bad) + ".\n"

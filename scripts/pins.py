@@ -16,3 +16,19 @@ _spec.loader.exec_module(_pins)
 MLX: str = _pins.MLX
 MLX_LM: str = _pins.MLX_LM
 MLX_VLM: str = _pins.MLX_VLM
+
+
+def missing(wanted: dict[str, str]) -> list[str]:
+    """The packages of ``wanted`` (distribution name -> version) not installed at exactly that version, as
+    ``"name==version (found X)"`` lines for an error message; empty when all are."""
+    import importlib.metadata
+
+    bad = []
+    for dist, want in wanted.items():
+        try:
+            have = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            have = None
+        if have != want:
+            bad.append(f"{dist}=={want} (found {have or 'nothing'})")
+    return bad

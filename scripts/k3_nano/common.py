@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import sys
 from pathlib import Path
@@ -158,14 +157,7 @@ def maybe_reexec_with_openblas() -> str:
 
 
 def check_pins() -> None:
-    bad = []
-    for dist, want in PINS.items():
-        try:
-            have = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            have = None
-        if have != want:
-            bad.append(f"{dist}=={want} (found {have or 'nothing'})")
+    bad = pins.missing(PINS)
     if bad:
         sys.exit(
             "k3_nano needs exactly " + ", ".join(bad) + ".\nInstall: .venv/bin/pip install -r "
