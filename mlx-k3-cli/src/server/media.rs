@@ -9,6 +9,8 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::error::ApiError;
+use super::State;
+use mlx_k3::generate::ImageInput;
 
 /// The media types an image part may carry (the decoders the server has).
 pub const IMAGE_TYPES: [&str; 3] = ["image/png", "image/jpeg", "image/webp"];
@@ -131,6 +133,19 @@ pub fn extract_images<'a>(
         }
     }
     Ok(images)
+}
+
+/// A request's images as the prompt encoder takes them (named `image i (type)` in errors), or a 400 when the
+/// loaded model has no vision tower.
+pub fn image_inputs(state: &State, images: Vec<RequestImage>) -> Result<Vec<ImageInput>, ApiError> {
+    if !images.is_empty() && state.engine.encoder().image_processor.is_none() {
+        return Err(ApiError::bad_param("messages", "the loaded model has no vision tower: it takes no images"));
+    }
+    Ok(images
+        .into_iter()
+        .enumerate()
+        .map(|(i, im)| ImageInput { name: format!("image {i} ({})", im.media_type), bytes: im.bytes })
+        .collect())
 }
 
 #[cfg(test)]

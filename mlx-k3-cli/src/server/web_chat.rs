@@ -31,7 +31,7 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, JsonBody};
 use super::generation::{failure, Generation};
-use super::media::{data_url_image, ImageLimits, RequestImage};
+use super::media::{data_url_image, image_inputs, ImageLimits, RequestImage};
 use super::prompt::{self, Prompt};
 use super::sampling::{thinking_effort, Sampling};
 use super::split::{Delta, ReplySplitter};
@@ -39,7 +39,7 @@ use super::stream::{sse, StreamFormat};
 use super::{Owner, State};
 use crate::engine::{Event, Request};
 use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
-use mlx_k3::generate::{FinishReason, GenerateOptions, ImageInput};
+use mlx_k3::generate::{FinishReason, GenerateOptions};
 
 /// Default new tokens per turn when the request gives none.
 const DEFAULT_MAX_TOKENS: usize = 1024;
@@ -150,14 +150,7 @@ pub fn check(req: WebChatRequest) -> Result<CheckedWebChat, ApiError> {
 
 async fn run(state: State, owner: Owner, req: WebChatRequest) -> Result<Response, ApiError> {
     let CheckedWebChat { messages, thinking, options, session, images } = check(req)?;
-    if !images.is_empty() && state.engine.encoder().image_processor.is_none() {
-        return Err(ApiError::bad_param("messages", "the loaded model has no vision tower: it takes no images"));
-    }
-    let images = images
-        .into_iter()
-        .enumerate()
-        .map(|(i, im)| ImageInput { name: format!("image {i} ({})", im.media_type), bytes: im.bytes })
-        .collect();
+    let images = image_inputs(&state, images)?;
     let prompt = prompt::encode(
         &state,
         Prompt::Chat { messages, tools: None, options: ChatOptions::thinking(thinking), images },

@@ -14,14 +14,13 @@ use super::only_default;
 use crate::engine::{Event, Request};
 use crate::server::error::{ApiError, JsonBody};
 use crate::server::generation::{failure, usage, Generation};
-use crate::server::media::{extract_images, ImageLimits, RequestImage};
+use crate::server::media::{extract_images, image_inputs, ImageLimits, RequestImage};
 use crate::server::prompt::{self, Prompt};
 use crate::server::sampling::{check_session, now_secs, response_id, thinking_effort, Sampling, Stop};
 use crate::server::split::{Delta, ReplySplitter};
 use crate::server::stream::{sse, StreamFormat};
 use crate::server::{Owner, State};
 use mlx_k3::chat::{ChatMessage, ChatOptions, FunctionCall, ParsedOutput, ToolCall};
-use mlx_k3::generate::ImageInput;
 use mlx_k3::generate::{FinishReason, GenerateOptions, TextGeneration};
 
 /// The request body.
@@ -188,14 +187,7 @@ pub fn check(req: ChatRequest, chat_format: &str) -> Result<CheckedChat, ApiErro
 async fn run(state: State, owner: Owner, req: ChatRequest) -> Result<Response, ApiError> {
     let CheckedChat { messages, tools, chat, options, session, stream, include_usage, images } =
         check(req, state.engine.info().chat_format)?;
-    if !images.is_empty() && state.engine.encoder().image_processor.is_none() {
-        return Err(ApiError::bad_param("messages", "the loaded model has no vision tower: it takes no images"));
-    }
-    let images = images
-        .into_iter()
-        .enumerate()
-        .map(|(i, im)| ImageInput { name: format!("image {i} ({})", im.media_type), bytes: im.bytes })
-        .collect();
+    let images = image_inputs(&state, images)?;
     let thinking = chat.thinking;
     let prompt = prompt::encode(&state, Prompt::Chat { messages, tools, options: chat, images }, "messages").await?;
     let mut request = Request::new(prompt.ids, prompt.chat, options);
