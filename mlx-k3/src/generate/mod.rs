@@ -10,6 +10,7 @@
 //! Everything here runs on the thread that owns the model (arrays are not `Send`); servers talk to that
 //! thread through channels.
 
+pub mod block_drafter;
 mod pipeline;
 pub mod sample;
 pub mod speculative;
@@ -269,6 +270,19 @@ fn prefill(
     prompt: &[u32],
     opts: &GenerateOptions,
 ) -> Result<GenerationStats> {
+    prefill_observed(model, pcache, prompt, opts, &[], &mut |_, _, _| Ok(()))
+}
+
+/// [`prefill`] that also hands the hidden states of the `taps` layers of every prefilled chunk to
+/// `observe(start, tokens, taps)` (a drafter reading them; nothing when `taps` is empty).
+fn prefill_observed(
+    model: &KimiK3,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    taps: &[usize],
+    observe: &mut dyn FnMut(usize, &[u32], &[Array]) -> Result<()>,
+) -> Result<GenerationStats> {
     if prompt.is_empty() {
         return Err(Error::invalid("generate", "the prompt is empty"));
     }
@@ -287,8 +301,16 @@ fn prefill(
         let end = (pos + chunk).min(body_end);
         let ids = ids_array(&prompt[pos..end])?;
         let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
-        model.forward(&ids, Some(cache))?;
-        crate::eval(&cache.arrays())?;
+        if taps.is_empty() {
+            model.forward(&ids, Some(cache))?;
+            crate::eval(&cache.arrays())?;
+        } else {
+            let (_, tapped) = model.forward_with_taps(&ids, Some(cache), taps)?;
+            let mut outs = cache.arrays();
+            outs.extend(tapped.iter());
+            crate::eval(&outs)?;
+            observe(pos, &prompt[pos..end], &tapped)?;
+        }
         pcache.tokens.extend_from_slice(&prompt[pos..end]);
         pos = end;
     }
