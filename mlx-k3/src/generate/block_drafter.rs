@@ -89,6 +89,9 @@ pub struct BlockDrafter {
     ctx_start: usize,
     /// The tokens at positions `0..ctx_end` as observed (to tell whether a context continues them).
     tokens: Vec<u32>,
+    /// Taps observed but not yet projected: (positions, the taps as `observe` got them), in order; they
+    /// cover the last positions before `ctx_end`.
+    pending: Vec<(usize, Vec<Array>)>,
 }
 
 fn transpose(w: &Array) -> Result<Array> {
@@ -186,6 +189,7 @@ impl BlockDrafter {
             ctx: None,
             ctx_start: 0,
             tokens: Vec::new(),
+            pending: Vec::new(),
         };
         let all: Vec<&Array> =
             drafter.layers.iter().flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]).collect();
@@ -259,6 +263,7 @@ impl BlockDrafter {
 
     /// Forgets the context (a new sequence follows).
     pub fn reset(&mut self) {
+        self.pending.clear();
         self.ctx = None;
         self.ctx_start = 0;
         self.tokens.clear();
@@ -268,11 +273,55 @@ impl BlockDrafter {
         self.tokens.len()
     }
 
+    /// Projects the taps observed since the last call and appends them to the context window.
+    fn flush(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let d = self.cfg.target_hidden_size as i32;
+        let mut layers = Vec::with_capacity(self.cfg.tap_layers.len());
+        for l in 0..self.cfg.tap_layers.len() {
+            let pieces: Vec<Array> = self
+                .pending
+                .iter()
+                .map(|(n, t)| {
+                    let r = t[l].reshape(&[-1, d])?;
+                    if r.dim(0)? as usize > *n {
+                        r.slice_axis(0, 0, *n as i32)
+                    } else {
+                        Ok(r)
+                    }
+                })
+                .collect::<Result<_>>()?;
+            layers.push(if pieces.len() == 1 {
+                pieces.into_iter().next().unwrap_or_else(|| unreachable!())
+            } else {
+                ops::concatenate(&pieces.iter().collect::<Vec<_>>(), 0)?
+            });
+        }
+        self.pending.clear();
+        let feats = self.project(&ops::concatenate(&layers.iter().collect::<Vec<_>>(), 1)?)?;
+        let ctx = match &self.ctx {
+            Some(c) => ops::concatenate(&[c, &feats], 0)?,
+            None => feats,
+        };
+        let c = ctx.dim(0)? as usize;
+        let w = self.cfg.context_window;
+        self.ctx = Some(if c > w {
+            self.ctx_start += c - w;
+            ctx.slice_axis(0, (c - w) as i32, c as i32)?
+        } else {
+            ctx
+        });
+        Ok(())
+    }
+
     /// Keeps what is known of positions `< pos` only.
     fn truncate(&mut self, pos: usize) -> Result<()> {
         if pos >= self.ctx_end() {
             return Ok(());
         }
+        self.flush()?;
         if pos <= self.ctx_start {
             self.ctx = None;
             self.ctx_start = pos;
@@ -299,16 +348,13 @@ impl Drafter for BlockDrafter {
         if tokens.is_empty() {
             return Ok(());
         }
-        let rows: Vec<Array> =
-            taps.iter().map(|t| t.reshape(&[-1, self.cfg.target_hidden_size as i32])).collect::<Result<_>>()?;
-        let n = rows[0].dim(0)? as usize;
+        let n = taps[0].size() / self.cfg.target_hidden_size;
         if n < tokens.len() {
             return Err(Error::invalid("block drafter", format!("taps of {n} positions for {} tokens", tokens.len())));
         }
-        let cat = ops::concatenate(&rows.iter().collect::<Vec<_>>(), 1)?.slice_axis(0, 0, tokens.len() as i32)?;
-        let feats = self.project(&cat)?;
         // Drop what this overwrites; a gap (positions never observed) starts the context afresh.
         if start > self.ctx_end() {
+            self.pending.clear();
             self.ctx = None;
             self.ctx_start = start;
             self.tokens.resize(start, u32::MAX);
@@ -316,18 +362,8 @@ impl Drafter for BlockDrafter {
             self.truncate(start)?;
         }
         self.tokens.extend_from_slice(tokens);
-        let ctx = match &self.ctx {
-            Some(c) => ops::concatenate(&[c, &feats], 0)?,
-            None => feats,
-        };
-        let c = ctx.dim(0)? as usize;
-        let w = self.cfg.context_window;
-        self.ctx = Some(if c > w {
-            self.ctx_start += c - w;
-            ctx.slice_axis(0, (c - w) as i32, c as i32)?
-        } else {
-            ctx
-        });
+        // Kept as they are (no operation per plain decode step); projected in one batch before drafting.
+        self.pending.push((tokens.len(), taps.to_vec()));
         Ok(())
     }
 
@@ -342,6 +378,7 @@ impl Drafter for BlockDrafter {
         // observed prefix that agrees with it (unknown positions agree with anything).
         let agree = self.tokens.iter().zip(&context[..n]).take_while(|(a, b)| **a == **b || **a == u32::MAX).count();
         self.truncate(agree)?;
+        self.flush()?;
         let d = self.cfg.hidden_size as i32;
         let (ctx, last, pos) = match &self.ctx {
             Some(c) => {
