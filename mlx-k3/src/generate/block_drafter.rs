@@ -61,6 +61,44 @@ impl BlockDrafterConfig {
     }
 }
 
+/// The context the block attends to: projected taps `[C, D]` and, per drafter layer, their keys (RoPE at
+/// their absolute positions) and values `[1, H, C, hd]`, computed once per position rather than every cycle.
+#[derive(Clone)]
+struct Ctx {
+    feats: Array,
+    kv: Vec<(Array, Array)>,
+}
+
+impl Ctx {
+    fn len(&self) -> Result<i32> {
+        self.feats.dim(0)
+    }
+
+    /// Rows `a..b`.
+    fn rows(&self, a: i32, b: i32) -> Result<Ctx> {
+        Ok(Ctx {
+            feats: self.feats.slice_axis(0, a, b)?,
+            kv: self
+                .kv
+                .iter()
+                .map(|(k, v)| Ok((k.slice_axis(2, a, b)?, v.slice_axis(2, a, b)?)))
+                .collect::<Result<_>>()?,
+        })
+    }
+
+    fn append(&self, more: &Ctx) -> Result<Ctx> {
+        Ok(Ctx {
+            feats: ops::concatenate(&[&self.feats, &more.feats], 0)?,
+            kv: self
+                .kv
+                .iter()
+                .zip(&more.kv)
+                .map(|((k, v), (k2, v2))| Ok((ops::concatenate(&[k, k2], 2)?, ops::concatenate(&[v, v2], 2)?)))
+                .collect::<Result<_>>()?,
+        })
+    }
+}
+
 struct Layer {
     attn_norm: Array,
     q: Array,
@@ -84,8 +122,8 @@ pub struct BlockDrafter {
     norm: Array,
     /// The target's embedding matrix `[V, D]` (f32): slot 0's input and the output projection.
     embed: Array,
-    /// Projected taps `[C, D]` of positions `ctx_start..ctx_start + C` (C at most `context_window`).
-    ctx: Option<Array>,
+    /// The context of positions `ctx_start..ctx_start + C` (C at most `context_window`).
+    ctx: Option<Ctx>,
     ctx_start: usize,
     /// The tokens at positions `0..ctx_end` as observed (to tell whether a context continues them).
     tokens: Vec<u32>,
@@ -208,10 +246,26 @@ impl BlockDrafter {
         fast::rms_norm(&taps.astype(Dtype::F32)?.matmul(&self.fc_t)?, Some(&self.ctx_norm), self.cfg.rms_norm_eps)
     }
 
-    /// The block's logits `[K, V]` for context features `ctx` `[C, D]` at positions `0..C` (none: no
+    /// The context of projected taps `feats` `[C, D]` at positions `offset..offset + C`.
+    fn context(&self, feats: Array, offset: i32) -> Result<Ctx> {
+        let (h, hd) = (self.cfg.num_heads as i32, self.cfg.head_dim as i32);
+        let c = feats.dim(0)?;
+        let heads = |t: &Array| t.reshape(&[1, c, h, hd])?.transpose(&[0, 2, 1, 3]);
+        let kv = self
+            .layers
+            .iter()
+            .map(|l| {
+                let k = fast::rope(&heads(&feats.matmul(&l.k)?)?, hd, false, Some(self.cfg.rope_theta), 1.0, offset)?;
+                Ok((k, heads(&feats.matmul(&l.v)?)?))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Ctx { feats, kv })
+    }
+
+    /// The block's logits `[K, V]` for the context `ctx` (none: no
     /// context), the last position's features `last` `[D]`, the unrun token `token` and the block at
     /// positions `block_pos..block_pos + K`.
-    fn block(&self, ctx: Option<&Array>, last: &Array, token: u32, block_pos: i32) -> Result<Array> {
+    fn block(&self, ctx: Option<&Ctx>, last: &Array, token: u32, block_pos: i32) -> Result<Array> {
         let (kk, d) = (self.cfg.block_size as i32, self.cfg.hidden_size as i32);
         let (h, hd) = (self.cfg.num_heads as i32, self.cfg.head_dim as i32);
         let eps = self.cfg.rms_norm_eps;
@@ -227,16 +281,15 @@ impl BlockDrafter {
             t.reshape(&[1, n, h, hd])?.transpose(&[0, 2, 1, 3])
         };
         let rope = |t: &Array, offset: i32| fast::rope(t, hd, false, Some(self.cfg.rope_theta), 1.0, offset);
-        for l in &self.layers {
+        for (li, l) in self.layers.iter().enumerate() {
             let xn = fast::rms_norm(&x, Some(&l.attn_norm), eps)?;
             let q = rope(&heads(&xn.matmul(&l.q)?)?, block_pos)?;
             let kb = rope(&heads(&xn.matmul(&l.k)?)?, block_pos)?;
             let vb = heads(&xn.matmul(&l.v)?)?;
             let (k, v) = match ctx {
                 Some(c) => {
-                    let kc = rope(&heads(&c.matmul(&l.k)?)?, 0)?;
-                    let vc = heads(&c.matmul(&l.v)?)?;
-                    (ops::concatenate(&[&kc, &kb], 2)?, ops::concatenate(&[&vc, &vb], 2)?)
+                    let (kc, vc) = &c.kv[li];
+                    (ops::concatenate(&[kc, &kb], 2)?, ops::concatenate(&[vc, &vb], 2)?)
                 }
                 None => (kb, vb),
             };
@@ -256,8 +309,8 @@ impl BlockDrafter {
     /// training script's reference.
     pub fn logits_for_taps(&self, taps: &Array, token: u32) -> Result<Array> {
         let t = taps.dim(0)?;
-        let ctx = self.project(taps)?;
-        let last = ctx.slice_axis(0, t - 1, t)?.squeeze(&[0])?;
+        let ctx = self.context(self.project(taps)?, 0)?;
+        let last = ctx.feats.slice_axis(0, t - 1, t)?.squeeze(&[0])?;
         self.block(Some(&ctx), &last, token, t)
     }
 
@@ -299,17 +352,19 @@ impl BlockDrafter {
                 ops::concatenate(&pieces.iter().collect::<Vec<_>>(), 0)?
             });
         }
+        let rows: usize = self.pending.iter().map(|(n, _)| n).sum();
         self.pending.clear();
         let feats = self.project(&ops::concatenate(&layers.iter().collect::<Vec<_>>(), 1)?)?;
+        let new = self.context(feats, (self.ctx_end() - rows) as i32)?;
         let ctx = match &self.ctx {
-            Some(c) => ops::concatenate(&[c, &feats], 0)?,
-            None => feats,
+            Some(c) => c.append(&new)?,
+            None => new,
         };
-        let c = ctx.dim(0)? as usize;
+        let c = ctx.len()? as usize;
         let w = self.cfg.context_window;
         self.ctx = Some(if c > w {
             self.ctx_start += c - w;
-            ctx.slice_axis(0, (c - w) as i32, c as i32)?
+            ctx.rows((c - w) as i32, c as i32)?
         } else {
             ctx
         });
@@ -326,7 +381,7 @@ impl BlockDrafter {
             self.ctx = None;
             self.ctx_start = pos;
         } else if let Some(c) = &self.ctx {
-            self.ctx = Some(c.slice_axis(0, 0, (pos - self.ctx_start) as i32)?);
+            self.ctx = Some(c.rows(0, (pos - self.ctx_start) as i32)?);
         }
         self.tokens.truncate(pos);
         Ok(())
@@ -382,15 +437,15 @@ impl Drafter for BlockDrafter {
         let d = self.cfg.hidden_size as i32;
         let (ctx, last, pos) = match &self.ctx {
             Some(c) => {
-                let cn = c.dim(0)?;
+                let cn = c.len()?;
                 let last = if self.ctx_end() == n {
-                    c.slice_axis(0, cn - 1, cn)?.squeeze(&[0])?
+                    c.feats.slice_axis(0, cn - 1, cn)?.squeeze(&[0])?
                 } else {
                     ops::zeros(&[d], Dtype::F32)?
                 };
-                (Some(c), last, (n - self.ctx_start) as i32)
+                (Some(c), last, n as i32)
             }
-            None => (None, ops::zeros(&[d], Dtype::F32)?, 0),
+            None => (None, ops::zeros(&[d], Dtype::F32)?, n as i32),
         };
         let logits = self.block(ctx, &last, token, pos)?;
         let recent = RecentTokens::new(sampler.config(), &[])?;
