@@ -16,10 +16,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use mlx_k3::chat::{ParsedOutput, ThinkingEffort};
-use mlx_k3::generate::speculative::{DraftModel, SpecOptions};
+use mlx_k3::generate::block_drafter::load_drafter;
+use mlx_k3::generate::speculative::{Drafter, SpecOptions};
 use mlx_k3::generate::{GenerateOptions, ImagePrompt, Pipeline, PromptCache, PromptEncoder, TextGeneration};
 use mlx_k3::model::shard::Comm;
-use mlx_k3::model::{KimiK3, LoadOptions};
+use mlx_k3::model::LoadOptions;
 use mlx_k3::{Error, Result};
 
 /// One generation request.
@@ -133,7 +134,7 @@ struct WorkOrder {
 }
 
 /// The draft model of `cfg` for the target `p`.
-fn load_draft(cfg: &EngineConfig, p: &Pipeline) -> Result<Option<(DraftModel, SpecOptions)>> {
+fn load_draft(cfg: &EngineConfig, p: &Pipeline) -> Result<Option<(Box<dyn Drafter>, SpecOptions)>> {
     let Some((dir, spec)) = &cfg.draft else { return Ok(None) };
     if cfg.comm.is_some() {
         return Err(Error::invalid(
@@ -143,8 +144,7 @@ fn load_draft(cfg: &EngineConfig, p: &Pipeline) -> Result<Option<(DraftModel, Sp
     }
     spec.validate()?;
     let load = LoadOptions { dtype: Some(p.model.dtype()), lazy: false, shard: None };
-    let model = KimiK3::load(dir, load)
-        .and_then(|m| DraftModel::new(m, p.model.config().vocab_size))
+    let model = load_drafter(dir, &p.model, load)
         .map_err(|e| Error::invalid("engine", format!("--draft-model {}: {e}", dir.display())))?;
     Ok(Some((model, spec.clone())))
 }
@@ -420,7 +420,7 @@ impl Sessions {
 
 fn serve(
     p: &Pipeline,
-    draft: Option<&mut (DraftModel, SpecOptions)>,
+    draft: Option<&mut (Box<dyn Drafter>, SpecOptions)>,
     sessions: &mut Sessions,
     job: Job,
     stats: &EngineStats,
@@ -489,7 +489,9 @@ fn serve(
         (Some(images), _) => {
             p.encode_media(images).and_then(|media| p.generate_media(&mut cache, ids, Some(&media), &options, on_text))
         }
-        (None, Some((drafter, spec))) => p.generate_speculative(drafter, spec, &mut cache, ids, &options, on_text),
+        (None, Some((drafter, spec))) => {
+            p.generate_speculative(drafter.as_mut(), spec, &mut cache, ids, &options, on_text)
+        }
         (None, None) => p.generate(&mut cache, ids, &options, on_text),
     };
     match result {

@@ -379,7 +379,8 @@ fn nano() -> PathBuf {
 }
 
 /// `generate --draft-model` prints what plain greedy `generate` prints, and reports the drafting; a draft
-/// model with another vocabulary is refused with a one-line error naming the flag.
+/// model with another vocabulary is refused with a one-line error naming the flag; k3-nano's block drafter
+/// prints the same text too.
 #[test]
 fn generate_with_a_draft_model_prints_the_same_text() {
     let n = nano();
@@ -400,6 +401,14 @@ fn generate_with_a_draft_model_prints_the_same_text() {
     assert!(stderr.starts_with("mlx-k3: error:") && stderr.contains("--draft-model"), "{stderr}");
     assert!(stderr.contains("vocab_size"), "{stderr}");
     assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    // k3-nano's block drafter (detected from its config.json): the same text.
+    let drafter = n.join("drafter");
+    let mut args = base.to_vec();
+    args.extend(["--draft-model", drafter.to_str().unwrap()]);
+    let (ok, spec, stderr) = mlx_k3(&args);
+    assert!(ok, "{stderr}");
+    assert_eq!(spec, plain);
+    assert!(stderr.contains("tokens per cycle"), "{stderr}");
 }
 
 #[test]

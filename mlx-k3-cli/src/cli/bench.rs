@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use clap::Args as ClapArgs;
 
-use mlx_k3::generate::speculative::{generate_speculative, DraftModel, Drafter, RandomDrafter, Rollback, SpecOptions};
+use mlx_k3::generate::speculative::{generate_speculative, Drafter, RandomDrafter, Rollback, SpecOptions, SpecStats};
 use mlx_k3::generate::{generate_tokens, GenerateOptions, PromptCache, PromptEncoder};
 use mlx_k3::kernels::{self, RouterParams};
 use mlx_k3::model::{KimiK3, LoadOptions};
@@ -40,11 +40,21 @@ pub(super) struct Args {
     /// Print one JSON object (last line) instead of the table.
     #[arg(long)]
     json: bool,
-    /// With --model: speculative decoding with this draft model (sharing the tokenizer) against plain
-    /// decoding in the same run, greedy, on a code and a prose prompt: tokens per cycle, accept rate, tok/s
-    /// of both, the gate's decisions.
+    /// With --model: speculative decoding with this draft model (sharing the tokenizer; or a block drafter's
+    /// folder, whose config.json says k3_block_drafter) against plain decoding in the same run, greedy, on a
+    /// code and a prose prompt (or --spec-prompts): tokens per cycle, accept rate, tok/s of both, the gate's
+    /// decisions.
     #[arg(long, value_name = "DIR")]
     draft_model: Option<PathBuf>,
+    /// With --draft-model/--random-draft: prompts from a token stream (safetensors with int32 `tokens` and
+    /// `doc_starts`, e.g. models/k3-nano/heldout.safetensors) instead of the built-in two: for each of the
+    /// first --spec-docs documents, its first 32 tokens ("doc": a module's docstring) and 32 tokens from its
+    /// middle ("code").
+    #[arg(long, value_name = "FILE")]
+    spec_prompts: Option<PathBuf>,
+    /// Documents --spec-prompts takes prompts from.
+    #[arg(long, default_value_t = 6)]
+    spec_docs: usize,
     /// With --model: as --draft-model, with a drafter proposing random tokens (the gate's worst case).
     #[arg(long, conflicts_with = "draft_model")]
     random_draft: bool,
@@ -414,6 +424,32 @@ const SPEC_PROMPTS: [(&str, &str); 2] = [
     ("prose", "The old lighthouse keeper climbed the stairs every evening, and"),
 ];
 
+/// The prompts of `--spec-prompts FILE`: for each of the first `docs` documents of the token stream, its
+/// first 32 tokens ("docN") and 32 tokens from its middle ("codeN").
+fn spec_prompts_from(path: &std::path::Path, docs: usize) -> Result<Vec<(String, Vec<u32>)>> {
+    let st = mlx_k3::io::Safetensors::load(path)?;
+    let tokens = st.get("tokens")?.astype(mlx_k3::Dtype::I32)?.to_vec::<i32>()?;
+    let starts = st.get("doc_starts")?.astype(mlx_k3::Dtype::I32)?.to_vec::<i32>()?;
+    let mut out = Vec::new();
+    for (i, &s) in starts.iter().enumerate().take(docs) {
+        let s = s.max(0) as usize;
+        let e = starts.get(i + 1).map_or(tokens.len(), |&e| (e.max(0) as usize).min(tokens.len()));
+        if e < s + 96 {
+            continue;
+        }
+        let window = |a: usize| tokens[a..a + 32].iter().map(|&t| t as u32).collect::<Vec<u32>>();
+        out.push((format!("doc{i}"), window(s)));
+        out.push((format!("code{i}"), window((s + e) / 2 - 16)));
+    }
+    if out.is_empty() {
+        return Err(Error::invalid(
+            "bench",
+            format!("--spec-prompts {}: no document of 96 tokens or more", path.display()),
+        ));
+    }
+    Ok(out)
+}
+
 /// `bench --model DIR --draft-model DIR` (or `--random-draft`): plain and speculative greedy decoding of
 /// `--gen-tokens` tokens on each of [`SPEC_PROMPTS`], alternating, `--reps` times; the fastest run of each
 /// is reported. tok/s is new tokens over the whole call (the prompts are short: one prefill forward).
@@ -430,8 +466,10 @@ fn bench_speculative(dir: &std::path::Path, args: &Args) -> Result<()> {
     spec.validate()?;
     let (mut drafter, name): (Box<dyn Drafter>, String) = match &args.draft_model {
         Some(d) => {
-            let m = KimiK3::load(d, LoadOptions { dtype: Some(model.dtype()), lazy: false, shard: None })?;
-            (Box::new(DraftModel::new(m, vocab)?), d.display().to_string())
+            let load = LoadOptions { dtype: Some(model.dtype()), lazy: false, shard: None };
+            let drafter = mlx_k3::generate::block_drafter::load_drafter(d, &model, load)?;
+            let name = format!("{} ({})", d.display(), drafter.name());
+            (drafter, name)
         }
         None => (Box::new(RandomDrafter::new(vocab, 1)), "random tokens".into()),
     };
@@ -441,9 +479,13 @@ fn bench_speculative(dir: &std::path::Path, args: &Args) -> Result<()> {
     let short = GenerateOptions { max_tokens: 8, ..opts.clone() };
     generate_tokens(&model, &mut PromptCache::new(), &warm, &short, |_| true)?;
     generate_speculative(&model, drafter.as_mut(), &mut PromptCache::new(), &warm, &short, &spec, |_| true)?;
+    let prompts: Vec<(String, Vec<u32>)> = match &args.spec_prompts {
+        Some(f) => spec_prompts_from(f, args.spec_docs)?,
+        None => SPEC_PROMPTS.iter().map(|(l, t)| Ok((l.to_string(), enc.encode_raw(t)?))).collect::<Result<_>>()?,
+    };
     let mut rows = Vec::new();
-    for (label, text) in SPEC_PROMPTS {
-        let prompt = enc.encode_raw(text)?;
+    for (label, prompt) in &prompts {
+        let (label, prompt) = (label.as_str(), prompt.clone());
         let (mut plain_best, mut spec_best) = (f64::INFINITY, f64::INFINITY);
         let mut plain_out = Vec::new();
         let mut best_stats = None;
@@ -468,6 +510,25 @@ fn bench_speculative(dir: &std::path::Path, args: &Args) -> Result<()> {
         let st = best_stats.unwrap_or_default();
         let n = plain_out.len() as f64;
         rows.push((label, n / plain_best, n / spec_best, st));
+    }
+    // All prompts together: total tokens over total best times, and the pooled tokens per cycle.
+    let mut all = SpecStats::default();
+    let (mut n_all, mut tp, mut ts) = (0.0, 0.0, 0.0);
+    for (_, p, s, st) in &rows {
+        let n = st.accepted as f64 + st.cycles as f64 + st.plain_steps as f64;
+        n_all += n;
+        tp += n / p;
+        ts += n / s;
+        all.cycles += st.cycles;
+        all.drafted += st.drafted;
+        all.accepted += st.accepted;
+        all.plain_steps += st.plain_steps;
+        all.fallbacks += st.fallbacks;
+        all.draft_seconds += st.draft_seconds;
+        all.verify_seconds += st.verify_seconds;
+    }
+    if rows.len() > 1 {
+        rows.push(("all", n_all / tp, n_all / ts, all));
     }
     if args.json {
         let parts: Vec<String> = rows

@@ -6,13 +6,14 @@ use std::path::{Path, PathBuf};
 use clap::Args as ClapArgs;
 
 use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
-use mlx_k3::generate::speculative::{DraftModel, SpecOptions};
+use mlx_k3::generate::block_drafter::load_drafter;
+use mlx_k3::generate::speculative::{Drafter, SpecOptions};
 use mlx_k3::generate::{
     GenerateOptions, GenerationStats, ImageInput, ImagePrompt, Pipeline, PromptCache, PromptMedia, SamplerConfig,
     TextGeneration,
 };
 use mlx_k3::model::shard::Comm;
-use mlx_k3::model::{KimiK3, LoadOptions};
+use mlx_k3::model::LoadOptions;
 use mlx_k3::Array;
 use mlx_k3::{Dtype, Error, Result};
 use serde_json::json;
@@ -67,7 +68,8 @@ pub struct ModelArgs {
     #[arg(long)]
     pub system: Option<String>,
     /// Speculative decoding with this draft model (a checkpoint sharing the tokenizer, e.g. a pruned or
-    /// quantized build of the model): it proposes tokens, the model checks them in one forward. Greedy output
+    /// quantized build of the model, or a block drafter's folder such as models/k3-nano/drafter, which reads
+    /// the model's hidden states): it proposes tokens, the model checks them in one forward. Greedy output
     /// is unchanged; sampled output keeps the model's distribution.
     #[arg(long, value_name = "DIR")]
     pub draft_model: Option<PathBuf>,
@@ -86,7 +88,7 @@ pub struct ModelArgs {
 /// A loaded draft model and the speculative settings of `--draft-model`, `--num-draft`, `--no-gate`.
 pub struct Speculation {
     /// The drafter.
-    pub drafter: DraftModel,
+    pub drafter: Box<dyn Drafter>,
     /// Its settings.
     pub options: SpecOptions,
 }
@@ -101,7 +103,7 @@ impl Speculation {
         opts: &GenerateOptions,
         on_text: impl FnMut(&str) -> bool,
     ) -> Result<TextGeneration> {
-        p.generate_speculative(&mut self.drafter, &self.options, cache, prompt, opts, on_text)
+        p.generate_speculative(self.drafter.as_mut(), &self.options, cache, prompt, opts, on_text)
     }
 }
 
@@ -152,9 +154,8 @@ impl ModelArgs {
         }
         let options = SpecOptions { num_draft: self.num_draft, gate: !self.no_gate, ..SpecOptions::default() };
         options.validate()?;
-        let model = KimiK3::load(dir, LoadOptions { dtype: Some(p.model.dtype()), lazy: false, shard: None })
-            .map_err(|e| Error::invalid("cli", format!("--draft-model {}: {e}", dir.display())))?;
-        let drafter = DraftModel::new(model, p.model.config().vocab_size)
+        let load = LoadOptions { dtype: Some(p.model.dtype()), lazy: false, shard: None };
+        let drafter = load_drafter(dir, &p.model, load)
             .map_err(|e| Error::invalid("cli", format!("--draft-model {}: {e}", dir.display())))?;
         Ok(Some(Speculation { drafter, options }))
     }

@@ -64,8 +64,8 @@ pub(super) struct Args {
     /// beyond it.
     #[arg(long, default_value_t = 2048)]
     session_cache_mib: usize,
-    /// Speculative decoding with this draft model (sharing the tokenizer); a request opts out with
-    /// `"speculative": false`.
+    /// Speculative decoding with this draft model (sharing the tokenizer), or a block drafter's folder
+    /// (models/k3-nano/drafter); a request opts out with `"speculative": false`.
     #[arg(long, value_name = "DIR")]
     draft_model: Option<PathBuf>,
     /// The most tokens drafted per cycle (with --draft-model).

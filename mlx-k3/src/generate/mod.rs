@@ -10,6 +10,7 @@
 //! Everything here runs on the thread that owns the model (arrays are not `Send`); servers talk to that
 //! thread through channels.
 
+pub mod block_drafter;
 mod pipeline;
 pub mod sample;
 pub mod speculative;
@@ -341,7 +342,7 @@ fn prefill(
     prompt: &[u32],
     opts: &GenerateOptions,
 ) -> Result<GenerationStats> {
-    prefill_media(model, pcache, prompt, None, opts)
+    prefill_full(model, pcache, prompt, None, opts, &[], &mut |_, _, _| Ok(()))
 }
 
 /// [`prefill`] of a prompt whose placeholder tokens take the rows of `media` (the whole prompt's input
@@ -353,6 +354,33 @@ fn prefill_media(
     media: Option<&PromptMedia>,
     opts: &GenerateOptions,
 ) -> Result<GenerationStats> {
+    prefill_full(model, pcache, prompt, media, opts, &[], &mut |_, _, _| Ok(()))
+}
+
+/// [`prefill`] that also hands the hidden states of the `taps` layers of every prefilled chunk to
+/// `observe(start, tokens, taps)` (a drafter reading them; nothing when `taps` is empty).
+fn prefill_observed(
+    model: &KimiK3,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    taps: &[usize],
+    observe: &mut dyn FnMut(usize, &[u32], &[Array]) -> Result<()>,
+) -> Result<GenerationStats> {
+    prefill_full(model, pcache, prompt, None, opts, taps, observe)
+}
+
+/// The prefill of [`prefill_media`] and [`prefill_observed`] (media and taps together are refused: no
+/// drafter takes prompts with images yet).
+fn prefill_full(
+    model: &KimiK3,
+    pcache: &mut PromptCache,
+    prompt: &[u32],
+    media: Option<&PromptMedia>,
+    opts: &GenerateOptions,
+    taps: &[usize],
+    observe: &mut dyn FnMut(usize, &[u32], &[Array]) -> Result<()>,
+) -> Result<GenerationStats> {
     if prompt.is_empty() {
         return Err(Error::invalid("generate", "the prompt is empty"));
     }
@@ -361,6 +389,9 @@ fn prefill_media(
         return Err(Error::invalid("generate", format!("prompt token {bad} is outside the vocabulary (0..{vocab})")));
     }
     opts.validate(vocab)?;
+    if media.is_some() && !taps.is_empty() {
+        return Err(Error::invalid("generate", "speculative decoding does not take prompts with images yet"));
+    }
     let spans = match media {
         Some(m) => m.spans(prompt)?,
         None => Vec::new(),
@@ -387,10 +418,22 @@ fn prefill_media(
         let end = (pos + chunk).min(body_end);
         let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
         match &merged {
-            Some(h) => model.forward_embeddings(&h.slice_axis(1, pos as i32, end as i32)?, Some(cache))?,
-            None => model.forward(&ids_array(&prompt[pos..end])?, Some(cache))?,
-        };
-        crate::eval(&cache.arrays())?;
+            Some(h) => {
+                model.forward_embeddings(&h.slice_axis(1, pos as i32, end as i32)?, Some(cache))?;
+                crate::eval(&cache.arrays())?;
+            }
+            None if taps.is_empty() => {
+                model.forward(&ids_array(&prompt[pos..end])?, Some(cache))?;
+                crate::eval(&cache.arrays())?;
+            }
+            None => {
+                let (_, tapped) = model.forward_with_taps(&ids_array(&prompt[pos..end])?, Some(cache), taps)?;
+                let mut outs = cache.arrays();
+                outs.extend(tapped.iter());
+                crate::eval(&outs)?;
+                observe(pos, &prompt[pos..end], &tapped)?;
+            }
+        }
         pcache.tokens.extend_from_slice(&prompt[pos..end]);
         pos = end;
     }

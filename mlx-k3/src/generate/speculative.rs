@@ -108,6 +108,21 @@ pub trait Drafter {
 
     /// A short name for logs and reports.
     fn name(&self) -> String;
+
+    /// Target layers (0-based) whose output hidden states this drafter reads; empty (the default) for a
+    /// drafter that reads none. The verify loop then runs the target with these taps and hands every
+    /// position it keeps to [`Drafter::observe`].
+    fn tap_layers(&self) -> Vec<usize> {
+        Vec::new()
+    }
+
+    /// The target's hidden states at positions `start..start + tokens.len()` of the sequence, which hold
+    /// `tokens`: `taps[i]` `[1, T, D]` (T >= `tokens.len()`; rows past it are ignored) leaves layer
+    /// `tap_layers()[i]`. Positions from `start` on replace what an earlier call said about them.
+    fn observe(&mut self, start: usize, tokens: &[u32], taps: &[Array]) -> Result<()> {
+        let _ = (start, tokens, taps);
+        Ok(())
+    }
 }
 
 /// A separate, usually smaller, model sharing the target's tokenizer (mlx-lm's `--draft-model`). It keeps
@@ -560,15 +575,21 @@ impl SpecStats {
 
 /// Runs `fed` (the last emitted token, then the drafts) through the target, continuing `cache`; returns
 /// the log-probabilities `[T, V]` after each position (logits processors applied), evaluated with the cache.
-fn score(model: &KimiK3, cache: &mut ModelCache, fed: &[u32], sampler: &Sampler) -> Result<Vec<Array>> {
-    let logits = model.forward(&ids_array(fed)?, Some(cache))?;
+fn score(
+    model: &KimiK3,
+    cache: &mut ModelCache,
+    fed: &[u32],
+    sampler: &Sampler,
+    taps: &[usize],
+) -> Result<(Vec<Array>, Vec<Array>)> {
+    let (logits, tapped) = model.forward_with_taps(&ids_array(fed)?, Some(cache), taps)?;
     let recent = RecentTokens::new(sampler.config(), &[])?;
     let mut rows = Vec::with_capacity(fed.len());
     for j in 0..fed.len() as i32 {
         let row = logits.slice_axis(1, j, j + 1)?.squeeze(&[1])?;
         rows.push(crate::kernels::log_softmax(&sampler.process_recent(&row, &recent)?)?);
     }
-    Ok(rows)
+    Ok((rows, tapped))
 }
 
 /// Where generated tokens go: the stop conditions, the callback and the timing, shared by drafting cycles
@@ -635,7 +656,14 @@ pub fn generate_speculative(
     let mut rng = SplitMix64::new(opts.sampler.seed ^ 0x5bec_0000_0000_0001);
     memory::reset_peak();
     let start = Instant::now();
-    let stats = prefill(model, pcache, prompt, opts)?;
+    let taps = drafter.tap_layers();
+    let stats = if taps.is_empty() {
+        prefill(model, pcache, prompt, opts)?
+    } else {
+        super::prefill_observed(model, pcache, prompt, opts, &taps, &mut |start, tokens, t| {
+            drafter.observe(start, tokens, t)
+        })?
+    };
     let mut em = Emitter { opts, on_token, out: Vec::new(), context: prompt.to_vec(), start, t_first: None, stats };
 
     let mut gate = Gate::new(spec.gate_config.clone(), spec.num_draft, spec.gate);
@@ -650,7 +678,7 @@ pub fn generate_speculative(
             // token.
             let n = gate.plain_left().clamp(1, remaining);
             let (t0, before) = (Instant::now(), em.out.len());
-            let (end, last) = plain_stretch(model, pcache, &mut sampler, y, n, &mut em, &mut gate)?;
+            let (end, last) = plain_stretch(model, pcache, &mut sampler, y, n, &mut em, &mut gate, drafter, &taps)?;
             sstats.plain_steps += em.out.len() - before;
             sstats.verify_seconds += t0.elapsed().as_secs_f64();
             y = last;
@@ -676,7 +704,8 @@ pub fn generate_speculative(
         let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
         let before = (k > 0 && spec.rollback == Rollback::Recompute).then(|| cache.snapshot());
         cache.set_recording(k > 0 && spec.rollback == Rollback::Record);
-        let rows = score(model, cache, &fed, &sampler)?;
+        let start_pos = pcache.tokens.len();
+        let (rows, tapped) = score(model, cache, &fed, &sampler, &taps)?;
         let (kept, next) = if greedy {
             let best: Vec<Array> = rows.iter().map(|r| r.argmax(-1, false)).collect::<Result<_>>()?;
             let mut outs: Vec<&Array> = best.iter().collect();
@@ -715,6 +744,9 @@ pub fn generate_speculative(
         }
         cache.set_recording(false);
         pcache.tokens.extend_from_slice(&fed[..keep]);
+        if !taps.is_empty() {
+            drafter.observe(start_pos, &fed[..keep], &tapped)?;
+        }
         let t2 = Instant::now();
         sstats.draft_seconds += (t1 - t0).as_secs_f64();
         sstats.verify_seconds += (t2 - t1).as_secs_f64();
@@ -758,7 +790,9 @@ pub fn generate_speculative(
 
 /// Up to `n` plain decode steps from the unfed token `y`, each enqueued before the previous token is read
 /// (as in [`super::generate_tokens`]); returns why generation ended (if it did) and the last token, not yet
-/// run. Every run token goes into `pcache`'s token list.
+/// run. Every run token goes into `pcache`'s token list, and (with `taps`) the drafter observes its hidden
+/// states.
+#[allow(clippy::too_many_arguments)]
 fn plain_stretch<F: FnMut(TokenEvent<'_>) -> bool>(
     model: &KimiK3,
     pcache: &mut PromptCache,
@@ -767,10 +801,15 @@ fn plain_stretch<F: FnMut(TokenEvent<'_>) -> bool>(
     n: usize,
     em: &mut Emitter<'_, F>,
     gate: &mut Gate,
+    drafter: &mut dyn Drafter,
+    taps: &[usize],
 ) -> Result<(Option<FinishReason>, u32)> {
     let recent = RecentTokens::new(sampler.config(), &[])?;
     let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
-    let (mut tok, mut lp) = super::step(model, cache, &ids_array(&[y])?, sampler, &recent)?;
+    let (mut tok, mut lp, t0) = step_taps(model, cache, &ids_array(&[y])?, sampler, &recent, taps)?;
+    if !taps.is_empty() {
+        drafter.observe(pcache.tokens.len(), &[y], &t0)?;
+    }
     pcache.tokens.push(y);
     crate::async_eval(&[&tok, &lp])?;
     let mut last = y;
@@ -778,12 +817,15 @@ fn plain_stretch<F: FnMut(TokenEvent<'_>) -> bool>(
         let mut next = None;
         if i + 1 < n {
             let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
-            let (nt, nlp) = super::step(model, cache, &tok.reshape(&[1, 1])?, sampler, &recent)?;
+            let (nt, nlp, nt_taps) = step_taps(model, cache, &tok.reshape(&[1, 1])?, sampler, &recent, taps)?;
             crate::async_eval(&[&nt, &nlp])?;
-            next = Some((nt, nlp));
+            next = Some((nt, nlp, nt_taps));
         }
         let token = tok.item::<u32>()?;
-        if next.is_some() {
+        if let Some((_, _, t)) = &next {
+            if !taps.is_empty() {
+                drafter.observe(pcache.tokens.len(), &[token], t)?;
+            }
             pcache.tokens.push(token);
         }
         last = token;
@@ -792,9 +834,26 @@ fn plain_stretch<F: FnMut(TokenEvent<'_>) -> bool>(
             return Ok((Some(r), last));
         }
         match next {
-            Some((nt, nlp)) => (tok, lp) = (nt, nlp),
+            Some((nt, nlp, _)) => (tok, lp) = (nt, nlp),
             None => break,
         }
     }
     Ok((None, last))
+}
+
+/// One decode step (as `generate`'s) that also returns the hidden states of the `taps` layers.
+fn step_taps(
+    model: &KimiK3,
+    cache: &mut ModelCache,
+    tokens: &Array,
+    sampler: &mut Sampler,
+    recent: &RecentTokens,
+    taps: &[usize],
+) -> Result<(Array, Array, Vec<Array>)> {
+    let (logits, tapped) = model.forward_with_taps(tokens, Some(cache), taps)?;
+    let t = logits.dim(1)?;
+    let logits = logits.slice_axis(1, t - 1, t)?.squeeze(&[1])?;
+    let logprobs = crate::kernels::log_softmax(&sampler.process_recent(&logits, recent)?)?;
+    let token = sampler.sample(&logprobs)?;
+    Ok((token, logprobs, tapped))
 }
