@@ -115,3 +115,35 @@ fn a_corrupt_image_is_an_error_naming_it() {
         p.encode_chat_media(&messages(two), None, &ChatOptions::default(), &images(case)).err().unwrap().to_string();
     assert!(e.contains("2 image placeholders for 1 images"), "{e}");
 }
+
+#[test]
+fn a_text_only_conversion_loads_without_a_tower_and_refuses_images() {
+    // config.json keeps its vision_config, the weights lost the tower (what a text-only conversion writes):
+    // the text model loads and generates; images get an error saying there is no tower.
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "preprocessor_config.json", "tiktoken.model", "tokenizer_config.json"] {
+        std::fs::copy(dir().join(f), tmp.path().join(f)).unwrap();
+    }
+    let st = Safetensors::load(dir().join("model.safetensors")).unwrap();
+    let text: Vec<(String, mlx_k3::Array)> = st
+        .keys()
+        .into_iter()
+        .filter(|k| !k.starts_with("vision_tower.") && !k.starts_with("mm_projector."))
+        .map(|k| {
+            let a = st.get(&k).unwrap();
+            (k, a)
+        })
+        .collect();
+    assert!(text.len() < st.keys().len(), "the fixture has vision tensors to drop");
+    let refs: Vec<(&str, &mlx_k3::Array)> = text.iter().map(|(k, a)| (k.as_str(), a)).collect();
+    mlx_k3::io::save_safetensors(tmp.path().join("model.safetensors"), &refs, &[]).unwrap();
+    let p = Pipeline::load(tmp.path(), LoadOptions::default(), &mut |_, _| {}).unwrap();
+    assert!(p.vision.is_none());
+    let case = &manifest()["cases"][0];
+    let e = p.encode_chat_media(&messages(case), None, &ChatOptions::default(), &images(case)).err().unwrap();
+    assert!(e.to_string().contains("no vision tower"), "{e}");
+    let ids = p.encode_chat(&[ChatMessage::new("user", "hello")], None, &ChatOptions::default()).unwrap();
+    let r = p.generate(&mut PromptCache::new(), &ids, &greedy(3), |_| true).unwrap();
+    assert_eq!(r.stats.prompt_tokens, ids.len());
+    assert!(r.tokens.len() == 3 || r.finish_reason == mlx_k3::generate::FinishReason::Stop, "{:?}", r.tokens);
+}

@@ -77,12 +77,15 @@ pub struct ImagePrompt {
 }
 
 fn no_vision() -> Error {
-    Error::invalid("media", "this model has no vision tower (its config.json has no vision_config): it takes no images")
+    Error::invalid(
+        "media",
+        "this model has no vision tower (no vision_config in its config.json, or no vision tensors): it takes no images",
+    )
 }
 
 /// The image processor for the checkpoint in `dir` with config `cfg` (None without a `vision_config`).
 fn image_processor(dir: &Path, cfg: &ModelConfig) -> Result<Option<ImageProcessor>> {
-    if cfg.raw.get("vision_config").is_none_or(Value::is_null) {
+    if !VisionTower::present(dir, cfg)? {
         return Ok(None);
     }
     let kind = match cfg.model_type.as_str() {

@@ -54,14 +54,25 @@ pub enum VisionTower {
 
 impl VisionTower {
     /// Loads the tower of the checkpoint in `dir` with activations in `dtype` (default: the text model's
-    /// default on this device); None when `config.json` has no `vision_config`.
+    /// default on this device); None when `config.json` has no `vision_config` or the checkpoint holds no
+    /// vision tensors ([`VisionTower::present`]).
     pub fn load(dir: &Path, dtype: Option<Dtype>) -> Result<Option<VisionTower>> {
         VisionTower::load_with_config(dir, &ModelConfig::load(dir)?, dtype)
     }
 
+    /// Whether the checkpoint in `dir` (config `cfg`) has a vision tower: a `vision_config` and tensors under
+    /// the tower's prefixes. A config with `vision_config` but no such tensors (a text-only conversion) has
+    /// none: the text model loads, and images are refused.
+    pub fn present(dir: &Path, cfg: &ModelConfig) -> Result<bool> {
+        if cfg.raw.get("vision_config").is_none_or(|v| v.is_null()) {
+            return Ok(false);
+        }
+        Ok(!crate::model::loader::read_media_tensors(dir)?.is_empty())
+    }
+
     /// [`VisionTower::load`] with `dir`'s config already parsed.
     pub fn load_with_config(dir: &Path, cfg: &ModelConfig, dtype: Option<Dtype>) -> Result<Option<VisionTower>> {
-        if cfg.raw.get("vision_config").is_none_or(|v| v.is_null()) {
+        if !VisionTower::present(dir, cfg)? {
             return Ok(None);
         }
         let dtype = match dtype {
