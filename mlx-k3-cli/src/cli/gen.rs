@@ -14,7 +14,6 @@ use mlx_k3::generate::{
 };
 use mlx_k3::model::shard::Comm;
 use mlx_k3::model::LoadOptions;
-use mlx_k3::Array;
 use mlx_k3::{Dtype, Error, Result};
 use serde_json::json;
 
@@ -317,30 +316,18 @@ pub(super) fn generate(args: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// The media of an image prompt on a model split over ranks: rank 0 runs the vision tower and broadcasts
-/// the features (f32, row-major); the other ranks build the same media from them without running the tower.
+/// The media of an image prompt on a model split over ranks: rank 0 runs the vision tower, the other ranks
+/// add zeros of the same shape to its features in one all-sum (exact), so every rank holds rank 0's features
+/// without running the tower.
 fn shared_media(p: &Pipeline, comm: &Comm, prompt: &ImagePrompt) -> Result<PromptMedia> {
     let rows: usize = prompt.items.iter().map(|m| m.tokens).sum();
-    let dim = p.model.config().hidden_size;
-    let bytes = if comm.shard().rank == 0 {
-        let media = p.encode_media(prompt)?;
-        let values = media.features.astype(Dtype::F32)?.to_vec::<f32>()?;
-        let mut b = Vec::with_capacity(values.len() * 4);
-        for v in values {
-            b.extend_from_slice(&v.to_le_bytes());
-        }
-        comm.broadcast_bytes(Some(&b))?
+    let mine = if comm.shard().rank == 0 {
+        p.encode_media(prompt)?.features
     } else {
-        comm.broadcast_bytes(None)?
+        mlx_k3::ops::zeros(&[rows as i32, p.model.config().hidden_size as i32], p.model.dtype())?
     };
-    if bytes.len() != rows * dim * 4 {
-        return Err(Error::invalid(
-            "distributed",
-            format!("rank 0 sent {} bytes of image features where {rows} x {dim} f32 were expected", bytes.len()),
-        ));
-    }
-    let values: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    let features = Array::from_vec(values, &[rows as i32, dim as i32])?.astype(p.model.dtype())?;
+    let features = comm.all_sum_f32(&mine)?;
+    mlx_k3::eval(&[&features])?;
     Ok(PromptMedia { features, placeholders: prompt.placeholders.clone(), items: prompt.items.clone() })
 }
 

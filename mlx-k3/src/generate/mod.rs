@@ -336,43 +336,12 @@ fn step(
 /// Checks the prompt and options, makes `pcache` hold a prefix of `prompt` and prefills the rest but the
 /// last token (in chunks, evaluating the state after each), and snapshots the result. Returns the prompt
 /// statistics.
+///
+/// With `media`, the placeholder tokens take its rows (the whole prompt's input embeddings are merged once;
+/// each chunk runs its rows through [`KimiK3::forward_embeddings`]). With `taps`, the hidden states of
+/// those layers of every prefilled chunk go to `observe(start, tokens, taps)` (a drafter reading them).
+/// Media and taps together are refused: no drafter takes prompts with images yet.
 fn prefill(
-    model: &KimiK3,
-    pcache: &mut PromptCache,
-    prompt: &[u32],
-    opts: &GenerateOptions,
-) -> Result<GenerationStats> {
-    prefill_full(model, pcache, prompt, None, opts, &[], &mut |_, _, _| Ok(()))
-}
-
-/// [`prefill`] of a prompt whose placeholder tokens take the rows of `media` (the whole prompt's input
-/// embeddings are merged once; each chunk runs its rows through [`KimiK3::forward_embeddings`]).
-fn prefill_media(
-    model: &KimiK3,
-    pcache: &mut PromptCache,
-    prompt: &[u32],
-    media: Option<&PromptMedia>,
-    opts: &GenerateOptions,
-) -> Result<GenerationStats> {
-    prefill_full(model, pcache, prompt, media, opts, &[], &mut |_, _, _| Ok(()))
-}
-
-/// [`prefill`] that also hands the hidden states of the `taps` layers of every prefilled chunk to
-/// `observe(start, tokens, taps)` (a drafter reading them; nothing when `taps` is empty).
-fn prefill_observed(
-    model: &KimiK3,
-    pcache: &mut PromptCache,
-    prompt: &[u32],
-    opts: &GenerateOptions,
-    taps: &[usize],
-    observe: &mut dyn FnMut(usize, &[u32], &[Array]) -> Result<()>,
-) -> Result<GenerationStats> {
-    prefill_full(model, pcache, prompt, None, opts, taps, observe)
-}
-
-/// The prefill of [`prefill_media`] and [`prefill_observed`] (media and taps together are refused: no
-/// drafter takes prompts with images yet).
-fn prefill_full(
     model: &KimiK3,
     pcache: &mut PromptCache,
     prompt: &[u32],
@@ -480,7 +449,7 @@ pub fn generate_tokens_media(
     let mut sampler = Sampler::new(opts.sampler.clone())?;
     memory::reset_peak();
     let start = Instant::now();
-    let mut stats = prefill_media(model, pcache, prompt, media, opts)?;
+    let mut stats = prefill(model, pcache, prompt, media, opts, &[], &mut |_, _, _| Ok(()))?;
     let body_end = prompt.len() - 1;
 
     // The tokens the penalties see, extended lazily with each sampled token.

@@ -83,16 +83,14 @@ fn no_vision() -> Error {
     )
 }
 
-/// The image processor for the checkpoint in `dir` with config `cfg` (None without a `vision_config`).
-fn image_processor(dir: &Path, cfg: &ModelConfig) -> Result<Option<ImageProcessor>> {
-    if !VisionTower::present(dir, cfg)? {
-        return Ok(None);
-    }
+/// The image processor of the checkpoint in `dir` with config `cfg`, for a checkpoint that has a vision
+/// tower: the family's processor, with the folder's `preprocessor_config.json`.
+fn image_processor(dir: &Path, cfg: &ModelConfig) -> Result<ImageProcessor> {
     let kind = match cfg.model_type.as_str() {
         "kimi_k3" => ProcessorKind::K3,
         _ => ProcessorKind::K25,
     };
-    Ok(Some(ImageProcessor::from_dir(kind, dir)?))
+    ImageProcessor::from_dir(kind, dir)
 }
 
 /// Decodes and processes `images`, renders the chat and expands its image placeholders to each image's
@@ -129,9 +127,9 @@ impl Pipeline {
         let cfg = ModelConfig::load(dir)?;
         let PromptEncoder { tokenizer, tokenizer_config, chat, .. } = PromptEncoder::load(dir)?;
         let model = KimiK3::load_with_config(dir, &cfg, opts, progress)?;
-        let vision = match (VisionTower::load_with_config(dir, &cfg, opts.dtype)?, image_processor(dir, &cfg)?) {
-            (Some(tower), Some(processor)) => Some(Vision { tower, processor }),
-            _ => None,
+        let vision = match VisionTower::load_with_config(dir, &cfg, opts.dtype)? {
+            Some(tower) => Some(Vision { tower, processor: image_processor(dir, &cfg)? }),
+            None => None,
         };
         Ok(Pipeline { model, tokenizer, tokenizer_config, chat, dir: dir.to_path_buf(), vision })
     }
@@ -310,7 +308,13 @@ impl PromptEncoder {
         tokenizer_config.eos_token_ids = eos;
         // A tokenizer folder without a model config (tests, tools) takes no images.
         let image_processor = match dir.join("config.json").exists() {
-            true => image_processor(dir, &ModelConfig::load(dir)?)?,
+            true => {
+                let cfg = ModelConfig::load(dir)?;
+                match VisionTower::present(dir, &cfg)? {
+                    true => Some(image_processor(dir, &cfg)?),
+                    false => None,
+                }
+            }
             false => None,
         };
         Ok(PromptEncoder { tokenizer, tokenizer_config, chat, image_processor })

@@ -657,13 +657,8 @@ pub fn generate_speculative(
     memory::reset_peak();
     let start = Instant::now();
     let taps = drafter.tap_layers();
-    let stats = if taps.is_empty() {
-        prefill(model, pcache, prompt, opts)?
-    } else {
-        super::prefill_observed(model, pcache, prompt, opts, &taps, &mut |start, tokens, t| {
-            drafter.observe(start, tokens, t)
-        })?
-    };
+    let stats =
+        prefill(model, pcache, prompt, None, opts, &taps, &mut |start, tokens, t| drafter.observe(start, tokens, t))?;
     let mut em = Emitter { opts, on_token, out: Vec::new(), context: prompt.to_vec(), start, t_first: None, stats };
 
     let mut gate = Gate::new(spec.gate_config.clone(), spec.num_draft, spec.gate);

@@ -340,6 +340,16 @@ pub fn is_media_tensor(name: &str) -> bool {
     MEDIA_PREFIXES.iter().any(|p| name.starts_with(p))
 }
 
+/// Whether any weight file of `dir` holds a media-encoder tensor (headers only).
+pub fn has_media_tensors(dir: &Path) -> Result<bool> {
+    for path in weight_files(dir)? {
+        if validate_safetensors(&path)?.keys().any(|k| is_media_tensor(k)) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// The media encoder's tensors of `dir` (lazily opened), under their stored names, with the file each is in;
 /// a name in two files is an error naming both.
 pub fn read_media_tensors(dir: &Path) -> Result<BTreeMap<String, (Array, PathBuf)>> {

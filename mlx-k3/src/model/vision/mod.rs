@@ -67,7 +67,7 @@ impl VisionTower {
         if cfg.raw.get("vision_config").is_none_or(|v| v.is_null()) {
             return Ok(false);
         }
-        Ok(!crate::model::loader::read_media_tensors(dir)?.is_empty())
+        crate::model::loader::has_media_tensors(dir)
     }
 
     /// [`VisionTower::load`] with `dir`'s config already parsed.
