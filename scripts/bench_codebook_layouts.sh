@@ -107,4 +107,8 @@ awk -v rounds="$rounds" '
                 }
     }' "$log"
 echo "== read bandwidth (load $(cut -d' ' -f1-3 /proc/loadavg))"
-if [ -x target/release/mlx-k3 ]; then taskset -c "${CPUS:-0,1}" target/release/mlx-k3 bench --bandwidth; fi
+if [ -x target/release/mlx-k3 ]; then
+    taskset -c "${CPUS:-0,1}" target/release/mlx-k3 bench --bandwidth
+else
+    echo "(no target/release/mlx-k3: run cargo build --release -p mlx-k3-cli for the probe)"
+fi
