@@ -1148,3 +1148,44 @@ fn step_taps(
     let token = sampler.sample(&logprobs)?;
     Ok((token, logprobs, tapped))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exchange_words_round_trip() {
+        let drafts: Vec<u32> = (0..MAX_DRAFT as u32).map(|i| 1000 + i).collect();
+        for action in [
+            None,
+            Some(Action::Draft(vec![7, 8, 9])),
+            Some(Action::Draft(drafts)),
+            Some(Action::Draft(Vec::new())),
+            Some(Action::Plain(16)),
+            Some(Action::Stop(FinishReason::Stop)),
+            Some(Action::Stop(FinishReason::Length)),
+            Some(Action::Stop(FinishReason::Cancelled)),
+        ] {
+            for decided in [None, Some((3, 42))] {
+                let say = Say {
+                    hash: 0x0123_4567_89ab_cdef,
+                    len: 77,
+                    stop: true,
+                    decided,
+                    action: action.clone(),
+                    out_len: 80,
+                };
+                let words = say.encode();
+                assert_eq!(words.len(), HEAD + MAX_DRAFT);
+                assert_eq!(Say::decode(&words).unwrap(), say);
+            }
+        }
+        // Words no rank writes are refused, not read as some action.
+        let mut words = Say { hash: 0, len: 0, stop: false, decided: None, action: None, out_len: 0 }.encode();
+        for (a, n) in [(1, MAX_DRAFT as u32 + 1), (2, 0), (3, 3), (9, 0)] {
+            (words[7], words[8]) = (a, n);
+            let err = Say::decode(&words).unwrap_err().to_string();
+            assert!(err.contains("unknown action"), "{err}");
+        }
+    }
+}
