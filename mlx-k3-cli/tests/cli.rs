@@ -200,6 +200,13 @@ fn inspect_summarizes_a_deepseek_v3_family_checkpoint() {
     assert!(ok, "{stderr}");
     assert!(stdout.contains(": kimi_k25"), "{stdout}");
     assert!(stdout.contains("not loaded: 43 tensors") && stdout.contains("model.layers.2.*"), "{stdout}");
+    assert!(stdout.contains("no MTP drafting") && stdout.contains("num_nextn_predict_layers"), "{stdout}");
+    // A checkpoint whose config declares its MTP layer: present, usable with --draft-model mtp.
+    let mtp = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/mtp/mtp_hf");
+    let (ok, stdout, stderr) = mlx_k3(&["inspect", mtp.to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("MTP present") && stdout.contains("num_nextn_predict_layers 1"), "{stdout}");
+    assert!(stdout.contains("--draft-model mtp"), "{stdout}");
 }
 
 /// A report piped into a reader that has gone (`mlx-k3 inspect DIR | head -0`) ends quietly: no panic
@@ -409,6 +416,13 @@ fn generate_with_a_draft_model_prints_the_same_text() {
     assert!(ok, "{stderr}");
     assert_eq!(spec, plain);
     assert!(stderr.contains("tokens per cycle"), "{stderr}");
+    // --draft-model mtp on a model without an MTP layer (k3-nano is no DeepSeek-V3-family model): refused.
+    let mut args = base.to_vec();
+    args.extend(["--draft-model", "mtp"]);
+    let (ok, _, stderr) = mlx_k3(&args);
+    assert!(!ok);
+    assert!(stderr.starts_with("mlx-k3: error:") && stderr.contains("--draft-model mtp"), "{stderr}");
+    assert!(stderr.contains("DeepSeek-V3"), "{stderr}");
 }
 
 /// "speculative: C cycles, T tokens per cycle, A of D drafts accepted (P%), S plain steps, F fallbacks" ->

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use clap::Args as ClapArgs;
 
 use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
-use mlx_k3::generate::block_drafter::load_drafter;
+use mlx_k3::generate::block_drafter::drafter_for;
 use mlx_k3::generate::speculative::{Drafter, GateConfig, Rank0Drafts, SpecOptions};
 use mlx_k3::generate::{
     GenerateOptions, GenerationStats, ImageInput, ImagePrompt, Pipeline, PromptCache, PromptMedia, SamplerConfig,
@@ -68,9 +68,10 @@ pub struct ModelArgs {
     pub system: Option<String>,
     /// Speculative decoding with this draft model (a checkpoint sharing the tokenizer, e.g. a pruned or
     /// quantized build of the model, or a block drafter's folder such as models/k3-nano/drafter, which reads
-    /// the model's hidden states): it proposes tokens, the model checks them in one forward. Greedy output
-    /// is unchanged; sampled output keeps the model's distribution.
-    #[arg(long, value_name = "DIR")]
+    /// the model's hidden states), or `mtp`: the multi-token-prediction layer of the model's own
+    /// DeepSeek-V3-family checkpoint (a folder named mtp is `./mtp`). It proposes tokens, the model checks
+    /// them in one forward. Greedy output is unchanged; sampled output keeps the model's distribution.
+    #[arg(long, value_name = "DIR|mtp")]
     pub draft_model: Option<PathBuf>,
     /// The most tokens drafted per cycle (with --draft-model).
     #[arg(long, default_value_t = 7)]
@@ -168,7 +169,7 @@ impl ModelArgs {
             return Ok(Some(Speculation { drafter: Box::new(Rank0Drafts), options }));
         }
         let load = LoadOptions { dtype: Some(p.model.dtype()), lazy: false, shard: None };
-        let drafter = load_drafter(dir, &p.model, load)
+        let drafter = drafter_for(dir, &p.dir, &p.model, load)
             .map_err(|e| Error::invalid("cli", format!("--draft-model {}: {e}", dir.display())))?;
         Ok(Some(Speculation { drafter, options }))
     }

@@ -11,6 +11,7 @@
 //! thread through channels.
 
 pub mod block_drafter;
+pub mod mtp_drafter;
 mod pipeline;
 pub mod sample;
 pub mod speculative;
