@@ -70,6 +70,10 @@ def chats(text: str) -> list[dict]:
          "messages": [{"role": "system", "content": "You compare pictures."},
                       {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
                                                    {"type": "image"}, {"type": "text", "text": text}]}]},
+        # Two image parts side by side (nothing between their expansions), the CLI's `--image a --image b`.
+        {"images": ["rgb.png", "wide.png"],
+         "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                                   {"type": "text", "text": text}]}]},
     ]
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_vlm.utils import load_model
+from PIL import Image
 
 import checkpoints
 import mlx_k3
@@ -198,16 +199,42 @@ def test_greedy_tokens_match_the_rust_cli(rust_cli, chat_ckpt):
     assert stdout == out["text"] + "\n"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the CLI's prompt for two adjacent images is one token shorter than mlx-vlm's processor's (187 vs "
-    "188 on this fixture); with text between the images (the vision_chat fixture's second chat) they agree",
-)
-def test_two_adjacent_images_prompt_matches_the_rust_cli(rust_cli, chat_ckpt):
-    out = drop_in_generate(chat_ckpt, "two_images")
+def test_two_images_prompt_matches_the_processor_the_checkpoint_describes(rust_cli, chat_ckpt):
+    """Two adjacent images: the CLI's prompt is what mlx-vlm's ``KimiK3Processor.from_pretrained`` gives for
+    the checkpoint (it reads ``media_proc_cfg`` from ``preprocessor_config.json``, as the CLI does) and what the
+    fixture script's processor gave (``vision_chat`` case 2, whose ids ``vision_chat.rs`` compares one by one).
+
+    ``mlx_vlm.load`` (so the drop-in and plain mlx-vlm alike) gives one token more: 0.7.10's
+    ``mlx_vlm.utils.load`` replaces the processor's image processor with ``KimiK3ImageProcessor()`` at its
+    defaults (``load_image_processor``: the class takes no config), so the checkpoint's ``in_patch_limit`` of 4
+    is lost and ``wide.png`` keeps its 2 x 8 patches (4 tokens) instead of shrinking to 2 x 6 (3 tokens).
+    Adjacency is not the cause: the images and the chat render the same with text between them."""
+    from mlx_vlm.models.kimi_k3.processing_kimi_k3 import KimiK3Processor
+
     names, text = CHATS["two_images"]
+    case = CHAT_MANIFEST["cases"][2]
+    assert case["images"] == names and [p["type"] for p in case["messages"][0]["content"]] == ["image"] * 2 + ["text"]
     _, prompt_tokens = rust_generate(rust_cli, chat_ckpt, images_of(names), text)
-    assert prompt_tokens == out["prompt_tokens"]
+    assert prompt_tokens == case["prompt_tokens"]
+
+    def prompt_ids(processor):
+        content = [{"type": "image"} for _ in names] + [{"type": "text", "text": text}]
+        rendered = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                 add_generation_prompt=True)
+        ims = []
+        for n in images_of(names):
+            im = Image.open(n)
+            im.load()
+            ims.append(im)
+        return np.array(processor(images=ims, text=rendered)["input_ids"][0]).tolist()
+
+    configured = KimiK3Processor.from_pretrained(str(chat_ckpt))
+    assert configured.image_processor.in_patch_limit == 4
+    assert prompt_ids(configured) == np.array(mx.load(str(CHAT / "expected.safetensors"))["case2_ids"]).tolist()
+    # mlx_vlm.load's processor: the defaults, and the one extra pad token.
+    _, loaded = mlx_vlm.load(str(chat_ckpt))
+    assert loaded.image_processor.in_patch_limit == 65536
+    assert len(prompt_ids(loaded)) == prompt_tokens + 1 == drop_in_generate(chat_ckpt, "two_images")["prompt_tokens"]
 
 
 @pytest.mark.parametrize("chat", CHATS)

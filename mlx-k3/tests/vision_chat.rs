@@ -147,3 +147,41 @@ fn a_text_only_conversion_loads_without_a_tower_and_refuses_images() {
     assert_eq!(r.stats.prompt_tokens, ids.len());
     assert!(r.tokens.len() == 3 || r.finish_reason == mlx_k3::generate::FinishReason::Stop, "{:?}", r.tokens);
 }
+
+#[test]
+fn a_converted_checkpoint_keeps_the_image_settings() {
+    // `convert` copies preprocessor_config.json: the converted checkpoint shrinks wide.png as the source does
+    // (the fixture's in_patch_limit is 4; the default, 65536, would give it 2 x 8 patches and one more pad), so
+    // the two-image prompt is still KimiK3Processor's, id for id.
+    use mlx_k3::compress::convert::{convert, ConvertJob, Selection, CHUNK_PARAMS};
+    use mlx_k3::compress::{Recipe, Silent};
+
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe_path = tmp.path().join("recipe.toml");
+    std::fs::write(&recipe_path, "dtype = \"float32\"\n").unwrap();
+    let recipe = Recipe::load(&recipe_path).unwrap();
+    let out = tmp.path().join("out");
+    let job = ConvertJob {
+        from: &dir(),
+        to: &out,
+        recipe: &recipe,
+        calib: None,
+        profile: None,
+        selection: Selection::Budget,
+        overwrite: false,
+        progress: &Silent,
+        chunk_params: CHUNK_PARAMS,
+        tool: "convert",
+    };
+    convert(&job).unwrap();
+    let name = "preprocessor_config.json";
+    assert_eq!(std::fs::read(out.join(name)).unwrap(), std::fs::read(dir().join(name)).unwrap());
+
+    let p = Pipeline::load(&out, LoadOptions::default(), &mut |_, _| {}).unwrap();
+    let m = manifest();
+    let (i, case) = (2, &m["cases"][2]); // two adjacent images, wide.png shrunk to 2 x 6 patches
+    assert_eq!(case["grids"][1], serde_json::json!([1, 2, 6]));
+    let (ids, _) = p.encode_chat_media(&messages(case), None, &ChatOptions::default(), &images(case)).unwrap();
+    let want: Vec<u32> = expected(&format!("case{i}_ids")).iter().map(|&x| x as u32).collect();
+    assert_eq!(ids, want, "case {i}: the converted checkpoint's prompt differs from KimiK3Processor's");
+}

@@ -271,9 +271,25 @@ fn convert_carries_the_tower_through() {
     )
     .unwrap();
     let recipe = Recipe::load(&recipe_path).unwrap();
+    // The fixture with the processor files a vision checkpoint carries (its image settings): they must come
+    // through byte for byte, or the converted checkpoint would preprocess images with the defaults.
+    let src_dir = tmp.path().join("src");
+    std::fs::create_dir(&src_dir).unwrap();
+    for e in std::fs::read_dir(fixture()).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), src_dir.join(e.file_name())).unwrap();
+    }
+    let processor_files = [
+        ("preprocessor_config.json", "{\"media_proc_cfg\": {\"patch_size\": 14, \"in_patch_limit\": 4}}\n"),
+        ("processor_config.json", "{\"processor_class\": \"KimiK3Processor\"}\n"),
+        ("video_preprocessor_config.json", "{\"fps\": 2}\n"),
+    ];
+    for (name, text) in processor_files {
+        std::fs::write(src_dir.join(name), text).unwrap();
+    }
     let out = tmp.path().join("out");
     let job = ConvertJob {
-        from: &fixture(),
+        from: &src_dir,
         to: &out,
         recipe: &recipe,
         calib: None,
@@ -285,6 +301,10 @@ fn convert_carries_the_tower_through() {
         tool: "convert",
     };
     convert(&job).unwrap();
+    for (name, text) in processor_files {
+        let got = std::fs::read_to_string(out.join(name)).unwrap_or_else(|e| panic!("{name} not copied: {e}"));
+        assert_eq!(got, text, "{name} changed");
+    }
 
     let src = read_media_tensors(&fixture()).unwrap();
     let dst = read_media_tensors(&out).unwrap();

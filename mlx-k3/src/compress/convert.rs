@@ -1028,7 +1028,15 @@ fn default_spec(per_path: &Map<String, Value>, _records: &BTreeMap<usize, store:
         .unwrap_or(QuantSpec::affine(64, 4))
 }
 
-/// Copies tokenizer and generation files (atomically) from the source folder.
+/// The processor files a vision checkpoint's image processor reads (`media_proc_cfg` of
+/// `preprocessor_config.json`: patch size, patch limits, normalization, merge kernel; mlx-vlm's Kimi K3 and
+/// K2.5 processors and [`crate::media::ImageProcessor::from_dir`] read it) and the other processor configs
+/// Hugging Face's processors save next to it. Without them a converted checkpoint would silently fall back
+/// to the default image settings.
+pub const PROCESSOR_FILES: [&str; 3] =
+    ["preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json"];
+
+/// Copies tokenizer, generation and processor files (atomically) from the source folder.
 pub fn copy_side_files(from: &Path, out: &Output) -> Result<()> {
     let entries = std::fs::read_dir(from).map_err(|source| Error::Io { path: from.to_path_buf(), source })?;
     let mut names: Vec<String> =
@@ -1040,7 +1048,8 @@ pub fn copy_side_files(from: &Path, out: &Output) -> Result<()> {
             || name.ends_with(".tiktoken")
             || name == "generation_config.json"
             || name == "special_tokens_map.json"
-            || name.starts_with("chat_template");
+            || name.starts_with("chat_template")
+            || PROCESSOR_FILES.contains(&name.as_str());
         if !side {
             continue;
         }
