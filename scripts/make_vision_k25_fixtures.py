@@ -41,7 +41,7 @@ prompt (the Rust text model is checked against mlx-lm), the cached decode matche
 every greedy top-1/top-2 gap is >= 2e-3 and every router selection gap >= 2e-4 (far above fp32 noise).
 
 Run (CPU, a few seconds; byte-identical from run to run) with a venv holding the pinned mlx, mlx-lm and
-mlx-vlm (mlx-vlm is kept out of the project venv, whose pins it would move):
+mlx-vlm (the project .venv has them too, from mlx-k3-py/requirements-dev.txt; mlx-vlm keeps its pins):
 
     python3 -m venv /tmp/vlm-venv
     /tmp/vlm-venv/bin/pip install mlx==0.32.4 mlx-lm==0.32.2 mlx-vlm==0.7.10  # mlx[cpu] on Linux

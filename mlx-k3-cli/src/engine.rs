@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 
 use mlx_k3::chat::{ParsedOutput, ThinkingEffort};
 use mlx_k3::generate::block_drafter::load_drafter;
-use mlx_k3::generate::speculative::{Drafter, SpecOptions};
+use mlx_k3::generate::speculative::{Drafter, Rank0Drafts, SpecOptions};
 use mlx_k3::generate::{GenerateOptions, ImagePrompt, Pipeline, PromptCache, PromptEncoder, TextGeneration};
 use mlx_k3::model::shard::Comm;
 use mlx_k3::model::LoadOptions;
@@ -118,7 +118,7 @@ pub struct EngineConfig {
     /// runs on the other ranks), and `load.shard` must be `comm`'s.
     pub comm: Option<Arc<Comm>>,
     /// A draft model (sharing the tokenizer) for speculative decoding, and its settings; requests whose
-    /// options say `speculative: false` decode plainly. Not with `comm`.
+    /// options say `speculative: false` decode plainly. With `comm`, rank 0 loads and runs it.
     pub draft: Option<(PathBuf, SpecOptions)>,
 }
 
@@ -131,17 +131,15 @@ struct WorkOrder {
     options: GenerateOptions,
     session: Option<String>,
     evict: Vec<String>,
+    /// The speculative settings when rank 0 drafts for this request (it sends its drafts as it goes; the
+    /// other ranks verify them with it); None: plain decoding.
+    #[serde(default)]
+    speculative: Option<SpecOptions>,
 }
 
 /// The draft model of `cfg` for the target `p`.
 fn load_draft(cfg: &EngineConfig, p: &Pipeline) -> Result<Option<(Box<dyn Drafter>, SpecOptions)>> {
     let Some((dir, spec)) = &cfg.draft else { return Ok(None) };
-    if cfg.comm.is_some() {
-        return Err(Error::invalid(
-            "engine",
-            "--draft-model: speculative decoding does not run over several ranks yet",
-        ));
-    }
     spec.validate()?;
     let load = LoadOptions { dtype: Some(p.model.dtype()), lazy: false, shard: None };
     let model = load_drafter(dir, &p.model, load)
@@ -186,7 +184,12 @@ pub fn run_worker(cfg: EngineConfig) -> Result<()> {
             Some(s) => sessions.take(s).unwrap_or_default(),
             None => PromptCache::new(),
         };
-        p.generate(&mut cache, &order.ids, &order.options, |_| true)?;
+        match &order.speculative {
+            Some(spec) => {
+                p.generate_speculative(&mut Rank0Drafts, spec, &mut cache, &order.ids, &order.options, |_| true)?
+            }
+            None => p.generate(&mut cache, &order.ids, &order.options, |_| true)?,
+        };
         if let Some(s) = order.session {
             sessions.put(s, cache);
         }
@@ -471,8 +474,17 @@ fn serve(
     let mut options = request.options.clone();
     options.max_tokens = options.max_tokens.min(max_ctx.saturating_sub(ids.len()));
     let evict = std::mem::take(&mut sessions.evicted);
+    // Drafting does not take images yet, so a prompt with images decodes plainly (greedy output is the same
+    // either way); a request may opt out.
+    let draft = draft.filter(|_| options.speculative && request.images.is_none());
     if let Some(c) = comm {
-        let order = WorkOrder { ids: ids.to_vec(), options: options.clone(), session: request.session.clone(), evict };
+        let order = WorkOrder {
+            ids: ids.to_vec(),
+            options: options.clone(),
+            session: request.session.clone(),
+            evict,
+            speculative: draft.as_ref().map(|(_, spec)| spec.clone()),
+        };
         let sent = serde_json::to_vec(&order)
             .map_err(|e| Error::invalid("distributed", format!("cannot encode a work order: {e}")))
             .and_then(|b| c.broadcast_bytes(Some(&b)));
@@ -483,9 +495,8 @@ fn serve(
     }
     let cancel = request.cancel.clone();
     let on_text = |piece: &str| !cancel.load(Ordering::SeqCst) && events.send(Event::Text(piece.to_string())).is_ok();
-    let result = match (&request.images, draft.filter(|_| options.speculative)) {
-        // The tower runs here, on the model's thread; drafting does not take images yet, so a prompt with
-        // images decodes plainly (greedy output is the same either way).
+    let result = match (&request.images, draft) {
+        // The tower runs here, on the model's thread.
         (Some(images), _) => {
             p.encode_media(images).and_then(|media| p.generate_media(&mut cache, ids, Some(&media), &options, on_text))
         }

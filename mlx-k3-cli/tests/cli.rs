@@ -411,6 +411,94 @@ fn generate_with_a_draft_model_prints_the_same_text() {
     assert!(stderr.contains("tokens per cycle"), "{stderr}");
 }
 
+/// "speculative: C cycles, T tokens per cycle, A of D drafts accepted (P%), S plain steps, F fallbacks" ->
+/// (C, S, F).
+fn spec_counts(stderr: &str) -> (usize, usize, usize) {
+    let line = stderr.lines().find(|l| l.starts_with("speculative: ")).unwrap_or_else(|| panic!("{stderr}"));
+    let num = |word: &str| -> usize {
+        let words: Vec<&str> = line.split([' ', ',']).filter(|w| !w.is_empty()).collect();
+        let i = words.iter().position(|w| *w == word).unwrap_or_else(|| panic!("no '{word}' in {line}"));
+        words[i - 1].parse().unwrap_or_else(|_| panic!("{line}"))
+    };
+    (num("cycles"), num("plain"), num("fallbacks"))
+}
+
+/// The gate's thresholds are flags: k3-nano drafting for itself keeps every draft and never falls back
+/// with the defaults, while `--gate-short 8` (more tokens per cycle than a probe of 3 drafts can give)
+/// falls back after the first probe and decodes the rest plainly; the text is the same. Bad values and
+/// gate flags that would change nothing are refused, naming the flag, before the model loads.
+#[test]
+fn gate_flags_change_the_gate_and_bad_values_are_refused() {
+    let n = nano();
+    let base = ["generate", "--model", n.to_str().unwrap(), "--raw", "--prompt", "def", "--max-tokens", "40"];
+    let (ok, plain, stderr) = mlx_k3(&base);
+    assert!(ok, "{stderr}");
+    let mut args = base.to_vec();
+    args.extend(["--draft-model", n.to_str().unwrap()]);
+    let (ok, spec, stderr) = mlx_k3(&args);
+    assert!(ok, "{stderr}");
+    assert_eq!(spec, plain);
+    let (cycles, plain_steps, fallbacks) = spec_counts(&stderr);
+    assert_eq!(fallbacks, 0, "{stderr}");
+    // Every cycle keeps its drafts (k3-nano drafts for itself); only the last token may be plain.
+    assert!(cycles >= 5 && plain_steps <= 1, "{stderr}");
+
+    let mut strict = args.clone();
+    strict.extend(["--gate-short", "8"]);
+    let (ok, spec, stderr) = mlx_k3(&strict);
+    assert!(ok, "{stderr}");
+    assert_eq!(spec, plain);
+    let (cycles, plain_steps, fallbacks) = spec_counts(&stderr);
+    // The request's first probe is 2 cycles of 3 drafts (4 tokens each at best), then a fallback and 36
+    // plain tokens (the next probe would come after 64).
+    assert_eq!((cycles, fallbacks), (2, 1), "{stderr}");
+    assert_eq!(plain_steps, 40 - 8, "{stderr}");
+    // A long window longer than the output and a short one of 3 cycles: the same text, with the flags taken.
+    let mut windows = args.clone();
+    windows.extend([
+        "--gate-short-window",
+        "3",
+        "--gate-long-window",
+        "4",
+        "--gate-drafts",
+        "2,4",
+        "--gate-raise-at",
+        "0.5",
+    ]);
+    let (ok, spec, stderr) = mlx_k3(&windows);
+    assert!(ok, "{stderr}");
+    assert_eq!(spec, plain);
+
+    let draft = n.to_str().unwrap();
+    for (extra, flag) in [
+        (&["--draft-model", draft, "--gate-short", "-1"][..], "--gate-short"),
+        (&["--draft-model", draft, "--gate-long", "NaN"][..], "--gate-long"),
+        (&["--draft-model", draft, "--gate-short-window", "0"][..], "--gate-short-window"),
+        (&["--draft-model", draft, "--gate-short-window", "20"][..], "--gate-short-window"),
+        (&["--draft-model", draft, "--gate-drafts", "5,3"][..], "--gate-drafts"),
+        (&["--draft-model", draft, "--gate-raise-at", "0.5"][..], "--gate-raise-at"),
+        (&["--draft-model", draft, "--gate-raise-at", "0.9,0.5"][..], "--gate-raise-at"),
+        (&["--draft-model", draft, "--num-draft", "0"][..], "--num-draft"),
+        (&["--gate-short", "3"][..], "--gate-short"),
+        (&["--draft-model", draft, "--no-gate", "--gate-probe-after", "8"][..], "--gate-probe-after"),
+    ] {
+        let mut args = base.to_vec();
+        args.extend(extra);
+        let (ok, _, stderr) = mlx_k3(&args);
+        assert!(!ok, "{extra:?} was accepted");
+        assert!(stderr.starts_with("mlx-k3: error:") && stderr.contains(flag), "{extra:?}: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{extra:?}: {stderr}");
+    }
+    // `chat` and `serve` take the same flags, checked the same way before anything loads or listens.
+    for args in [
+        &["chat", "--draft-model", draft, "--gate-drafts", "0,3", "--gate-raise-at", "0.5"][..],
+        &["serve", "--port", "0", "--draft-model", draft, "--gate-drafts", "0,3", "--gate-raise-at", "0.5"][..],
+    ] {
+        let (ok, _, stderr) = mlx_k3(args);
+        assert!(!ok && stderr.starts_with("mlx-k3: error:") && stderr.contains("--gate-drafts"), "{args:?}: {stderr}");
+    }
+}
+
 #[test]
 fn generate_refuses_images_for_a_model_without_a_vision_tower() {
     // k3-nano is text only; the image is a real PNG (from the preprocessing fixtures), so the refusal is the

@@ -473,10 +473,23 @@ fn the_server_runs_over_two_ranks() {
     drop(one);
 
     // Rank 0 serves HTTP; rank 1 computes its half of the experts (and heads: --tp) for every request.
+    // Rank 0 also drafts with k3-nano's block drafter (speculative decoding over the ranks): every request
+    // below but the opted-out one runs drafting cycles, sessions and a hang-up included.
     let dir = scratch("serve");
     let hosts = hostfile(&dir, 2);
-    let args =
-        strings(&["serve", "--port", "0", "--model", &nano().display().to_string(), "--distributed", "ring", "--tp"]);
+    let drafter = nano().join("drafter").display().to_string();
+    let args = strings(&[
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        &nano().display().to_string(),
+        "--distributed",
+        "ring",
+        "--tp",
+        "--draft-model",
+        &drafter,
+    ]);
     let mut rank1 = Command::new(bin())
         .args(&args)
         .env("MLX_RANK", "1")
@@ -495,6 +508,14 @@ fn the_server_runs_over_two_ranks() {
         .unwrap();
     let s = Server::attach(rank0, None);
     assert_eq!(complete(&s, "def main():", 24), want, "completion over two ranks");
+    let cycles = s.metric("mlx_k3_spec_cycles_total");
+    assert!(cycles >= 1.0, "the completion drafted");
+    // A request's opt-out decodes plainly on both ranks.
+    let body = json!({"prompt": "def main():", "max_tokens": 24, "temperature": 0, "speculative": false});
+    let (status, v) = s.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"].as_str().unwrap(), want, "opted out over two ranks");
+    assert_eq!(s.metric("mlx_k3_spec_cycles_total"), cycles, "an opted-out request drafted");
 
     // A request refused on rank 0 never reaches rank 1; the ranks stay in step.
     let (status, v) = s.post("/v1/completions", &json!({"prompt": [1, 2, 999999], "max_tokens": 4}));
@@ -618,5 +639,91 @@ fn an_image_prompt_over_two_ranks_prints_what_one_rank_prints() {
             assert!(o.status.success(), "tp {tp}: rank {r}: {}", String::from_utf8_lossy(&o.stderr));
         }
         assert_eq!(String::from_utf8_lossy(&outs[0].stdout), want, "tp {tp}: rank 0 vs one rank");
+    }
+}
+
+/// The "speculative: ..." statistics line of a `generate` run's stderr.
+fn spec_line(stderr: &str) -> String {
+    stderr.lines().find(|l| l.starts_with("speculative: ")).unwrap_or_else(|| panic!("no statistics: {stderr}")).into()
+}
+
+#[test]
+fn speculative_generate_over_two_ranks_prints_what_one_rank_prints() {
+    // Rank 0 drafts (k3-nano's block drafter on the split model's hidden states, or k3-nano itself as a
+    // separate draft model) and sends the drafts; both ranks verify them in the one split forward. Greedy:
+    // the text of plain decoding on one rank, and the cycle statistics of drafting on one rank (the same
+    // cycles, kept drafts, plain steps and fallbacks). Sampled (block drafter): what one rank prints with the
+    // same seed. Expert parallel and expert + tensor parallel. The block drafter without the gate drafts 7
+    // tokens every cycle and has most of them rejected (rollbacks on both ranks); with the gate it falls
+    // back on this prompt after its probe (plain stretches between exchanges); k3-nano drafting for itself
+    // has every draft kept.
+    let dir = scratch("speculative");
+    let drafter = nano().join("drafter").display().to_string();
+    let draft_model = nano().display().to_string();
+    let greedy = ["--max-tokens", "48", "--temp", "0"];
+    let one_plain = Command::new(bin()).args(generate_args(&greedy)).output().unwrap();
+    assert!(one_plain.status.success(), "{}", String::from_utf8_lossy(&one_plain.stderr));
+    let plain = String::from_utf8_lossy(&one_plain.stdout).into_owned();
+    let sampled = ["--max-tokens", "48", "--temp", "0.8", "--seed", "5"];
+    for (draft, opts, no_gate) in [
+        (&drafter, &greedy[..], true),
+        (&drafter, &greedy[..], false),
+        (&draft_model, &greedy[..], false),
+        (&drafter, &sampled[..], true),
+    ] {
+        let mut args = generate_args(&[opts, &["--draft-model", draft.as_str()][..]].concat());
+        if no_gate {
+            args.push("--no-gate".into());
+        }
+        let one = Command::new(bin()).args(&args).output().unwrap();
+        let one_err = String::from_utf8_lossy(&one.stderr).into_owned();
+        assert!(one.status.success(), "{one_err}");
+        let want = String::from_utf8_lossy(&one.stdout).into_owned();
+        if opts == greedy {
+            assert_eq!(want, plain, "{draft}: one rank drafting vs plain");
+        }
+        let stats = spec_line(&one_err);
+        for tp in [false, true] {
+            let mut args = args.clone();
+            args.extend(strings(&["--distributed", "ring"]));
+            if tp {
+                args.push("--tp".into());
+            }
+            let outs = wait_all(spawn_ranks(&dir, 2, &args), Duration::from_secs(180));
+            let errs: Vec<String> = outs.iter().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()).collect();
+            for (r, o) in outs.iter().enumerate() {
+                assert!(o.status.success(), "{draft} {opts:?} tp {tp}: rank {r}: {}", errs[r]);
+            }
+            assert_eq!(String::from_utf8_lossy(&outs[0].stdout), want, "{draft} {opts:?} tp {tp}: rank 0 vs one rank");
+            assert!(outs[1].stdout.is_empty(), "rank 1 prints nothing");
+            if opts == greedy {
+                assert_eq!(spec_line(&errs[0]), stats, "{draft} tp {tp}: cycle statistics");
+            }
+            println!("{draft} {opts:?} no-gate {no_gate} tp {tp}: {}", spec_line(&errs[0]));
+        }
+    }
+}
+
+#[test]
+fn speculative_ranks_that_sample_differently_stop_with_a_divergence_error() {
+    // Rank 0 decides every drafting cycle, so drafted tokens agree whatever the ranks' seeds; but a gate that
+    // falls back at once (--gate-short 8: a probe of 3 drafts gives at most 4 tokens per cycle) leaves the
+    // tokens to each rank's own sampler, and with different seeds they differ: the hash every round's
+    // exchange compares must stop every rank with an error.
+    let dir = scratch("spec-diverge");
+    let drafter = nano().join("drafter").display().to_string();
+    let outs = wait_all(
+        spawn_ranks_with(&dir, 2, |r| {
+            let seed = (r + 1).to_string();
+            let mut a = generate_args(&["--max-tokens", "64", "--temp", "1.5", "--seed", &seed]);
+            a.extend(strings(&["--draft-model", &drafter, "--gate-short", "8", "--distributed", "ring"]));
+            a
+        }),
+        Duration::from_secs(120),
+    );
+    for (r, o) in outs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "rank {r} must fail: {err}");
+        assert!(err.contains("ranks diverged"), "rank {r} said: {err}");
     }
 }

@@ -86,6 +86,23 @@ fn speculative_decoding_serves_the_same_text_and_counts_its_cycles() {
     let chat = json!({"messages": user("hi"), "max_tokens": 4, "temperature": 0, "speculative": false});
     let (code, r) = s.post("/v1/chat/completions", &chat);
     assert_eq!(code, 200, "{r}");
+    assert_eq!(s.metric("mlx_k3_spec_cycles_total"), cycles, "an opted-out chat completion drafted");
+    // The web page's endpoint: the `done` event says what the request's drafting did, null when it opted out.
+    let web = |speculative: Option<bool>| {
+        let mut body = json!({"messages": user("hi"), "max_tokens": 8, "temperature": 0, "thinking_effort": "off"});
+        if let Some(v) = speculative {
+            body["speculative"] = json!(v);
+        }
+        let events = s.stream_all("/api/chat", &body);
+        let done = events.last().unwrap();
+        assert_eq!(done.event, "done", "{events:?}");
+        done.json()["speculative"].clone()
+    };
+    assert!(web(Some(false)).is_null(), "an opted-out /api/chat request drafted");
+    assert_eq!(s.metric("mlx_k3_spec_cycles_total"), cycles, "an opted-out /api/chat request drafted");
+    let drafted = web(None);
+    assert!(drafted["cycles"].as_u64().unwrap() >= 1, "{drafted}");
+    assert!(s.metric("mlx_k3_spec_cycles_total") > cycles);
     let (code, r) = s.post("/v1/completions", &json!({"prompt": "x", "speculative": "no"}));
     assert_eq!(code, 400, "{r}");
 }

@@ -65,6 +65,7 @@ def test_pyproject_pins_are_the_package_pins():
     assert extras["cpu"] == [f"mlx[cpu]=={_pins.MLX}"]
     assert extras["cuda13"] == [f"mlx[cuda13]=={_pins.MLX}"]
     assert f"mlx-lm=={_pins.MLX_LM}" in extras["lm"]
+    assert f"mlx-vlm=={_pins.MLX_VLM}" in extras["vlm"] and f"mlx-lm=={_pins.MLX_LM}" in extras["vlm"]
 
 
 @pytest.mark.skipif(os.environ.get("MLX_K3_PY_FRESH_VENV") != "1", reason="set MLX_K3_PY_FRESH_VENV=1 to run")

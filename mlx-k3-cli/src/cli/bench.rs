@@ -68,6 +68,8 @@ pub(super) struct Args {
     /// position) or recompute (run the kept tokens again).
     #[arg(long, default_value = "record")]
     rollback: String,
+    #[command(flatten)]
+    gate: super::gate::GateArgs,
     /// Runs of each speculative measurement (the fastest is reported; this machine is shared and noisy).
     #[arg(long, default_value_t = 3)]
     reps: usize,
@@ -90,6 +92,8 @@ pub(super) fn run(args: Args) -> Result<()> {
     if args.draft_model.is_some() || args.random_draft {
         return bench_speculative(dir, &args);
     }
+    // Gate flags without a drafter are refused, not ignored.
+    args.gate.config(false, true)?;
     bench_model(dir, &args)
 }
 
@@ -462,8 +466,8 @@ fn bench_speculative(dir: &std::path::Path, args: &Args) -> Result<()> {
         "recompute" => Rollback::Recompute,
         r => return Err(Error::invalid("bench", format!("--rollback: '{r}' is not record or recompute"))),
     };
-    let spec = SpecOptions { num_draft: args.num_draft, gate: !args.no_gate, rollback, ..SpecOptions::default() };
-    spec.validate()?;
+    let gate_config = args.gate.config(true, !args.no_gate)?;
+    let spec = SpecOptions { rollback, ..super::gen::spec_options(args.num_draft, !args.no_gate, gate_config)? };
     let (mut drafter, name): (Box<dyn Drafter>, String) = match &args.draft_model {
         Some(d) => {
             let load = LoadOptions { dtype: Some(model.dtype()), lazy: false, shard: None };
@@ -550,10 +554,11 @@ fn bench_speculative(dir: &std::path::Path, args: &Args) -> Result<()> {
             })
             .collect();
         println!(
-            "{{\"draft\": {:?}, \"num_draft\": {}, \"gate\": {}, \"rollback\": \"{}\", \"gen_tokens\": {}, {}}}",
+            "{{\"draft\": {:?}, \"num_draft\": {}, \"gate\": {}, \"gate_config\": {}, \"rollback\": \"{}\", \"gen_tokens\": {}, {}}}",
             name,
             args.num_draft,
             !args.no_gate,
+            serde_json::to_string(&spec.gate_config).unwrap_or_default(),
             args.rollback,
             args.gen_tokens,
             parts.join(", ")

@@ -7,7 +7,7 @@ use clap::Args as ClapArgs;
 
 use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
 use mlx_k3::generate::block_drafter::load_drafter;
-use mlx_k3::generate::speculative::{Drafter, SpecOptions};
+use mlx_k3::generate::speculative::{Drafter, GateConfig, Rank0Drafts, SpecOptions};
 use mlx_k3::generate::{
     GenerateOptions, GenerationStats, ImageInput, ImagePrompt, Pipeline, PromptCache, PromptMedia, SamplerConfig,
     TextGeneration,
@@ -80,8 +80,21 @@ pub struct ModelArgs {
     #[arg(long)]
     pub no_gate: bool,
     #[command(flatten)]
+    /// The adaptive gate's thresholds (`--gate-*`).
+    pub gate: super::gate::GateArgs,
+    #[command(flatten)]
     /// Running over several ranks (`--distributed`, `--tp`).
     pub dist: super::dist::DistArgs,
+}
+
+/// The speculative settings of `--num-draft`, `--no-gate` and the gate flags; an error names the flag.
+pub fn spec_options(num_draft: usize, gate: bool, gate_config: GateConfig) -> Result<SpecOptions> {
+    if num_draft == 0 || num_draft > 64 {
+        return Err(Error::invalid("cli", format!("--num-draft must be from 1 to 64, got {num_draft}")));
+    }
+    let options = SpecOptions { num_draft, gate, gate_config, ..SpecOptions::default() };
+    options.validate()?;
+    Ok(options)
 }
 
 /// A loaded draft model and the speculative settings of `--draft-model`, `--num-draft`, `--no-gate`.
@@ -123,6 +136,9 @@ fn generate_maybe(
 
 impl ModelArgs {
     fn load(&self) -> Result<Pipeline> {
+        // Flag errors before the (possibly long) load.
+        self.gate.config(self.draft_model.is_some(), !self.no_gate)?;
+        spec_options(self.num_draft, !self.no_gate, GateConfig::default())?;
         let dtype = match self.dtype.as_deref() {
             None => None,
             Some(n) => Some(
@@ -144,15 +160,13 @@ impl ModelArgs {
 
     /// The draft model of `--draft-model` for the loaded target `p` (None without the flag).
     pub fn speculation(&self, p: &Pipeline) -> Result<Option<Speculation>> {
+        let gate_config = self.gate.config(self.draft_model.is_some(), !self.no_gate)?;
         let Some(dir) = &self.draft_model else { return Ok(None) };
-        if self.dist.distributed.is_some() {
-            return Err(Error::invalid(
-                "cli",
-                "--draft-model: speculative decoding does not run over several ranks (--distributed) yet",
-            ));
+        let options = spec_options(self.num_draft, !self.no_gate, gate_config)?;
+        if p.model.shard().is_some_and(|s| s.rank != 0) {
+            // A split model: rank 0 drafts and sends its drafts to the other ranks, which only verify.
+            return Ok(Some(Speculation { drafter: Box::new(Rank0Drafts), options }));
         }
-        let options = SpecOptions { num_draft: self.num_draft, gate: !self.no_gate, ..SpecOptions::default() };
-        options.validate()?;
         let load = LoadOptions { dtype: Some(p.model.dtype()), lazy: false, shard: None };
         let drafter = load_drafter(dir, &p.model, load)
             .map_err(|e| Error::invalid("cli", format!("--draft-model {}: {e}", dir.display())))?;
@@ -226,6 +240,13 @@ pub fn print_stats(s: &GenerationStats) {
             sp.plain_steps,
             sp.fallbacks
         );
+        if sp.exchanges > 0 {
+            eprintln!(
+                "speculative over ranks: {} exchanges, {:.3} ms each",
+                sp.exchanges,
+                1e3 * sp.exchange_seconds / sp.exchanges as f64
+            );
+        }
     }
 }
 

@@ -9,6 +9,7 @@ mod compress;
 pub mod default_model;
 pub mod dist;
 mod dist_check;
+pub mod gate;
 pub mod gen;
 mod info;
 pub mod inspect;

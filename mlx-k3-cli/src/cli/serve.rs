@@ -7,7 +7,6 @@ use clap::Args as ClapArgs;
 
 use crate::engine::EngineConfig;
 use crate::server::{self, Access, Limits, ServerConfig};
-use mlx_k3::generate::speculative::SpecOptions;
 use mlx_k3::model::LoadOptions;
 use mlx_k3::{Dtype, Error, Result};
 
@@ -74,6 +73,8 @@ pub(super) struct Args {
     /// With --draft-model: always draft --num-draft tokens (no adaptive gate).
     #[arg(long)]
     no_gate: bool,
+    #[command(flatten)]
+    gate: super::gate::GateArgs,
     #[command(flatten)]
     dist: super::dist::DistArgs,
 }
@@ -156,6 +157,7 @@ pub(super) fn run(args: Args) -> Result<()> {
         }
     }
     let api_keys = api_keys(&args.api_key, args.api_key_file.as_deref())?;
+    let gate_config = args.gate.config(args.draft_model.is_some(), !args.no_gate)?;
     let comm = args.dist.join()?;
     let engine = EngineConfig {
         model_dir: super::default_model::resolve(args.model.as_deref())?,
@@ -164,17 +166,7 @@ pub(super) fn run(args: Args) -> Result<()> {
         session_cache_bytes: args.session_cache_mib.saturating_mul(1 << 20),
         comm: comm.clone(),
         draft: match args.draft_model {
-            Some(d) => {
-                if comm.is_some() {
-                    return Err(Error::invalid(
-                        "cli",
-                        "--draft-model: speculative decoding does not run over several ranks (--distributed) yet",
-                    ));
-                }
-                let spec = SpecOptions { num_draft: args.num_draft, gate: !args.no_gate, ..SpecOptions::default() };
-                spec.validate()?;
-                Some((d, spec))
-            }
+            Some(d) => Some((d, super::gen::spec_options(args.num_draft, !args.no_gate, gate_config)?)),
             None => None,
         },
     };

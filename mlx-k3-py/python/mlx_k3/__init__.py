@@ -1,4 +1,4 @@
-"""mlx_k3: mlx-k3's kernels on ``mx.array`` and a drop-in Kimi K3 model for mlx-lm.
+"""mlx_k3: mlx-k3's kernels on ``mx.array`` and a drop-in Kimi K3 model for mlx-lm and mlx-vlm.
 
 The compiled part (``mlx_k3._native``, Rust over mlx-k3) links the very ``libmlx`` that Python's ``mlx``
 loaded: one MLX runtime in the process, so arrays pass between Python and Rust without copies, lazy graphs
@@ -17,6 +17,18 @@ expert formats (``config.json``'s ``quantization``: ``{"mode": "k3_codebook"}`` 
 ``mlx_lm.generate``, ``stream_generate``, the server and perplexity use unchanged. The DeepSeek-V3 family
 (``deepseek_v3``: DeepSeek-V3/R1, Kimi K2; ``kimi_k25``: Kimi K2.5/K2.7) loads the same way as
 :mod:`mlx_k3.models.deepseek_v3` / :mod:`mlx_k3.models.kimi_k25`. Other model types keep mlx-lm's classes. ``python -m mlx_k3 <mlx_lm command> ...`` runs any mlx-lm command with the drop-in.
+
+Images go through mlx-vlm (0.7.10, the ``vlm`` extra): with ``import mlx_k3``, ``mlx_vlm.load`` builds a
+``kimi_k3`` (or ``kimi_k25``) checkpoint as mlx-vlm's model, its vision tower, projector and processor
+mlx-vlm's own, whose language model is the drop-in's text model above (:mod:`mlx_k3.models.vlm_kimi_k3`,
+:mod:`mlx_k3.models.vlm_kimi_k25`), checkpoints written by ``mlx-k3 convert`` included; ``mlx_vlm.generate``
+and ``stream_generate`` take images unchanged::
+
+    import mlx_k3, mlx_vlm
+
+    model, processor = mlx_vlm.load("path/to/kimi-k3")
+    prompt = mlx_vlm.apply_chat_template(processor, model.config, "What is in the picture?", num_images=1)
+    print(mlx_vlm.generate(model, processor, prompt, image=["photo.png"], max_tokens=64).text)
 """
 
 import mlx.core as mx  # loads libmlx first: the extension below binds to this same copy

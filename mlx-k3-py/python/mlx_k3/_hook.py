@@ -1,5 +1,5 @@
 """How ``import mlx_k3`` makes ``mlx_lm.load`` run Kimi K3 checkpoints and the DeepSeek-V3 family's
-(``deepseek_v3``, ``kimi_k25``) with mlx-k3's kernels.
+(``deepseek_v3``, ``kimi_k25``) with mlx-k3's kernels, and ``mlx_vlm.load`` Kimi K3 and K2.5 ones with images.
 
 mlx-lm picks a model's classes in ``mlx_lm.utils._get_classes``: it imports ``mlx_lm.models.<model_type>``
 and takes that module's ``Model`` and ``ModelArgs``. (Patching ``_get_classes`` itself would not reach
@@ -14,6 +14,11 @@ The tokenizer is loaded by ``mlx_lm.utils.load_tokenizer``, which may run before
 imported, so ``mlx_lm.utils`` is patched by itself: its tokenizer loader gets Kimi's exact tokenizer for a
 checkpoint without ``tokenizer.json``, and transformers learns the ``kimi_k3`` model type
 (:func:`mlx_k3.tokenizer.install_tokenizer`).
+
+mlx-vlm builds a model from the package ``mlx_vlm.models.<model_type>`` (``mlx_vlm.utils.get_model_and_args``)
+and takes its ``Model`` and ``ModelConfig``; the hook makes those of ``mlx_vlm.models.kimi_k3`` and
+``kimi_k25`` :mod:`mlx_k3.models.vlm_kimi_k3`'s and :mod:`mlx_k3.models.vlm_kimi_k25`'s (mlx-vlm's model with
+the drop-in's language model).
 
 Importing mlx-lm takes seconds, so nothing is imported eagerly: a module of :data:`TARGETS` that is already
 loaded is patched at once, otherwise its first import is (a meta-path finder that steps aside once every
@@ -51,18 +56,36 @@ def _patch_kimi_k25(module) -> None:
         install(module)
 
 
+def _patch_vlm_kimi_k3(module) -> None:
+    from .models import vlm_kimi_k3
+
+    install = getattr(vlm_kimi_k3, "install", None)
+    if install is not None:
+        install(module)
+
+
+def _patch_vlm_kimi_k25(module) -> None:
+    from .models import vlm_kimi_k25
+
+    install = getattr(vlm_kimi_k25, "install", None)
+    if install is not None:
+        install(module)
+
+
 def _patch_utils(module) -> None:
     from .tokenizer import install_tokenizer
 
     install_tokenizer(module)
 
 
-# mlx-lm's modules the drop-in patches, and how.
+# mlx-lm's and mlx-vlm's modules the drop-in patches, and how.
 TARGETS = {
     "mlx_lm.models.kimi_k3": _patch_model,
     "mlx_lm.models.deepseek_v3": _patch_deepseek_v3,
     "mlx_lm.models.kimi_k25": _patch_kimi_k25,
     "mlx_lm.utils": _patch_utils,
+    "mlx_vlm.models.kimi_k3": _patch_vlm_kimi_k3,
+    "mlx_vlm.models.kimi_k25": _patch_vlm_kimi_k25,
 }
 
 
@@ -100,7 +123,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install_drop_in() -> None:
-    """Makes ``mlx_lm`` load Kimi K3 and DeepSeek-V3-family checkpoints with the drop-in (idempotent; ``import mlx_k3`` calls it)."""
+    """Makes ``mlx_lm`` load Kimi K3 and DeepSeek-V3-family checkpoints, and ``mlx_vlm`` Kimi K3 and K2.5 ones,
+    with the drop-in (idempotent; ``import mlx_k3`` calls it)."""
     for name, patch in TARGETS.items():
         if name in sys.modules:
             patch(sys.modules[name])

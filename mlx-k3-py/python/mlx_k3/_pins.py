@@ -11,4 +11,5 @@ MLX_LM = "0.32.2"
 
 MLX_VLM = "0.7.10"
 """The mlx-vlm release whose ``models/kimi_k3/encoding_k3.py`` (adapted from Moonshot's ``encoding_k3.py``) is the
-reference for the built-in Kimi K3 chat encoding (``scripts/make_k3_chat_fixtures.py``)."""
+reference for the built-in Kimi K3 chat encoding (``scripts/make_k3_chat_fixtures.py``), whose vision models are
+the parity references, and whose ``kimi_k3`` / ``kimi_k25`` models the drop-in subclasses for images."""

@@ -541,12 +541,7 @@ pub const SYNC_EVERY: usize = 16;
 /// tokens so far and stops with an error naming the rank that differs. The same exchange carries each
 /// rank's wish to stop; returns whether any rank wants to.
 pub fn tripwire(comm: &crate::model::shard::Comm, tokens: &[u32], stop: bool) -> Result<bool> {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for t in tokens {
-        for b in t.to_le_bytes() {
-            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
+    let h = token_hash(tokens);
     let mine = [h as u32, (h >> 32) as u32, tokens.len() as u32, stop as u32];
     let all = comm.group().all_gather(&Array::from_slice(&mine, &[4])?)?.to_vec::<u32>()?;
     let me = comm.shard().rank;
@@ -564,6 +559,17 @@ pub fn tripwire(comm: &crate::model::shard::Comm, tokens: &[u32], stop: bool) ->
         }
     }
     Ok(any_stop)
+}
+
+/// FNV-1a over the tokens' little-endian bytes: what the ranks compare to tell that they emitted the same.
+fn token_hash(tokens: &[u32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for t in tokens {
+        for b in t.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
 }
 
 fn ids_array(ids: &[u32]) -> Result<Array> {

@@ -19,6 +19,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use super::{ids_array, prefill, FinishReason, GenerateOptions, GenerationStats, PromptCache, TokenEvent};
+use crate::model::shard::Comm;
 use crate::model::{KimiK3, ModelCache};
 use crate::{memory, ops, Array, Error, Result};
 
@@ -552,6 +553,11 @@ pub struct SpecStats {
     pub draft_seconds: f64,
     /// Seconds spent verifying (and rolling back).
     pub verify_seconds: f64,
+    /// A model split over ranks: seconds spent in the exchange that starts each round (rank 0's drafts and
+    /// decisions to the other ranks; on rank 0 it includes waiting for them to finish the last round).
+    pub exchange_seconds: f64,
+    /// A model split over ranks: rounds exchanged (one per drafting cycle or plain stretch, and the last).
+    pub exchanges: usize,
 }
 
 impl SpecStats {
@@ -614,6 +620,11 @@ struct Emitter<'a, F> {
     start: Instant,
     t_first: Option<Instant>,
     stats: GenerationStats,
+    /// A model split over ranks: a callback's wish to stop does not end the round (the other ranks would be
+    /// left in a collective); it is recorded here (the output length then) and the ranks stop together at
+    /// the next exchange. The callback is not called again.
+    split: bool,
+    cancel_at: Option<usize>,
 }
 
 impl<F: FnMut(TokenEvent<'_>) -> bool> Emitter<'_, F> {
@@ -630,16 +641,180 @@ impl<F: FnMut(TokenEvent<'_>) -> bool> Emitter<'_, F> {
         }
         self.out.push(token);
         self.context.push(token);
-        if !(self.on_token)(TokenEvent { token, logprobs }) {
-            return Some(FinishReason::Cancelled);
+        if self.cancel_at.is_none() && !(self.on_token)(TokenEvent { token, logprobs }) {
+            if !self.split {
+                return Some(FinishReason::Cancelled);
+            }
+            self.cancel_at = Some(self.out.len());
         }
         (self.out.len() == self.opts.max_tokens).then_some(FinishReason::Length)
     }
 }
 
+/// What to do next, as rank 0 (or the only rank) decides it.
+#[derive(Clone, Debug, PartialEq)]
+enum Action {
+    /// Verify these drafts.
+    Draft(Vec<u32>),
+    /// Decode this many tokens plainly.
+    Plain(usize),
+    /// Stop.
+    Stop(FinishReason),
+}
+
+/// A verified drafting cycle whose cache is not cut back yet: rank 0 has decided it, the other ranks of a
+/// split model learn the decision at the next exchange.
+struct Pending {
+    /// The last emitted token and the drafts, as run.
+    fed: Vec<u32>,
+    /// The log-probabilities after each position.
+    rows: Vec<Array>,
+    /// The cache before the verify forward ([`Rollback::Recompute`]).
+    before: Option<ModelCache>,
+    /// (kept drafts, the token after them): rank 0's decision; on the other ranks, their own greedy one (to
+    /// check rank 0's against), None when sampling.
+    decided: Option<(usize, u32)>,
+}
+
+/// The most drafts one exchange carries ([`SpecOptions::validate`]'s limit).
+const MAX_DRAFT: usize = 64;
+/// Words of an exchange before the drafts.
+const HEAD: usize = 10;
+
+/// What one rank says in a round's exchange (a split model): the hash and length of the tokens it has
+/// emitted up to the round's shared point, whether it wants to stop, its decision on the pending cycle, and
+/// (rank 0) the next action and its output length.
+#[derive(Clone, Debug, PartialEq)]
+struct Say {
+    hash: u64,
+    len: usize,
+    stop: bool,
+    decided: Option<(usize, u32)>,
+    action: Option<Action>,
+    out_len: usize,
+}
+
+fn reason_code(r: FinishReason) -> u32 {
+    match r {
+        FinishReason::Stop => 0,
+        FinishReason::Length => 1,
+        FinishReason::Cancelled => 2,
+    }
+}
+
+impl Say {
+    fn encode(&self) -> Vec<u32> {
+        let mut w = vec![0u32; HEAD + MAX_DRAFT];
+        w[0] = self.hash as u32;
+        w[1] = (self.hash >> 32) as u32;
+        w[2] = self.len as u32;
+        w[3] = self.stop as u32;
+        if let Some((kept, next)) = self.decided {
+            (w[4], w[5], w[6]) = (1, kept as u32, next);
+        }
+        match &self.action {
+            None => {}
+            Some(Action::Draft(d)) => {
+                (w[7], w[8]) = (1, d.len() as u32);
+                w[HEAD..HEAD + d.len()].copy_from_slice(d);
+            }
+            Some(Action::Plain(n)) => (w[7], w[8]) = (2, *n as u32),
+            Some(Action::Stop(r)) => (w[7], w[8]) = (3, reason_code(*r)),
+        }
+        w[9] = self.out_len as u32;
+        w
+    }
+
+    fn decode(w: &[u32]) -> Result<Say> {
+        let bad = |m: String| Err(Error::invalid("distributed", format!("a speculative exchange {m}")));
+        let action = match (w[7], w[8]) {
+            (0, _) => None,
+            (1, k) if k <= MAX_DRAFT as u32 => Some(Action::Draft(w[HEAD..HEAD + k as usize].to_vec())),
+            (2, n) if n > 0 => Some(Action::Plain(n as usize)),
+            (3, 0) => Some(Action::Stop(FinishReason::Stop)),
+            (3, 1) => Some(Action::Stop(FinishReason::Length)),
+            (3, 2) => Some(Action::Stop(FinishReason::Cancelled)),
+            (a, n) => return bad(format!("holds an unknown action ({a}, {n})")),
+        };
+        Ok(Say {
+            hash: w[0] as u64 | (w[1] as u64) << 32,
+            len: w[2] as usize,
+            stop: w[3] != 0,
+            decided: (w[4] != 0).then_some((w[5] as usize, w[6])),
+            action,
+            out_len: w[9] as usize,
+        })
+    }
+}
+
+/// One round's exchange over the ranks of a split model: a single all_gather of every rank's [`Say`]. Every
+/// rank checks the same gathered words, so they all fail together with the same message when one rank's
+/// tokens, or (greedy) its decision on the last cycle, differ from rank 0's (the tripwire of
+/// [`super::tripwire`], every round). Returns rank 0's word, with its action turned into a stop when any
+/// rank asked to stop.
+fn exchange(comm: &Comm, mine: &Say) -> Result<Say> {
+    let w = HEAD + MAX_DRAFT;
+    let all = comm.group().all_gather(&Array::from_slice(&mine.encode(), &[w as i32])?)?.to_vec::<u32>()?;
+    let says: Vec<Say> = all.chunks(w).map(Say::decode).collect::<Result<_>>()?;
+    let lead = says.first().ok_or_else(|| Error::invalid("distributed", "an exchange gathered no rank"))?;
+    for (r, s) in says.iter().enumerate().skip(1) {
+        if (s.hash, s.len) != (lead.hash, lead.len) {
+            return Err(Error::invalid(
+                "distributed",
+                format!(
+                    "ranks diverged: rank {r} emitted {} tokens with hash {:016x}, rank 0 emitted {} with hash {:016x}; stopping",
+                    s.len, s.hash, lead.len, lead.hash
+                ),
+            ));
+        }
+        if let (Some(a), Some(b)) = (lead.decided, s.decided) {
+            if a != b {
+                return Err(Error::invalid(
+                    "distributed",
+                    format!(
+                        "ranks diverged: rank 0 kept {} drafts and then token {}, rank {r}'s logits keep {} and then token {}; stopping",
+                        a.0, a.1, b.0, b.1
+                    ),
+                ));
+            }
+        }
+    }
+    let mut lead = lead.clone();
+    if lead.action.is_none() {
+        return Err(Error::invalid("distributed", "rank 0 sent no speculative action"));
+    }
+    if says.iter().any(|s| s.stop) && !matches!(lead.action, Some(Action::Stop(_))) {
+        lead.action = Some(Action::Stop(FinishReason::Cancelled));
+    }
+    Ok(lead)
+}
+
+/// What a rank other than 0 of a split model passes as its drafter: rank 0 drafts, and every rank verifies
+/// rank 0's drafts, so this one is never asked to propose.
+pub struct Rank0Drafts;
+
+impl Drafter for Rank0Drafts {
+    fn propose(&mut self, _: &[u32], _: usize, _: &Sampler, _: &mut SplitMix64) -> Result<Draft> {
+        Err(Error::invalid("draft", "only rank 0 drafts; this rank verifies rank 0's drafts"))
+    }
+
+    fn name(&self) -> String {
+        "rank 0's drafts".into()
+    }
+}
+
 /// [`super::generate_tokens`] with a drafter: the same prompt-cache handling, stop conditions and callback,
-/// and (greedy) the same tokens. Refuses models split over ranks; with a repetition or presence penalty
-/// (whose window would move within a cycle) it decodes plainly.
+/// and (greedy) the same tokens. With a repetition or presence penalty (whose window would move within a
+/// cycle) it decodes plainly.
+///
+/// On a model split over ranks every rank calls it with the same prompt and options. Rank 0 runs the
+/// drafter and the gate; the other ranks' `drafter` is not used (pass [`Rank0Drafts`]). Each round starts
+/// with one exchange (an all_gather of a few hundred bytes) in which rank 0 sends its decision on the last
+/// cycle (kept drafts and the next token) and what comes next (drafts to verify, a plain stretch of at most
+/// [`super::SYNC_EVERY`] tokens, or the end), and every rank sends the hash of its tokens so far (and,
+/// greedy, its own decision from its own logits), which every rank checks. Every rank then cuts its cache
+/// back to the kept tokens and runs the same collective forward. So the ranks feed the model the same
+/// tokens by construction, and a rank whose logits or samples differ stops all of them with an error.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_speculative(
     model: &KimiK3,
@@ -650,12 +825,6 @@ pub fn generate_speculative(
     spec: &SpecOptions,
     on_token: impl FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<(Vec<u32>, FinishReason, GenerationStats, SpecStats)> {
-    if model.comm().is_some() {
-        return Err(Error::invalid(
-            "speculative decoding",
-            "not available with a model split over ranks yet; run without a draft model",
-        ));
-    }
     spec.validate()?;
     if opts.sampler.has_penalties() {
         let (out, reason, mut stats) = super::generate_tokens(model, pcache, prompt, opts, on_token)?;
@@ -663,122 +832,223 @@ pub fn generate_speculative(
         stats.spec = Some(spec_stats.clone());
         return Ok((out, reason, stats, spec_stats));
     }
+    let comm = model.comm().cloned();
+    let leader = comm.as_ref().is_none_or(|c| c.shard().rank == 0);
     let mut sampler = Sampler::new(opts.sampler.clone())?;
     let greedy = opts.sampler.temperature == 0.0;
     let mut rng = SplitMix64::new(opts.sampler.seed ^ 0x5bec_0000_0000_0001);
     memory::reset_peak();
     let start = Instant::now();
-    let taps = drafter.tap_layers();
-    let stats =
-        prefill(model, pcache, prompt, None, opts, &taps, &mut |start, tokens, t| drafter.observe(start, tokens, t))?;
-    let mut em = Emitter { opts, on_token, out: Vec::new(), context: prompt.to_vec(), start, t_first: None, stats };
+    let taps = if leader { drafter.tap_layers() } else { Vec::new() };
+    // A split model's ranks must run the same collectives. A prefill evaluates the cache (and the taps), not
+    // the logits, so a tap of the last layer would make rank 0 alone run that layer's MoE all_sum: over
+    // ranks, every rank's prefill evaluates the last layer's output too.
+    let mut prefill_taps = taps.clone();
+    if comm.is_some() {
+        prefill_taps.push(model.config().num_hidden_layers.saturating_sub(1));
+    }
+    let n_taps = taps.len();
+    let stats = prefill(model, pcache, prompt, None, opts, &prefill_taps, &mut |start, tokens, t| {
+        if n_taps == 0 {
+            return Ok(());
+        }
+        drafter.observe(start, tokens, &t[..n_taps])
+    })?;
+    let mut em = Emitter {
+        opts,
+        on_token,
+        out: Vec::new(),
+        context: prompt.to_vec(),
+        start,
+        t_first: None,
+        stats,
+        split: comm.is_some(),
+        cancel_at: None,
+    };
 
     let mut gate = Gate::new(spec.gate_config.clone(), spec.num_draft, spec.gate);
     let mut sstats = SpecStats::default();
     let mut y = prompt[prompt.len() - 1];
-    let mut reason = FinishReason::Length;
-    while em.out.len() < opts.max_tokens {
-        let remaining = opts.max_tokens - em.out.len();
-        let k = gate.next_k().min(remaining - 1);
-        if k == 0 {
-            // Plain decoding, pipelined as generate_tokens does it: the gate's fallback stretch, or the last
-            // token.
-            let n = gate.plain_left().clamp(1, remaining);
-            let (t0, before) = (Instant::now(), em.out.len());
-            let (end, last) = plain_stretch(model, pcache, &mut sampler, y, n, &mut em, &mut gate, drafter, &taps)?;
-            sstats.plain_steps += em.out.len() - before;
-            sstats.verify_seconds += t0.elapsed().as_secs_f64();
-            y = last;
-            if let Some(r) = end {
-                reason = r;
-                break;
-            }
-            continue;
-        }
-        let t0 = Instant::now();
-        let draft = drafter.propose(&em.context, k, &sampler, &mut rng)?;
-        let k = draft.tokens.len().min(k);
-        if let Some(bad) = draft.tokens.iter().find(|&&t| t as usize >= model.config().vocab_size) {
-            return Err(Error::invalid(
-                "draft",
-                format!("{} drafted token {bad}, outside the vocabulary", drafter.name()),
-            ));
-        }
-        let t1 = Instant::now();
-        let mut fed = Vec::with_capacity(k + 1);
-        fed.push(y);
-        fed.extend_from_slice(&draft.tokens[..k]);
-        let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
-        let before = (k > 0 && spec.rollback == Rollback::Recompute).then(|| cache.snapshot());
-        cache.set_recording(k > 0 && spec.rollback == Rollback::Record);
-        let start_pos = pcache.tokens.len();
-        let (all, rows, tapped) = score(model, cache, &fed, &sampler, &taps)?;
-        let (kept, next) = if greedy {
-            // One argmax over the T rows: the same per-row reduction as T calls, in one operation.
-            let best = all.argmax(-1, false)?;
-            let mut outs: Vec<&Array> = vec![&best];
-            outs.extend(cache.arrays());
-            crate::eval(&outs)?;
-            accept_greedy(&best.to_vec::<u32>()?, &fed[1..])
-        } else {
-            let dist: Vec<Array> = rows.iter().map(|r| sampler.distribution(r)).collect::<Result<_>>()?;
-            let mut outs: Vec<&Array> = dist.iter().collect();
-            outs.extend(cache.arrays());
-            crate::eval(&outs)?;
-            let p: Vec<Vec<f32>> = dist.iter().map(|d| d.to_vec::<f32>()).collect::<Result<_>>()?;
-            let q = draft.probs.as_deref().unwrap_or(&[]);
-            if q.len() < k || q.iter().take(k).any(|r| r.len() != p[0].len()) {
-                return Err(Error::invalid(
-                    "draft",
-                    format!("{} gave no distribution of the vocabulary's size for its drafts", drafter.name()),
-                ));
-            }
-            let pr: Vec<&[f32]> = p.iter().map(Vec::as_slice).collect();
-            let qr: Vec<&[f32]> = q.iter().map(Vec::as_slice).collect();
-            accept_sampled(&pr, &qr, &fed[1..], &mut rng)
-        };
-        // Keep y and the kept drafts; drop the rest.
-        let keep = kept + 1;
-        if keep < fed.len() {
-            match before {
-                Some(snap) => {
-                    cache.restore(&snap);
-                    model.forward(&ids_array(&fed[..keep])?, Some(cache))?;
-                    crate::eval(&cache.arrays())?;
+    let mut pending: Option<Pending> = None;
+    // Rank 0: why generation ends (decided while emitting), and its output length before the pending
+    // cycle's tokens (what the other ranks have emitted at the next exchange).
+    let mut end: Option<FinishReason> = None;
+    let mut shared_len = 0;
+    // Rank 0, sampling: the drafter's distributions of the drafts being verified.
+    let mut pending_q: Option<Vec<Vec<f32>>> = None;
+    let reason = loop {
+        // Rank 0 (or the only rank) decides what comes next.
+        let mut action = None;
+        if leader {
+            let remaining = opts.max_tokens - em.out.len();
+            action = Some(if let Some(r) = end.or(em.cancel_at.map(|_| FinishReason::Cancelled)) {
+                Action::Stop(r)
+            } else if remaining == 0 {
+                Action::Stop(FinishReason::Length)
+            } else {
+                let k = gate.next_k().min(remaining - 1);
+                if k == 0 {
+                    // Plain decoding: the gate's fallback stretch, or the last token. Over ranks, at most
+                    // SYNC_EVERY tokens between exchanges, so a divergence or a stop is seen that soon.
+                    let n = gate.plain_left().clamp(1, remaining);
+                    Action::Plain(if comm.is_some() { n.min(super::SYNC_EVERY) } else { n })
+                } else {
+                    let t0 = Instant::now();
+                    let draft = drafter.propose(&em.context, k, &sampler, &mut rng)?;
+                    sstats.draft_seconds += t0.elapsed().as_secs_f64();
+                    let k = draft.tokens.len().min(k);
+                    if let Some(bad) = draft.tokens.iter().find(|&&t| t as usize >= model.config().vocab_size) {
+                        return Err(Error::invalid(
+                            "draft",
+                            format!("{} drafted token {bad}, outside the vocabulary", drafter.name()),
+                        ));
+                    }
+                    if !greedy {
+                        let q = draft.probs.as_deref().unwrap_or(&[]);
+                        let vocab = model.config().vocab_size;
+                        if q.len() < k || q.iter().take(k).any(|r| r.len() != vocab) {
+                            return Err(Error::invalid(
+                                "draft",
+                                format!(
+                                    "{} gave no distribution of the vocabulary's size for its drafts",
+                                    drafter.name()
+                                ),
+                            ));
+                        }
+                        pending_q = draft.probs;
+                    }
+                    Action::Draft(draft.tokens[..k].to_vec())
                 }
-                None => cache.rollback(fed.len(), keep)?,
+            });
+        }
+        let (action, decided, out_len) = match &comm {
+            None => {
+                let action = action.ok_or_else(|| Error::invalid("generate", "no action decided"))?;
+                (action, pending.as_ref().and_then(|p| p.decided), 0)
+            }
+            Some(c) => {
+                let t0 = Instant::now();
+                let len = if leader && pending.is_some() { shared_len } else { em.out.len() };
+                let mine = Say {
+                    hash: super::token_hash(&em.out[..len]),
+                    len,
+                    stop: em.cancel_at.is_some(),
+                    decided: if greedy || leader { pending.as_ref().and_then(|p| p.decided) } else { None },
+                    out_len: em.cancel_at.unwrap_or(em.out.len()),
+                    action,
+                };
+                let lead = exchange(c, &mine)?;
+                sstats.exchange_seconds += t0.elapsed().as_secs_f64();
+                sstats.exchanges += 1;
+                let action = lead.action.ok_or_else(|| Error::invalid("distributed", "rank 0 sent no action"))?;
+                (action, lead.decided, lead.out_len)
+            }
+        };
+        // Every rank keeps the pending cycle's kept tokens and cuts the rest.
+        if let Some(p) = pending.take() {
+            let (kept, next) = decided.ok_or_else(|| Error::invalid("distributed", "rank 0 sent no decision"))?;
+            if kept >= p.fed.len() || next as usize >= model.config().vocab_size {
+                return Err(Error::invalid("distributed", format!("rank 0 sent a bad decision ({kept}, {next})")));
+            }
+            let t0 = Instant::now();
+            let keep = kept + 1;
+            let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
+            if keep < p.fed.len() {
+                match &p.before {
+                    Some(snap) => {
+                        cache.restore(snap);
+                        model.forward(&ids_array(&p.fed[..keep])?, Some(cache))?;
+                        crate::eval(&cache.arrays())?;
+                    }
+                    None => cache.rollback(p.fed.len(), keep)?,
+                }
+            }
+            cache.set_recording(false);
+            pcache.tokens.extend_from_slice(&p.fed[..keep]);
+            sstats.verify_seconds += t0.elapsed().as_secs_f64();
+            if !leader {
+                // Rank 0 emitted these when it decided.
+                if let Some(r) = emit_cycle(&mut em, &mut gate, &mut sstats, &p.fed, &p.rows, kept, next) {
+                    end.get_or_insert(r);
+                }
+            }
+            y = next;
+        }
+        match action {
+            Action::Stop(r) => {
+                if comm.is_some() {
+                    // Rank 0's output length when it stopped (a cancelled request keeps what it showed).
+                    let n = if leader { em.cancel_at.unwrap_or(em.out.len()) } else { out_len };
+                    em.out.truncate(n);
+                }
+                break r;
+            }
+            Action::Plain(n) => {
+                let (t0, before) = (Instant::now(), em.out.len());
+                let (e, last) = plain_stretch(model, pcache, &mut sampler, y, n, &mut em, &mut gate, drafter, &taps)?;
+                sstats.plain_steps += em.out.len() - before;
+                sstats.verify_seconds += t0.elapsed().as_secs_f64();
+                y = last;
+                if let Some(r) = e {
+                    end.get_or_insert(r);
+                }
+            }
+            Action::Draft(drafts) => {
+                let t1 = Instant::now();
+                let k = drafts.len();
+                let mut fed = Vec::with_capacity(k + 1);
+                fed.push(y);
+                fed.extend_from_slice(&drafts);
+                let cache = pcache.cache.as_mut().ok_or_else(|| Error::invalid("generate", "no cache"))?;
+                let before = (spec.rollback == Rollback::Recompute).then(|| cache.snapshot());
+                cache.set_recording(spec.rollback == Rollback::Record);
+                let start_pos = pcache.tokens.len();
+                let (all, rows, tapped) = score(model, cache, &fed, &sampler, &taps)?;
+                let decided = if greedy {
+                    // One argmax over the T rows: the same per-row reduction as T calls, in one operation.
+                    let best = all.argmax(-1, false)?;
+                    let mut outs: Vec<&Array> = vec![&best];
+                    outs.extend(cache.arrays());
+                    crate::eval(&outs)?;
+                    Some(accept_greedy(&best.to_vec::<u32>()?, &fed[1..]))
+                } else if leader {
+                    let dist: Vec<Array> = rows.iter().map(|r| sampler.distribution(r)).collect::<Result<_>>()?;
+                    let mut outs: Vec<&Array> = dist.iter().collect();
+                    outs.extend(cache.arrays());
+                    crate::eval(&outs)?;
+                    let p: Vec<Vec<f32>> = dist.iter().map(|d| d.to_vec::<f32>()).collect::<Result<_>>()?;
+                    let q = pending_q.take().unwrap_or_default();
+                    let pr: Vec<&[f32]> = p.iter().map(Vec::as_slice).collect();
+                    let qr: Vec<&[f32]> = q.iter().map(Vec::as_slice).collect();
+                    Some(accept_sampled(&pr, &qr, &fed[1..], &mut rng))
+                } else {
+                    // Sampling, not rank 0: the decision needs the drafter's distributions, which rank 0
+                    // holds; run the forward (its collectives) now, as rank 0 does.
+                    let mut outs: Vec<&Array> = rows.iter().collect();
+                    outs.extend(cache.arrays());
+                    crate::eval(&outs)?;
+                    None
+                };
+                sstats.verify_seconds += t1.elapsed().as_secs_f64();
+                if leader {
+                    let (kept, next) = decided.ok_or_else(|| Error::invalid("generate", "no decision"))?;
+                    if !taps.is_empty() {
+                        drafter.observe(start_pos, &fed[..kept + 1], &tapped)?;
+                    }
+                    shared_len = em.out.len();
+                    if let Some(r) = emit_cycle(&mut em, &mut gate, &mut sstats, &fed, &rows, kept, next) {
+                        end.get_or_insert(r);
+                    }
+                }
+                pending = Some(Pending { fed, rows, before, decided });
             }
         }
-        cache.set_recording(false);
-        pcache.tokens.extend_from_slice(&fed[..keep]);
-        if !taps.is_empty() {
-            drafter.observe(start_pos, &fed[..keep], &tapped)?;
-        }
-        let t2 = Instant::now();
-        sstats.draft_seconds += (t1 - t0).as_secs_f64();
-        sstats.verify_seconds += (t2 - t1).as_secs_f64();
-        sstats.cycles += 1;
-        sstats.drafted += k;
-        sstats.accepted += kept;
-
-        let mut emitted: Vec<u32> = fed[1..keep].to_vec();
-        emitted.push(next);
-        gate.record(k, kept, em.out.len() + emitted.len());
-        let mut end = None;
-        for (j, &token) in emitted.iter().enumerate() {
-            end = em.emit(token, &rows[j]);
-            if end.is_some() {
-                break;
-            }
-        }
-        if let Some(r) = end {
-            reason = r;
-            break;
-        }
-        y = next;
-    }
+    };
     if let Some(c) = pcache.cache.as_ref() {
         crate::eval(&c.arrays())?;
+    }
+    if let Some(c) = &comm {
+        super::tripwire(c, &em.out, false)?;
     }
     sstats.events = gate.events.clone();
     sstats.fallbacks = sstats.events.iter().filter(|e| matches!(e, GateEvent::Fallback { .. })).count();
@@ -793,6 +1063,32 @@ pub fn generate_speculative(
     stats.peak_memory = memory::peak();
     stats.spec = Some(sstats.clone());
     Ok((out, reason, stats, sstats))
+}
+
+/// Counts a verified cycle that kept `kept` of the drafts `fed[1..]` and then `next`, tells the gate, and
+/// emits the kept drafts and `next`; Some when generation ends among them.
+fn emit_cycle<F: FnMut(TokenEvent<'_>) -> bool>(
+    em: &mut Emitter<'_, F>,
+    gate: &mut Gate,
+    sstats: &mut SpecStats,
+    fed: &[u32],
+    rows: &[Array],
+    kept: usize,
+    next: u32,
+) -> Option<FinishReason> {
+    let k = fed.len() - 1;
+    sstats.cycles += 1;
+    sstats.drafted += k;
+    sstats.accepted += kept;
+    let mut emitted: Vec<u32> = fed[1..kept + 1].to_vec();
+    emitted.push(next);
+    gate.record(k, kept, em.out.len() + emitted.len());
+    for (j, &token) in emitted.iter().enumerate() {
+        if let Some(r) = em.emit(token, &rows[j]) {
+            return Some(r);
+        }
+    }
+    None
 }
 
 /// Up to `n` plain decode steps from the unfed token `y`, each enqueued before the previous token is read
@@ -863,4 +1159,45 @@ fn step_taps(
     let logprobs = crate::kernels::log_softmax(&sampler.process_recent(&logits, recent)?)?;
     let token = sampler.sample(&logprobs)?;
     Ok((token, logprobs, tapped))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exchange_words_round_trip() {
+        let drafts: Vec<u32> = (0..MAX_DRAFT as u32).map(|i| 1000 + i).collect();
+        for action in [
+            None,
+            Some(Action::Draft(vec![7, 8, 9])),
+            Some(Action::Draft(drafts)),
+            Some(Action::Draft(Vec::new())),
+            Some(Action::Plain(16)),
+            Some(Action::Stop(FinishReason::Stop)),
+            Some(Action::Stop(FinishReason::Length)),
+            Some(Action::Stop(FinishReason::Cancelled)),
+        ] {
+            for decided in [None, Some((3, 42))] {
+                let say = Say {
+                    hash: 0x0123_4567_89ab_cdef,
+                    len: 77,
+                    stop: true,
+                    decided,
+                    action: action.clone(),
+                    out_len: 80,
+                };
+                let words = say.encode();
+                assert_eq!(words.len(), HEAD + MAX_DRAFT);
+                assert_eq!(Say::decode(&words).unwrap(), say);
+            }
+        }
+        // Words no rank writes are refused, not read as some action.
+        let mut words = Say { hash: 0, len: 0, stop: false, decided: None, action: None, out_len: 0 }.encode();
+        for (a, n) in [(1, MAX_DRAFT as u32 + 1), (2, 0), (3, 3), (9, 0)] {
+            (words[7], words[8]) = (a, n);
+            let err = Say::decode(&words).unwrap_err().to_string();
+            assert!(err.contains("unknown action"), "{err}");
+        }
+    }
 }

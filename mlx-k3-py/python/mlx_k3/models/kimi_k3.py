@@ -313,25 +313,13 @@ class Model(MlxLmModel):
 
     def __init__(self, args):
         super().__init__(args)
-        for path, record in k3_formats(args.quantization).items():
-            parent, name, layer = _locate(self, path)
-            _replace(parent, name, _k3_layer(path, record, layer))
-        for layer in self.language_model.model.layers:
-            if isinstance(layer.mlp, base.KimiK3SparseMoE):
-                act = layer.mlp.switch_mlp.activation
-                layer.mlp.switch_mlp.activation = FusedSiTU(act.beta, act.linear_beta)
+        use_k3_formats(self, args.quantization)
+        fuse_situ(self.language_model)
         self._cpu_ready = False
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         weights = super().sanitize(weights)
-        for path in k3_formats(self.args.quantization):
-            layer = _locate(self, path)[2]
-            if isinstance(layer, TieredSwitchLinear):
-                layer.attach(path, weights)
-            else:
-                missing = [f"{path}.{n}" for n in ("codes", "qh", "scales") if f"{path}.{n}" not in weights]
-                if missing:
-                    raise ValueError(f"config.json gives {path} the k3_codebook format but {missing} are missing")
+        check_k3_formats(self, self.args.quantization, weights)
         return weights
 
     def load_weights(self, file_or_weights, strict: bool = True):
@@ -354,21 +342,57 @@ class Model(MlxLmModel):
     def to_float32(self) -> None:
         """Casts the floating-point weights to float32 and evaluates them (the codebook scales stay f16, as
         the codebook kernels read them). The first call on a CPU stream does this."""
-        keep = set()
-        for path, m in self.named_modules():
-            if isinstance(m, (CodebookSwitchLinear, CodebookLinear)):
-                keep.add(f"{path}.scales")
-            elif isinstance(m, TieredSwitchLinear):
-                keep.add(f"{path}.codebook.scales")
-        cast = [
-            (k, v.astype(mx.float32))
-            for k, v in tree_flatten(self.parameters())
-            if k not in keep and mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32
-        ]
-        if cast:
-            self.update(tree_unflatten(cast))
-            mx.eval([v for _, v in cast])
+        cast_to_float32(self)
         self._cpu_ready = True
+
+
+def use_k3_formats(root: nn.Module, quantization: Optional[Dict[str, Any]]) -> None:
+    """Replaces the layers of ``root`` (a model whose text model is ``root.language_model``) that config.json's
+    ``quantization`` gives an mlx-k3 format with that format's layer (:func:`k3_formats`)."""
+    for path, record in k3_formats(quantization).items():
+        parent, name, layer = _locate(root, path)
+        _replace(parent, name, _k3_layer(path, record, layer))
+
+
+def fuse_situ(language_model: nn.Module) -> None:
+    """Gives the routed experts of mlx-lm's Kimi K3 text model mlx-k3's fused SiTU."""
+    for layer in language_model.model.layers:
+        if isinstance(layer.mlp, base.KimiK3SparseMoE):
+            act = layer.mlp.switch_mlp.activation
+            layer.mlp.switch_mlp.activation = FusedSiTU(act.beta, act.linear_beta)
+
+
+def check_k3_formats(root: nn.Module, quantization: Optional[Dict[str, Any]], weights: Dict[str, mx.array]) -> None:
+    """Checks that ``weights`` (sanitized, keyed by the paths of ``root``) hold every tensor of the layers
+    :func:`use_k3_formats` made, and sizes the tiered stacks' tiers from them."""
+    for path in k3_formats(quantization):
+        layer = _locate(root, path)[2]
+        if isinstance(layer, TieredSwitchLinear):
+            layer.attach(path, weights)
+        else:
+            missing = [f"{path}.{n}" for n in ("codes", "qh", "scales") if f"{path}.{n}" not in weights]
+            if missing:
+                raise ValueError(f"config.json gives {path} the k3_codebook format but {missing} are missing")
+
+
+def cast_to_float32(module: nn.Module) -> None:
+    """Casts the floating-point weights of ``module`` to float32 and evaluates them, except the codebook
+    scales (f16, as the codebook kernels read them)."""
+    keep = set()
+    for path, m in module.named_modules():
+        prefix = f"{path}." if path else ""
+        if isinstance(m, (CodebookSwitchLinear, CodebookLinear)):
+            keep.add(f"{prefix}scales")
+        elif isinstance(m, TieredSwitchLinear):
+            keep.add(f"{prefix}codebook.scales")
+    cast = [
+        (k, v.astype(mx.float32))
+        for k, v in tree_flatten(module.parameters())
+        if k not in keep and mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32
+    ]
+    if cast:
+        module.update(tree_unflatten(cast))
+        mx.eval([v for _, v in cast])
 
 
 def _locate(root: nn.Module, path: str) -> Tuple[Any, str, Any]:
