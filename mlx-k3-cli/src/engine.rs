@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use mlx_k3::chat::{ParsedOutput, ThinkingEffort};
-use mlx_k3::generate::block_drafter::load_drafter;
+use mlx_k3::generate::block_drafter::drafter_for;
 use mlx_k3::generate::speculative::{Drafter, Rank0Drafts, SpecOptions};
 use mlx_k3::generate::{GenerateOptions, ImagePrompt, Pipeline, PromptCache, PromptEncoder, TextGeneration};
 use mlx_k3::model::shard::Comm;
@@ -142,7 +142,7 @@ fn load_draft(cfg: &EngineConfig, p: &Pipeline) -> Result<Option<(Box<dyn Drafte
     let Some((dir, spec)) = &cfg.draft else { return Ok(None) };
     spec.validate()?;
     let load = LoadOptions { dtype: Some(p.model.dtype()), lazy: false, shard: None };
-    let model = load_drafter(dir, &p.model, load)
+    let model = drafter_for(dir, &p.dir, &p.model, load)
         .map_err(|e| Error::invalid("engine", format!("--draft-model {}: {e}", dir.display())))?;
     Ok(Some((model, spec.clone())))
 }

@@ -200,6 +200,13 @@ fn inspect_summarizes_a_deepseek_v3_family_checkpoint() {
     assert!(ok, "{stderr}");
     assert!(stdout.contains(": kimi_k25"), "{stdout}");
     assert!(stdout.contains("not loaded: 43 tensors") && stdout.contains("model.layers.2.*"), "{stdout}");
+    assert!(stdout.contains("no MTP drafting") && stdout.contains("num_nextn_predict_layers"), "{stdout}");
+    // A checkpoint whose config declares its MTP layer: present, usable with --draft-model mtp.
+    let mtp = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/mtp/mtp_hf");
+    let (ok, stdout, stderr) = mlx_k3(&["inspect", mtp.to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("MTP present") && stdout.contains("num_nextn_predict_layers 1"), "{stdout}");
+    assert!(stdout.contains("--draft-model mtp"), "{stdout}");
 }
 
 /// A report piped into a reader that has gone (`mlx-k3 inspect DIR | head -0`) ends quietly: no panic
@@ -409,6 +416,13 @@ fn generate_with_a_draft_model_prints_the_same_text() {
     assert!(ok, "{stderr}");
     assert_eq!(spec, plain);
     assert!(stderr.contains("tokens per cycle"), "{stderr}");
+    // --draft-model mtp on a model without an MTP layer (k3-nano is no DeepSeek-V3-family model): refused.
+    let mut args = base.to_vec();
+    args.extend(["--draft-model", "mtp"]);
+    let (ok, _, stderr) = mlx_k3(&args);
+    assert!(!ok);
+    assert!(stderr.starts_with("mlx-k3: error:") && stderr.contains("--draft-model mtp"), "{stderr}");
+    assert!(stderr.contains("DeepSeek-V3"), "{stderr}");
 }
 
 /// "speculative: C cycles, T tokens per cycle, A of D drafts accepted (P%), S plain steps, F fallbacks" ->
@@ -569,4 +583,80 @@ fn plan_counts_the_vision_tower_on_every_rank() {
     let want = format!("{:.2}", bytes as f64 / 1024.0);
     assert_eq!(cells.len(), 6, "{row}");
     assert!(cells.chunks(2).all(|c| c[0] == want && c[1] == "KiB"), "{row}: want {want} KiB on every column");
+}
+
+fn video_fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/video").join(name)
+}
+
+#[test]
+fn generate_takes_a_video_as_the_library_does() {
+    // The Kimi K3 vision fixture (tests/vision_chat.rs checks its images against mlx-vlm) with a directory of
+    // six frames: chunks of 4 and 2 frames, each with its start time in the prompt. The program's greedy
+    // text and prompt length must be what the library gives for the same frames.
+    use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
+    use mlx_k3::generate::{GenerateOptions, MediaInput, Pipeline, PromptCache, VideoInput};
+    use mlx_k3::media::VideoOptions;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/vision_chat");
+    let frames = video_fixture("frames");
+    let text = "What happens in the video?";
+    let (ok, out, err) = mlx_k3(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--video",
+        frames.to_str().unwrap(),
+        "--prompt",
+        text,
+        "--max-tokens",
+        "6",
+    ]);
+    assert!(ok, "{err}");
+    assert!(err.contains("6 of 6 frames (frame directory") && err.contains("2 chunks"), "{err}");
+
+    let p = Pipeline::load(&dir, mlx_k3::model::LoadOptions::default(), &mut |_, _| {}).unwrap();
+    let video = VideoInput::read(&frames, &VideoOptions::default()).unwrap();
+    let parts = serde_json::json!([{"type": "video"}, {"type": "text", "text": text}]);
+    let msgs = [ChatMessage { content: parts, ..ChatMessage::new("user", "") }];
+    let prompt = p
+        .encode_chat_visual(&msgs, None, &ChatOptions::thinking(ThinkingEffort::Auto), &[MediaInput::Video(video)])
+        .unwrap();
+    assert_eq!(prompt.processed.iter().map(|c| c.grid[0]).collect::<Vec<_>>(), [4, 2]);
+    let media = p.encode_media(&prompt).unwrap();
+    let opts = GenerateOptions { max_tokens: 6, ..GenerateOptions::default() };
+    let r = p.generate_media(&mut PromptCache::new(), &prompt.ids, Some(&media), &opts, |_| true).unwrap();
+    assert_eq!(out, format!("{}\n", r.text));
+    let want = format!("prompt: {} tokens", prompt.ids.len());
+    assert!(err.contains(&want), "{err}\nwant {want}");
+    // The frames matter: the same prompt without the video's features gives other logits, so another
+    // prompt length at least (the video's pad tokens are gone).
+    assert!(
+        prompt.ids.len()
+            > p.encode_chat(&[ChatMessage::new("user", text)], None, &ChatOptions::default()).unwrap().len()
+    );
+}
+
+#[test]
+fn generate_refuses_bad_videos_with_one_line_errors() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/vision_chat");
+    let model = dir.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let junk = tmp.path().join("clip.mp4");
+    std::fs::write(&junk, b"\x00\x00\x00\x18ftypmp42 not really a video").unwrap();
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let cases: [(Vec<(&str, &str)>, Vec<&str>, &str); 4] = [
+        (vec![], vec!["--video", "/no/such/clip.mp4"], "/no/such/clip.mp4"),
+        (vec![], vec!["--video", empty.to_str().unwrap()], "no .png"),
+        (vec![], vec!["--video-fps", "2"], "--video-fps"),
+        (vec![("K3_FFPROBE", "/nonexistent/ffprobe")], vec!["--video", junk.to_str().unwrap()], "K3_FFPROBE"),
+    ];
+    for (env, extra, want) in cases {
+        let mut args = vec!["generate", "--model", model, "--prompt", "x", "--max-tokens", "1"];
+        args.extend(extra);
+        let (ok, _, stderr) = mlx_k3_env(&env, &args);
+        assert!(!ok, "{args:?}");
+        assert!(stderr.starts_with("mlx-k3: error:") && stderr.contains(want), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    }
 }

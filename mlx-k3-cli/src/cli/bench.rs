@@ -41,7 +41,7 @@ pub(super) struct Args {
     #[arg(long)]
     json: bool,
     /// With --model: speculative decoding with this draft model (sharing the tokenizer; or a block drafter's
-    /// folder, whose config.json says k3_block_drafter) against plain decoding in the same run, greedy, on a
+    /// folder, whose config.json says k3_block_drafter; or `mtp`, the model's own MTP layer) against plain decoding in the same run, greedy, on a
     /// code and a prose prompt (or --spec-prompts): tokens per cycle, accept rate, tok/s of both, the gate's
     /// decisions.
     #[arg(long, value_name = "DIR")]
@@ -471,7 +471,7 @@ fn bench_speculative(dir: &std::path::Path, args: &Args) -> Result<()> {
     let (mut drafter, name): (Box<dyn Drafter>, String) = match &args.draft_model {
         Some(d) => {
             let load = LoadOptions { dtype: Some(model.dtype()), lazy: false, shard: None };
-            let drafter = mlx_k3::generate::block_drafter::load_drafter(d, &model, load)?;
+            let drafter = mlx_k3::generate::block_drafter::drafter_for(d, dir, &model, load)?;
             let name = format!("{} ({})", d.display(), drafter.name());
             (drafter, name)
         }

@@ -6,12 +6,13 @@ use std::path::{Path, PathBuf};
 use clap::Args as ClapArgs;
 
 use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
-use mlx_k3::generate::block_drafter::load_drafter;
+use mlx_k3::generate::block_drafter::drafter_for;
 use mlx_k3::generate::speculative::{Drafter, GateConfig, Rank0Drafts, SpecOptions};
 use mlx_k3::generate::{
-    GenerateOptions, GenerationStats, ImageInput, ImagePrompt, Pipeline, PromptCache, PromptMedia, SamplerConfig,
-    TextGeneration,
+    GenerateOptions, GenerationStats, ImageInput, ImagePrompt, MediaInput, Pipeline, PromptCache, PromptMedia,
+    SamplerConfig, TextGeneration, VideoInput,
 };
+use mlx_k3::media::VideoOptions;
 use mlx_k3::model::shard::Comm;
 use mlx_k3::model::LoadOptions;
 use mlx_k3::{Dtype, Error, Result};
@@ -68,9 +69,10 @@ pub struct ModelArgs {
     pub system: Option<String>,
     /// Speculative decoding with this draft model (a checkpoint sharing the tokenizer, e.g. a pruned or
     /// quantized build of the model, or a block drafter's folder such as models/k3-nano/drafter, which reads
-    /// the model's hidden states): it proposes tokens, the model checks them in one forward. Greedy output
-    /// is unchanged; sampled output keeps the model's distribution.
-    #[arg(long, value_name = "DIR")]
+    /// the model's hidden states), or `mtp`: the multi-token-prediction layer of the model's own
+    /// DeepSeek-V3-family checkpoint (a folder named mtp is `./mtp`). It proposes tokens, the model checks
+    /// them in one forward. Greedy output is unchanged; sampled output keeps the model's distribution.
+    #[arg(long, value_name = "DIR|mtp")]
     pub draft_model: Option<PathBuf>,
     /// The most tokens drafted per cycle (with --draft-model).
     #[arg(long, default_value_t = 7)]
@@ -168,7 +170,7 @@ impl ModelArgs {
             return Ok(Some(Speculation { drafter: Box::new(Rank0Drafts), options }));
         }
         let load = LoadOptions { dtype: Some(p.model.dtype()), lazy: false, shard: None };
-        let drafter = load_drafter(dir, &p.model, load)
+        let drafter = drafter_for(dir, &p.dir, &p.model, load)
             .map_err(|e| Error::invalid("cli", format!("--draft-model {}: {e}", dir.display())))?;
         Ok(Some(Speculation { drafter, options }))
     }
@@ -269,6 +271,21 @@ pub(super) struct GenerateArgs {
     /// the images come before the prompt's text in the user message).
     #[arg(long = "image", value_name = "FILE", conflicts_with = "raw")]
     images: Vec<PathBuf>,
+    /// A video shown with the prompt (repeatable; after the images, before the text), for Kimi K3 vision
+    /// checkpoints: a directory of frame images (in name order, taken at --video-fps), an animated PNG or
+    /// WebP, or any video file the optional FFmpeg programs (ffprobe, ffmpeg; K3_FFPROBE / K3_FFMPEG name
+    /// others) decode. Frames are sampled, chunked by 4 and written into the prompt with their start times
+    /// as docs/architecture.md#vision says.
+    #[arg(long = "video", value_name = "PATH", conflicts_with = "raw")]
+    videos: Vec<PathBuf>,
+    /// Frames per second sampled from --video (never more than the video has) [default: the checkpoint's
+    /// media_proc_cfg.sample_fps, else 2].
+    #[arg(long, value_name = "F")]
+    video_fps: Option<f64>,
+    /// The most frames taken from one --video, spread evenly over it [default: the checkpoint's
+    /// media_proc_cfg.max_num_frames_each_video, else 64].
+    #[arg(long, value_name = "N")]
+    video_max_frames: Option<usize>,
 }
 
 pub(super) fn generate(args: GenerateArgs) -> Result<()> {
@@ -276,24 +293,53 @@ pub(super) fn generate(args: GenerateArgs) -> Result<()> {
     // A split model: every rank runs the same generation; rank 0 prints it.
     let speak = p.model.shard().is_none_or(|s| s.rank == 0);
     let thinking = args.model.thinking()?;
-    let use_chat = args.chat || (!args.raw && p.chat_by_default()) || !args.images.is_empty();
-    let images = args.images.iter().map(|f| ImageInput::read(f)).collect::<Result<Vec<_>>>()?;
+    let use_chat =
+        args.chat || (!args.raw && p.chat_by_default()) || !args.images.is_empty() || !args.videos.is_empty();
+    let mut media =
+        args.images.iter().map(|f| ImageInput::read(f).map(MediaInput::Image)).collect::<Result<Vec<_>>>()?;
+    if !args.videos.is_empty() {
+        let opts = video_options(&p, args.video_fps, args.video_max_frames)?;
+        for f in &args.videos {
+            let v = VideoInput::read(f, &opts)?;
+            if speak {
+                let k = p.vision.as_ref().map_or(4, |v| v.processor.temporal_merge_kernel_size);
+                eprintln!(
+                    "video {}: {} of {} frames ({}, {:.3} frames/s), {} chunks",
+                    v.video.name,
+                    v.video.frames.len(),
+                    v.video.source_frames,
+                    v.video.decoder,
+                    v.video.source_fps,
+                    v.video.frames.len().div_ceil(k)
+                );
+            }
+            media.push(MediaInput::Video(v));
+        }
+    } else if args.video_fps.is_some() || args.video_max_frames.is_some() {
+        return Err(Error::invalid("cli", "--video-fps and --video-max-frames apply to --video, which is not given"));
+    }
     let (ids, media) = if use_chat {
         let mut msgs = Vec::new();
         if let Some(s) = &args.model.system {
             msgs.push(ChatMessage::new("system", s));
         }
-        if images.is_empty() {
+        if media.is_empty() {
             msgs.push(ChatMessage::new("user", &args.prompt));
         } else {
-            let mut parts: Vec<serde_json::Value> = images.iter().map(|_| json!({"type": "image"})).collect();
+            let mut parts: Vec<serde_json::Value> = media
+                .iter()
+                .map(|m| match m {
+                    MediaInput::Image(_) => json!({"type": "image"}),
+                    MediaInput::Video(_) => json!({"type": "video"}),
+                })
+                .collect();
             parts.push(json!({"type": "text", "text": args.prompt}));
             msgs.push(ChatMessage { content: serde_json::Value::Array(parts), ..ChatMessage::new("user", "") });
         }
-        if images.is_empty() {
+        if media.is_empty() {
             (p.encode_chat(&msgs, None, &ChatOptions::thinking(thinking))?, None)
         } else {
-            let prompt = p.encode_chat_images(&msgs, None, &ChatOptions::thinking(thinking), &images)?;
+            let prompt = p.encode_chat_visual(&msgs, None, &ChatOptions::thinking(thinking), &media)?;
             let media = match p.model.comm() {
                 None => p.encode_media(&prompt)?,
                 Some(c) => shared_media(&p, c, &prompt)?,
@@ -310,7 +356,7 @@ pub(super) fn generate(args: GenerateArgs) -> Result<()> {
     }
     let mut spec = args.model.speculation(&p)?;
     if spec.is_some() && media.is_some() {
-        return Err(Error::invalid("cli", "--draft-model does not take prompts with --image yet"));
+        return Err(Error::invalid("cli", "--draft-model does not take prompts with --image or --video yet"));
     }
     let on_text = |piece: &str| {
         if !speak {
@@ -335,6 +381,27 @@ pub(super) fn generate(args: GenerateArgs) -> Result<()> {
     }
     print_stats(&r.stats);
     Ok(())
+}
+
+/// The sampling of `--video`: the flags, else the checkpoint's `media_proc_cfg`, else the defaults.
+fn video_options(p: &Pipeline, fps: Option<f64>, max_frames: Option<usize>) -> Result<VideoOptions> {
+    let proc = p.vision.as_ref().map(|v| &v.processor);
+    let d = VideoOptions::default();
+    let opts = VideoOptions {
+        fps: fps.or(proc.and_then(|p| p.sample_fps)).unwrap_or(d.fps),
+        max_frames: max_frames.or(proc.and_then(|p| p.max_num_frames_each_video)).unwrap_or(d.max_frames),
+        ..d
+    };
+    opts.validate().map_err(|_| {
+        Error::invalid(
+            "cli",
+            format!(
+                "--video-fps must be a positive number and --video-max-frames at least 1 (got {} and {})",
+                opts.fps, opts.max_frames
+            ),
+        )
+    })?;
+    Ok(opts)
 }
 
 /// The media of an image prompt on a model split over ranks: rank 0 runs the vision tower, the other ranks

@@ -159,8 +159,8 @@ pub(super) fn run(args: Args) -> Result<()> {
         fmt_bytes(resident),
         resident as f64 * 8.0 / tp.max(1) as f64
     );
-    // Multi-token-prediction layers never reach the model (the loader drops them as mlx-lm's sanitize does);
-    // their size, from the headers.
+    // Multi-token-prediction layers never reach the model (the loader drops them as mlx-lm's sanitize does;
+    // `--draft-model mtp` loads the first one apart); their size, from the headers.
     let (mut mtp, mut mtp_bytes) = (0usize, 0u64);
     for file in loader::weight_files(&args.dir)? {
         let st = mlx_k3::io::Safetensors::load(&file)?;
@@ -173,12 +173,19 @@ pub(super) fn run(args: Args) -> Result<()> {
         }
     }
     if mtp > 0 {
-        println!(
-            "not loaded: {mtp} tensors ({}) of multi-token-prediction layers (model.layers.{}.* and later), \
-             dropped as mlx-lm drops them",
+        let what = format!(
+            "{mtp} tensors ({}) of multi-token-prediction layers (model.layers.{}.* and later)",
             fmt_bytes(mtp_bytes),
             t.num_hidden_layers
         );
+        match mlx_k3::model::mtp::mtp_unavailable(&args.dir, &cfg)? {
+            None => println!(
+                "MTP present: {what}, num_nextn_predict_layers {}; not loaded: only speculative decoding with \
+                 --draft-model mtp reads it",
+                mlx_k3::model::mtp::mtp_layer_count(&cfg)
+            ),
+            Some(why) => println!("not loaded: {what}, dropped as mlx-lm drops them (no MTP drafting: {why})"),
+        }
     }
     // A multimodal checkpoint's media encoder (vision tower and projector) is not part of the text model
     // above: `model::vision::VisionTower` loads it, and `convert` copies it through unchanged.

@@ -63,9 +63,10 @@ pub(super) struct Args {
     /// beyond it.
     #[arg(long, default_value_t = 2048)]
     session_cache_mib: usize,
-    /// Speculative decoding with this draft model (sharing the tokenizer), or a block drafter's folder
-    /// (models/k3-nano/drafter); a request opts out with `"speculative": false`.
-    #[arg(long, value_name = "DIR")]
+    /// Speculative decoding with this draft model (sharing the tokenizer), a block drafter's folder
+    /// (models/k3-nano/drafter), or `mtp` (the MTP layer of the model's DeepSeek-V3-family checkpoint); a
+    /// request opts out with `"speculative": false`.
+    #[arg(long, value_name = "DIR|mtp")]
     draft_model: Option<PathBuf>,
     /// The most tokens drafted per cycle (with --draft-model).
     #[arg(long, default_value_t = 7)]

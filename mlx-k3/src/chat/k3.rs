@@ -39,6 +39,9 @@ const SEP: &str = "<|sep|>";
 const END_OF_MSG: &str = "<|end_of_msg|>";
 /// What an image part renders as (the processor later expands it into the image's tokens).
 pub const IMAGE_PLACEHOLDER: &str = "<|kimi_image_placeholder|>";
+/// What a video part renders as: this project's own marker (the reference encoding has no video part), which
+/// the prompt expansion replaces with the video's chunks (`media::prompt`); never tokenized.
+pub const VIDEO_PLACEHOLDER: &str = "<|kimi_video_placeholder|>";
 /// The efforts the encoding accepts (`_VALID_THINKING_EFFORTS`; Kimi K3.1 dropped `medium`).
 pub const EFFORTS: [&str; 3] = ["low", "high", "max"];
 
@@ -122,7 +125,8 @@ impl Out {
     }
 
     /// `_render_content_segments`: a string, null, or a list of parts (`image`/`image_url` parts become the
-    /// image placeholder, any other part contributes its `text`).
+    /// image placeholder, `video`/`video_url` parts the video placeholder, any other part contributes its
+    /// `text`).
     fn content(&mut self, content: Option<&Value>, field: &str) -> Result<()> {
         match content {
             None | Some(Value::Null) => {}
@@ -136,6 +140,8 @@ impl Out {
                     let ty = p.get("type").ok_or_else(|| err(format!("{pf}.type: missing")))?;
                     if ty == "image" || ty == "image_url" {
                         self.control(IMAGE_PLACEHOLDER);
+                    } else if ty == "video" || ty == "video_url" {
+                        self.control(VIDEO_PLACEHOLDER);
                     } else {
                         let text = p.get("text").ok_or_else(|| err(format!("{pf}.text: missing")))?;
                         self.text(py_str(text, &format!("{pf}.text"))?);

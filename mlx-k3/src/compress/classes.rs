@@ -35,7 +35,8 @@ pub enum TensorClass {
     /// Anything else.
     Other,
     /// A multi-token-prediction layer (`model.layers.{n}.*` at or past `num_hidden_layers`, or `mtp.*`):
-    /// dropped at load, as mlx-lm's sanitize drops it, so it only appears where headers are read.
+    /// dropped at load, as mlx-lm's sanitize drops it, so it only appears where headers are read (and in
+    /// [`crate::model::mtp::MtpLayer`], which `--draft-model mtp` loads apart from the model).
     Mtp,
 }
 

@@ -480,3 +480,21 @@ pub fn load_drafter(dir: &Path, target: &KimiK3, load: crate::model::LoadOptions
     let model = KimiK3::load(dir, load)?;
     Ok(Box::new(super::speculative::DraftModel::new(model, target.config().vocab_size)?))
 }
+
+/// The `--draft-model` value that selects the MTP layer of the model's own checkpoint
+/// ([`super::mtp_drafter::MtpDrafter`]); a folder of that name is given as `./mtp`.
+pub const MTP: &str = "mtp";
+
+/// The drafter of a `--draft-model` value: [`MTP`] (the MTP layer of `target`'s checkpoint `target_dir`),
+/// else [`load_drafter`] of the folder.
+pub fn drafter_for(
+    value: &Path,
+    target_dir: &Path,
+    target: &KimiK3,
+    load: crate::model::LoadOptions,
+) -> Result<Box<dyn Drafter>> {
+    if value.as_os_str() == MTP {
+        return Ok(Box::new(super::mtp_drafter::MtpDrafter::load(target_dir, target)?));
+    }
+    load_drafter(value, target, load)
+}

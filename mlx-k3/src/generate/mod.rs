@@ -11,6 +11,7 @@
 //! thread through channels.
 
 pub mod block_drafter;
+pub mod mtp_drafter;
 mod pipeline;
 pub mod sample;
 pub mod speculative;
@@ -20,7 +21,7 @@ use std::time::Instant;
 use crate::model::{KimiK3, ModelCache};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{memory, Array, Dtype, Error, Result};
-pub use pipeline::{ImageInput, ImagePrompt, Pipeline, PromptEncoder, Vision};
+pub use pipeline::{ImageInput, ImagePrompt, MediaInput, Pipeline, PromptEncoder, VideoInput, Vision};
 pub use sample::{RecentTokens, Sampler, SamplerConfig};
 
 /// Settings of one generation.

@@ -60,6 +60,45 @@ impl ImageInput {
     }
 }
 
+/// A video of a prompt: its sampled frames ([`media::decode_video`]).
+#[derive(Clone, Debug)]
+pub struct VideoInput {
+    /// The frames and where they came from.
+    pub video: media::Video,
+}
+
+impl VideoInput {
+    /// Decodes and samples the video at `path` (a directory of frames, an animated PNG or WebP, or a video
+    /// file FFmpeg reads) with the default size limits.
+    pub fn read(path: &Path, opts: &media::VideoOptions) -> Result<VideoInput> {
+        Ok(VideoInput { video: media::decode_video(path, opts, &media::Limits::default())? })
+    }
+
+    /// The prompt cache's key of the frames `frames`: the first 8 bytes of the SHA-256 of their sizes and
+    /// pixels.
+    fn key(frames: &[media::Image]) -> u64 {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for f in frames {
+            h.update((f.width as u64).to_le_bytes());
+            h.update((f.height as u64).to_le_bytes());
+            h.update([f.mode.bands() as u8]);
+            h.update(&f.data);
+        }
+        let d = h.finalize();
+        u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
+    }
+}
+
+/// An image or a video of a prompt, in the order of the chat's image and video parts.
+#[derive(Clone, Debug)]
+pub enum MediaInput {
+    /// An image file.
+    Image(ImageInput),
+    /// A video's frames.
+    Video(VideoInput),
+}
+
 /// A chat prompt with images, before the vision tower: its token ids (placeholders expanded), the
 /// placeholder ids, the processed images and each image's key and token count. Made without the model
 /// ([`PromptEncoder::encode_chat_images`], so a server can make it off the model's thread); the model's
@@ -93,32 +132,78 @@ fn image_processor(dir: &Path, cfg: &ModelConfig) -> Result<ImageProcessor> {
     ImageProcessor::from_dir(kind, dir)
 }
 
-/// Decodes and processes `images`, renders the chat and expands its image placeholders to each image's
-/// token count (Kimi K3: the `image WxH` prompt in place of each placeholder; K2.5: `<|media_pad|>`
-/// repeated). Errors name an image that cannot be decoded, and say so when the placeholders and images
-/// differ in number or the checkpoint takes no images.
-fn encode_chat_images(
+/// Decodes and processes `media`, renders the chat and expands its image and video placeholders to each
+/// medium's token count (Kimi K3: the `image WxH` prompt in place of each image placeholder, one
+/// timestamped video prompt per chunk in place of each video placeholder; K2.5: `<|media_pad|>` repeated,
+/// images only). Errors name an image or video that cannot be decoded, and say so when the placeholders
+/// and media differ in number or kind or the checkpoint takes no images.
+fn encode_chat_visual(
     tokenizer: &Tokenizer,
     chat: &ChatEncoder,
     processor: Option<&ImageProcessor>,
     messages: &[ChatMessage],
     tools: Option<&Value>,
     opts: &ChatOptions,
-    images: &[ImageInput],
+    media_in: &[MediaInput],
 ) -> Result<ImagePrompt> {
     let processor = processor.ok_or_else(no_vision)?;
     let limits = media::Limits::default();
-    let processed = images
-        .iter()
-        .map(|im| processor.process(&media::decode(&im.bytes, &im.name, &limits)?))
-        .collect::<Result<Vec<Processed>>>()?;
+    // Each medium's processed grids (one for an image, one per chunk for a video), chunk timestamps and keys.
+    let mut done: Vec<(Vec<Processed>, Option<Vec<String>>, Vec<u64>)> = Vec::with_capacity(media_in.len());
+    for m in media_in {
+        match m {
+            MediaInput::Image(im) => {
+                let p = processor.process(&media::decode(&im.bytes, &im.name, &limits)?)?;
+                done.push((vec![p], None, vec![im.key()]));
+            }
+            MediaInput::Video(v) => {
+                let v = &v.video;
+                let k = processor.temporal_merge_kernel_size;
+                let chunks = processor
+                    .process_video(&v.frames, k)
+                    .map_err(|e| Error::invalid("media", format!("{}: {e}", v.name)))?;
+                let stamps = (0..chunks.len()).map(|c| processor.timestamp_mode.format(v.time_of(c * k))).collect();
+                let keys = v.frames.chunks(k).map(VideoInput::key).collect();
+                done.push((chunks, Some(stamps), keys));
+            }
+        }
+    }
     let rendered = chat.prompt_messages(messages, tools, opts)?;
     let prompt = match processor.kind {
-        ProcessorKind::K3 => media::prompt::k3_prompt(tokenizer, &rendered, &processed)?,
-        ProcessorKind::K25 => media::prompt::k25_prompt(tokenizer, &rendered.encode(tokenizer)?, &processed)?,
+        ProcessorKind::K3 => {
+            let refs: Vec<media::prompt::Medium> = done
+                .iter()
+                .map(|(p, stamps, _)| match stamps {
+                    None => media::prompt::Medium::Image(&p[0]),
+                    Some(t) => media::prompt::Medium::Video(p, t),
+                })
+                .collect();
+            media::prompt::k3_media_prompt(tokenizer, &rendered, &refs)?
+        }
+        ProcessorKind::K25 => {
+            if done.iter().any(|d| d.1.is_some()) {
+                return Err(Error::invalid(
+                    "media",
+                    "video prompts are made for Kimi K3 checkpoints only (no Kimi K2.5 chat encoding here takes video parts)",
+                ));
+            }
+            let images: Vec<Processed> = done.iter().map(|d| d.0[0].clone()).collect();
+            media::prompt::k25_prompt(tokenizer, &rendered.encode(tokenizer)?, &images)?
+        }
     };
-    let items = images.iter().zip(&processed).map(|(im, p)| MediaItem { key: im.key(), tokens: p.tokens }).collect();
+    let mut processed = Vec::new();
+    let mut items = Vec::new();
+    for (ps, _, keys) in done {
+        for (p, key) in ps.into_iter().zip(keys) {
+            items.push(MediaItem { key, tokens: p.tokens });
+            processed.push(p);
+        }
+    }
     Ok(ImagePrompt { ids: prompt.ids, placeholders: prompt.placeholder_ids, processed, items })
+}
+
+fn images_as_media(images: &[ImageInput]) -> Vec<MediaInput> {
+    images.iter().cloned().map(MediaInput::Image).collect()
 }
 
 impl Pipeline {
@@ -148,8 +233,7 @@ impl Pipeline {
         if images.is_empty() {
             return Ok((self.encode_chat(messages, tools, opts)?, None));
         }
-        let processor = self.vision.as_ref().map(|v| &v.processor);
-        let prompt = encode_chat_images(&self.tokenizer, &self.chat, processor, messages, tools, opts, images)?;
+        let prompt = self.encode_chat_images(messages, tools, opts, images)?;
         let media = self.encode_media(&prompt)?;
         Ok((prompt.ids, Some(media)))
     }
@@ -162,8 +246,19 @@ impl Pipeline {
         opts: &ChatOptions,
         images: &[ImageInput],
     ) -> Result<ImagePrompt> {
+        self.encode_chat_visual(messages, tools, opts, &images_as_media(images))
+    }
+
+    /// As [`PromptEncoder::encode_chat_visual`]: the prompt with images and videos, before the tower.
+    pub fn encode_chat_visual(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        opts: &ChatOptions,
+        media: &[MediaInput],
+    ) -> Result<ImagePrompt> {
         let processor = self.vision.as_ref().map(|v| &v.processor);
-        encode_chat_images(&self.tokenizer, &self.chat, processor, messages, tools, opts, images)
+        encode_chat_visual(&self.tokenizer, &self.chat, processor, messages, tools, opts, media)
     }
 
     /// Runs the vision tower on an [`ImagePrompt`]'s processed images: the media its placeholders take.
@@ -329,8 +424,20 @@ impl PromptEncoder {
         opts: &ChatOptions,
         images: &[ImageInput],
     ) -> Result<ImagePrompt> {
+        self.encode_chat_visual(messages, tools, opts, &images_as_media(images))
+    }
+
+    /// As [`PromptEncoder::encode_chat_images`] with videos too: `media` in the order of the messages' image
+    /// and video parts (Kimi K3's chat encoding renders `video` / `video_url` parts as a video placeholder).
+    pub fn encode_chat_visual(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        opts: &ChatOptions,
+        media: &[MediaInput],
+    ) -> Result<ImagePrompt> {
         let processor = self.image_processor.as_ref();
-        encode_chat_images(&self.tokenizer, &self.chat, processor, messages, tools, opts, images)
+        encode_chat_visual(&self.tokenizer, &self.chat, processor, messages, tools, opts, media)
     }
 
     /// As [`Pipeline::encode_raw`].

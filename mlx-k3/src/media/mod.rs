@@ -15,16 +15,21 @@
 //!    `[patches, 3, p, p]` in row-major patch order with the grid `(t, h, w)`.
 //! 3. [`prompt`]: expanding the chat's image placeholder into the image's tokens.
 //!
-//! Video is a list of frames ([`decode_frames_dir`] reads a directory of image files in name order) cut into
+//! Video is a list of frames ([`decode_video`] samples them from a directory of image files, an animated
+//! PNG or WebP, or another video file through FFmpeg; [`decode_frames_dir`] reads a directory whole) cut into
 //! chunks of up to [`VIDEO_CHUNK_FRAMES`] ([`ImageProcessor::process_video`]).
 
 mod decode;
 mod process;
 pub mod prompt;
 mod resize;
+pub mod video;
 
 pub use decode::{decode, decode_file, decode_frames_dir, Limits};
-pub use process::{stack, Background, FillStage, ImageProcessor, Processed, ProcessorKind, VIDEO_CHUNK_FRAMES};
+pub use process::{
+    stack, Background, FillStage, ImageProcessor, Processed, ProcessorKind, TimestampMode, VIDEO_CHUNK_FRAMES,
+};
+pub use video::{decode_video, Video, VideoOptions};
 
 use crate::{Error, Result};
 

@@ -84,6 +84,45 @@ pub struct ImageProcessor {
     pub transparent_bg: Option<Background>,
     /// K3: when the background is composited.
     pub fill_stage: FillStage,
+    /// Video: the most patches a frame may have (`in_patch_limit_each_frame`; `None`: `in_patch_limit`).
+    pub in_patch_limit_each_frame: Option<usize>,
+    /// Video: a patch budget per video chunk, shared by its frames (`in_patch_limit_video`; `None`: none).
+    pub in_patch_limit_video: Option<usize>,
+    /// Video: frames sampled per second (`sample_fps`; `None`: the caller's default).
+    pub sample_fps: Option<f64>,
+    /// Video: the most frames sampled from one video (`max_num_frames_each_video`; `None`: the caller's).
+    pub max_num_frames_each_video: Option<usize>,
+    /// Video: frames per chunk (`temporal_merge_kernel_size`, default [`VIDEO_CHUNK_FRAMES`]).
+    pub temporal_merge_kernel_size: usize,
+    /// Video: how a chunk's start time is written in the prompt (`timestamp_mode`).
+    pub timestamp_mode: TimestampMode,
+}
+
+/// `timestamp_mode` of Kimi's video processor: how a video chunk's start time is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TimestampMode {
+    /// `hh:mm:ss.fff` (the default).
+    HhMmSsFff,
+    /// `mm:ss.fff`.
+    MmSsFff,
+    /// `mm:ss`.
+    MmSs,
+}
+
+impl TimestampMode {
+    /// `seconds` as Kimi's `timestamp_as_str` writes it: whole seconds as a UTC clock (hours modulo 24),
+    /// milliseconds truncated.
+    pub fn format(self, seconds: f64) -> String {
+        let s = if seconds.is_finite() { seconds.max(0.0) } else { 0.0 };
+        let whole = s.floor() as u64;
+        let ms = (((s - s.floor()) * 1000.0) as u64).min(999);
+        let (h, m, sec) = ((whole / 3600) % 24, (whole / 60) % 60, whole % 60);
+        match self {
+            TimestampMode::HhMmSsFff => format!("{h:02}:{m:02}:{sec:02}.{ms:03}"),
+            TimestampMode::MmSsFff => format!("{m:02}:{sec:02}.{ms:03}"),
+            TimestampMode::MmSs => format!("{m:02}:{sec:02}"),
+        }
+    }
 }
 
 /// One processed image.
@@ -123,6 +162,12 @@ impl ImageProcessor {
             patch_limit_on_one_side: 512,
             transparent_bg: None,
             fill_stage: FillStage::BeforeResize,
+            in_patch_limit_each_frame: None,
+            in_patch_limit_video: None,
+            sample_fps: None,
+            max_num_frames_each_video: None,
+            temporal_merge_kernel_size: VIDEO_CHUNK_FRAMES,
+            timestamp_mode: TimestampMode::HhMmSsFff,
         }
     }
 
@@ -204,6 +249,40 @@ impl ImageProcessor {
                 }
                 _ => return Err(bad()),
             };
+        }
+        // The video fields; `null` (as the K2.5 release writes unused ones) means unset.
+        let opt_uint = |key: &str| -> Result<Option<usize>> {
+            match cfg.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(_) => uint(key),
+            }
+        };
+        p.in_patch_limit_each_frame = opt_uint("in_patch_limit_each_frame")?;
+        p.in_patch_limit_video = opt_uint("in_patch_limit_video")?;
+        p.max_num_frames_each_video = opt_uint("max_num_frames_each_video")?;
+        if let Some(t) = opt_uint("temporal_merge_kernel_size")? {
+            p.temporal_merge_kernel_size = t;
+        }
+        match cfg.get("sample_fps") {
+            None | Some(Value::Null) => {}
+            Some(v) => {
+                let f = v.as_f64().filter(|f| f.is_finite() && *f > 0.0).ok_or_else(|| {
+                    cfg_err(name, format!("media_proc_cfg.sample_fps must be a positive number, got {v}"))
+                })?;
+                p.sample_fps = Some(f);
+            }
+        }
+        match cfg.get("timestamp_mode") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(m)) if m == "hh:mm:ss.fff" => p.timestamp_mode = TimestampMode::HhMmSsFff,
+            Some(Value::String(m)) if m == "mm:ss.fff" => p.timestamp_mode = TimestampMode::MmSsFff,
+            Some(Value::String(m)) if m == "mm:ss" => p.timestamp_mode = TimestampMode::MmSs,
+            Some(v) => {
+                return Err(cfg_err(
+                    name,
+                    format!("media_proc_cfg.timestamp_mode must be hh:mm:ss.fff, mm:ss.fff or mm:ss, got {v}"),
+                ))
+            }
         }
         if kind == ProcessorKind::K3 {
             match cfg.get("transparent_bg_config") {
@@ -352,6 +431,10 @@ impl ImageProcessor {
     /// merge, so a chunk yields `h * w / (merge_h * merge_w)` tokens whatever `t` is. Each frame goes through
     /// the image pipeline unchanged (the same rescale, resize, fill, pad and normalization), so a chunk's
     /// `pixel_values` are its frames' image patches concatenated. All frames must have one size.
+    ///
+    /// A frame's patch limit is Kimi K2.5's video rule (`navit_resize_video` for a chunk):
+    /// `in_patch_limit_each_frame` (else `in_patch_limit`), and with `in_patch_limit_video` at most
+    /// `round(in_patch_limit_video / frames in the chunk)`.
     pub fn process_video(&self, frames: &[Image], chunk: usize) -> Result<Vec<Processed>> {
         if frames.is_empty() {
             return Err(Error::invalid("media", "a video without frames"));
@@ -371,10 +454,12 @@ impl ImageProcessor {
         }
         let mut out = Vec::with_capacity(frames.len().div_ceil(chunk));
         for group in frames.chunks(chunk) {
+            let mut frame_proc = self.clone();
+            frame_proc.in_patch_limit = self.frame_patch_limit(group.len());
             let mut pixel_values = Vec::new();
             let mut first = None;
             for f in group {
-                let p = self.process(f)?;
+                let p = frame_proc.process(f)?;
                 pixel_values.extend_from_slice(&p.pixel_values);
                 first.get_or_insert(p);
             }
@@ -384,6 +469,18 @@ impl ImageProcessor {
             out.push(Processed { pixel_values, grid, rgb: first.rgb, original_size: (w, h), tokens });
         }
         Ok(out)
+    }
+}
+
+impl ImageProcessor {
+    /// The patch limit of each frame of a video chunk of `frames` frames (see [`ImageProcessor::process_video`]).
+    pub fn frame_patch_limit(&self, frames: usize) -> usize {
+        let each = self.in_patch_limit_each_frame.unwrap_or(self.in_patch_limit);
+        match self.in_patch_limit_video {
+            // Python's round: ties to even.
+            Some(total) => each.min((total as f64 / frames.max(1) as f64).round_ties_even().max(1.0) as usize),
+            None => each,
+        }
     }
 }
 

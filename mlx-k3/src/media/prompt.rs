@@ -35,27 +35,103 @@ fn count_err(placeholders: usize, images: usize) -> Error {
 
 /// K3: the segments with every image placeholder replaced by its image's prompt (a special segment).
 pub fn expand_k3_segments(segments: &[Segment], images: &[Processed]) -> Result<Vec<Segment>> {
-    let found: usize = segments.iter().map(|s| s.text.matches(IMAGE_PLACEHOLDER).count()).sum();
-    if found != images.len() {
-        return Err(count_err(found, images.len()));
+    let media: Vec<Medium> = images.iter().map(Medium::Image).collect();
+    expand_k3_media(segments, &media)
+}
+
+/// What a Kimi K3 video part renders as before expansion (this project's marker: the reference encoding
+/// has no video part).
+pub const VIDEO_PLACEHOLDER: &str = crate::chat::k3::VIDEO_PLACEHOLDER;
+
+/// A medium of a prompt, in the order of its placeholder: an image, or a video as its chunks (each a
+/// [`Processed`] with `t` frames) and each chunk's start time as the prompt writes it.
+#[derive(Clone, Copy, Debug)]
+pub enum Medium<'a> {
+    /// One image.
+    Image(&'a Processed),
+    /// A video's chunks and their timestamps (one each).
+    Video(&'a [Processed], &'a [String]),
+}
+
+impl Medium<'_> {
+    fn kind(&self) -> &'static str {
+        match self {
+            Medium::Image(_) => "image",
+            Medium::Video(..) => "video",
+        }
     }
-    let mut next = images.iter();
-    let mut out = Vec::with_capacity(segments.len() + 2 * images.len());
+}
+
+/// Kimi's video chunk prompt (`make_chunk_prompt` of Kimi K2.5's video processor, which SGLang's Kimi K3
+/// processor writes too): the chunk's start time, then `<|media_begin|>video<|media_content|>`, one
+/// `<|media_pad|>` per token and `<|media_end|>`.
+pub fn video_chunk_prompt(timestamp: &str, tokens: usize) -> String {
+    format!("{timestamp}<|media_begin|>video<|media_content|>{}<|media_end|>", MEDIA_PAD.repeat(tokens))
+}
+
+/// K3: the segments with every image placeholder replaced by its image's prompt and every video
+/// placeholder by its chunks' prompts, one after another (special segments). The placeholders must match
+/// `media` in number and kind, in order.
+pub fn expand_k3_media(segments: &[Segment], media: &[Medium]) -> Result<Vec<Segment>> {
+    let next_placeholder = |text: &str| -> Option<(usize, &'static str)> {
+        let i = text.find(IMAGE_PLACEHOLDER).map(|i| (i, IMAGE_PLACEHOLDER));
+        let v = text.find(VIDEO_PLACEHOLDER).map(|i| (i, VIDEO_PLACEHOLDER));
+        match (i, v) {
+            (Some(a), Some(b)) => Some(if a.0 < b.0 { a } else { b }),
+            (a, b) => a.or(b),
+        }
+    };
+    let mut found = Vec::new();
     for s in segments {
-        if !s.text.contains(IMAGE_PLACEHOLDER) {
+        let mut rest = s.text.as_str();
+        while let Some((at, ph)) = next_placeholder(rest) {
+            found.push(if ph == IMAGE_PLACEHOLDER { "image" } else { "video" });
+            rest = &rest[at + ph.len()..];
+        }
+    }
+    let want: Vec<&str> = media.iter().map(Medium::kind).collect();
+    if found != want {
+        let images = want.iter().filter(|k| **k == "image").count();
+        let videos = want.len() - images;
+        let found_images = found.iter().filter(|k| **k == "image").count();
+        if videos == 0 && found.len() == found_images {
+            return Err(count_err(found.len(), media.len()));
+        }
+        return Err(Error::invalid(
+            "media",
+            format!(
+                "the prompt's media placeholders are [{}] where the media given are [{}]",
+                found.join(", "),
+                want.join(", ")
+            ),
+        ));
+    }
+    let mut next = media.iter();
+    let mut out = Vec::with_capacity(segments.len() + 2 * media.len());
+    for s in segments {
+        if next_placeholder(&s.text).is_none() {
             out.push(s.clone());
             continue;
         }
-        let mut parts = s.text.split(IMAGE_PLACEHOLDER).peekable();
-        while let Some(part) = parts.next() {
-            if !part.is_empty() {
-                out.push(Segment { text: part.to_string(), special: s.special });
+        let mut rest = s.text.as_str();
+        while let Some((at, ph)) = next_placeholder(rest) {
+            if at > 0 {
+                out.push(Segment { text: rest[..at].to_string(), special: s.special });
             }
-            if parts.peek().is_some() {
-                let im = next.next().expect("counted above");
-                let (w, h) = im.original_size;
-                out.push(Segment { text: k3_image_prompt(w, h, im.tokens), special: true });
-            }
+            let text = match next.next().expect("counted above") {
+                Medium::Image(im) => {
+                    let (w, h) = im.original_size;
+                    k3_image_prompt(w, h, im.tokens)
+                }
+                Medium::Video(chunks, stamps) => {
+                    chunks.iter().zip(stamps.iter()).map(|(c, t)| video_chunk_prompt(t, c.tokens)).collect()
+                }
+            };
+            out.push(Segment { text, special: true });
+            rest = &rest[at + ph.len()..];
+        }
+        if !rest.is_empty() {
+            out.push(Segment { text: rest.to_string(), special: s.special });
         }
     }
     Ok(out)
@@ -81,11 +157,24 @@ pub fn media_pad_id(tok: &Tokenizer) -> Result<u32> {
 /// (each segment on its own; special tokens only in special segments). The pad-token count of the result is
 /// checked against the images' token total.
 pub fn k3_prompt(tok: &Tokenizer, rendered: &RenderedPrompt, images: &[Processed]) -> Result<MediaPrompt> {
+    let media: Vec<Medium> = images.iter().map(Medium::Image).collect();
+    k3_media_prompt(tok, rendered, &media)
+}
+
+/// K3: [`k3_prompt`] for images and videos ([`expand_k3_media`]).
+pub fn k3_media_prompt(tok: &Tokenizer, rendered: &RenderedPrompt, media: &[Medium]) -> Result<MediaPrompt> {
     let pad = media_pad_id(tok)?;
     let mut expanded = rendered.clone();
-    expanded.segments = expand_k3_segments(&rendered.segments, images)?;
+    expanded.segments = expand_k3_media(&rendered.segments, media)?;
     let ids = expanded.encode(tok)?;
-    check_pads(&ids, pad, images)?;
+    let all: Vec<&Processed> = media
+        .iter()
+        .flat_map(|m| match m {
+            Medium::Image(p) => std::slice::from_ref(*p).iter(),
+            Medium::Video(chunks, _) => chunks.iter(),
+        })
+        .collect();
+    check_pads(&ids, pad, all.into_iter())?;
     Ok(MediaPrompt { ids, placeholder_ids: vec![pad] })
 }
 
@@ -110,8 +199,8 @@ pub fn k25_prompt(tok: &Tokenizer, ids: &[u32], images: &[Processed]) -> Result<
     Ok(MediaPrompt { ids: out, placeholder_ids: vec![pad] })
 }
 
-fn check_pads(ids: &[u32], pad: u32, images: &[Processed]) -> Result<()> {
-    let want: usize = images.iter().map(|i| i.tokens).sum();
+fn check_pads<'a>(ids: &[u32], pad: u32, images: impl Iterator<Item = &'a Processed>) -> Result<()> {
+    let want: usize = images.map(|i| i.tokens).sum();
     let got = ids.iter().filter(|&&t| t == pad).count();
     if got != want {
         // A message that itself contains the pad token's text as a special segment would do this.

@@ -374,6 +374,17 @@ pub fn read_media_tensors(dir: &Path) -> Result<BTreeMap<String, (Array, PathBuf
 /// Opens every shard of `dir` lazily and returns the tensors under sanitized names. With `experts`, release
 /// checkpoints' per-expert tensors are stacked for that range of experts only (the rest are never read).
 pub fn read_weights(dir: &Path, cfg: &TextConfig, experts: Option<Range<usize>>) -> Result<RawWeights> {
+    read_weights_where(dir, cfg, experts, &|_| true)
+}
+
+/// [`read_weights`] of the tensors whose name (without `language_model.`) satisfies `keep` only; the others
+/// are never opened (the multi-token-prediction layer is read this way, apart from the model).
+pub fn read_weights_where(
+    dir: &Path,
+    cfg: &TextConfig,
+    experts: Option<Range<usize>>,
+    keep: &dyn Fn(&str) -> bool,
+) -> Result<RawWeights> {
     let mut tensors = BTreeMap::new();
     let mut files: BTreeMap<String, PathBuf> = BTreeMap::new();
     let mut locs = BTreeMap::new();
@@ -382,7 +393,7 @@ pub fn read_weights(dir: &Path, cfg: &TextConfig, experts: Option<Range<usize>>)
         let st = Safetensors::load(&path)?;
         for key in st.keys() {
             let name = key.strip_prefix("language_model.").unwrap_or(&key).to_string();
-            if SKIPPED_PREFIXES.iter().any(|p| key.starts_with(p)) {
+            if SKIPPED_PREFIXES.iter().any(|p| key.starts_with(p)) || !keep(&name) {
                 continue;
             }
             if let Some(prev) = files.get(&name) {

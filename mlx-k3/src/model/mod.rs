@@ -17,6 +17,7 @@ pub mod mla;
 #[allow(clippy::module_inception)]
 mod model;
 pub mod moe;
+pub mod mtp;
 pub mod probe;
 pub mod shard;
 pub mod vision;

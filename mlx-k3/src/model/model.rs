@@ -41,7 +41,7 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn load(ws: &mut WeightStore, i: usize, cfg: &TextConfig, shard: Option<Shard>) -> Result<DecoderLayer> {
+    pub(super) fn load(ws: &mut WeightStore, i: usize, cfg: &TextConfig, shard: Option<Shard>) -> Result<DecoderLayer> {
         let lp = format!("model.layers.{i}");
         let d = cfg.hidden_size;
         let eps = cfg.rms_norm_eps;
@@ -95,7 +95,7 @@ impl DecoderLayer {
         }
     }
 
-    fn forward(
+    pub(super) fn forward(
         &self,
         x: &Array,
         mask: Option<&Array>,
@@ -263,6 +263,16 @@ impl KimiK3 {
             },
             tensors,
         ))
+    }
+
+    /// The token embedding (shared with a multi-token-prediction layer that stores none of its own).
+    pub(super) fn embedding(&self) -> &Embedding {
+        &self.embed
+    }
+
+    /// The output head (None: tied to the embedding).
+    pub(super) fn lm_head(&self) -> Option<&Linear> {
+        self.lm_head.as_ref()
     }
 
     /// The text config.
@@ -518,7 +528,7 @@ impl KimiK3 {
 }
 
 /// `mask[i][j] = (offset + i) >= j` for `t` queries over `offset + t` keys.
-fn causal_mask(t: i32, offset: i32) -> Result<Array> {
+pub(super) fn causal_mask(t: i32, offset: i32) -> Result<Array> {
     let rows = ops::arange(offset as f64, (offset + t) as f64, 1.0, Dtype::I32)?.expand_dims(&[1])?;
     let cols = ops::arange(0.0, (offset + t) as f64, 1.0, Dtype::I32)?.expand_dims(&[0])?;
     rows.greater_equal(&cols)

@@ -397,7 +397,68 @@ impl MoonVit3d {
         if placeholders.is_empty() {
             placeholders.push(DEFAULT_PLACEHOLDER);
         }
-        let mut t = Tensors::read(dir)?;
+        let t = Tensors::read(dir)?;
+        MoonVit3d::build(cfg, text_hidden, dtype, placeholders, t).map(Some)
+    }
+
+    /// A tower of `cfg` with random weights (normal, standard deviation 0.02; norms 1) and a projector to
+    /// `text_hidden`, for timing (`examples/vision_tower.rs`).
+    pub fn random(cfg: VisionConfig, text_hidden: usize, seed: u64) -> Result<MoonVit3d> {
+        let (d, p, q) = (cfg.vt_hidden_size, cfg.patch_size, cfg.qkv_width());
+        let merged = d * cfg.merge().iter().product::<usize>();
+        let mut shapes: Vec<(String, Vec<usize>)> = vec![
+            ("vision_tower.patch_embed.proj.weight".into(), vec![d, p, p, 3]),
+            (
+                "vision_tower.patch_embed.pos_emb.weight".into(),
+                vec![cfg.init_pos_emb_height, cfg.init_pos_emb_width, d],
+            ),
+            ("vision_tower.encoder.final_layernorm.weight".into(), vec![d]),
+            ("mm_projector.proj.0.weight".into(), vec![merged, merged]),
+            ("mm_projector.proj.2.weight".into(), vec![text_hidden, merged]),
+            ("mm_projector.post_norm.weight".into(), vec![text_hidden]),
+        ];
+        if cfg.patch_embed_proj_bias {
+            shapes.push(("vision_tower.patch_embed.proj.bias".into(), vec![d]));
+        }
+        for i in 0..cfg.vt_num_hidden_layers {
+            let b = format!("vision_tower.encoder.blocks.{i}");
+            shapes.push((format!("{b}.norm0.weight"), vec![d]));
+            shapes.push((format!("{b}.norm1.weight"), vec![d]));
+            for (name, out_dims, in_dims, bias) in [
+                ("wqkv", 3 * q, d, cfg.attn_bias),
+                ("wo", d, q, cfg.attn_bias),
+                ("mlp.fc0", cfg.vt_intermediate_size, d, cfg.linear_bias),
+                ("mlp.fc1", d, cfg.vt_intermediate_size, cfg.linear_bias),
+            ] {
+                shapes.push((format!("{b}.{name}.weight"), vec![out_dims, in_dims]));
+                if bias {
+                    shapes.push((format!("{b}.{name}.bias"), vec![out_dims]));
+                }
+            }
+        }
+        let mut map = std::collections::BTreeMap::new();
+        for (i, (name, shape)) in shapes.into_iter().enumerate() {
+            let dims: Vec<i32> = shape.iter().map(|&x| x as i32).collect();
+            let a = if name.contains("norm") {
+                crate::ops::ones(&dims, Dtype::F32)?
+            } else {
+                let k = crate::random::key(seed.wrapping_mul(1_000_003).wrapping_add(i as u64))?;
+                crate::random::normal(&dims, Dtype::F32, 0.0, 0.02, Some(&k))?
+            };
+            a.eval()?;
+            map.insert(name, (a, PathBuf::from("random")));
+        }
+        let t = Tensors { dir: PathBuf::from("random"), map };
+        MoonVit3d::build(cfg, text_hidden, Dtype::F32, vec![DEFAULT_PLACEHOLDER], t)
+    }
+
+    fn build(
+        cfg: VisionConfig,
+        text_hidden: usize,
+        dtype: Dtype,
+        placeholders: Vec<i32>,
+        mut t: Tensors,
+    ) -> Result<MoonVit3d> {
         let records: Vec<TensorRecord> = t
             .map
             .iter()
@@ -452,7 +513,7 @@ impl MoonVit3d {
                 message: format!("tensor '{extra}' is not part of the moonvit3d tower this vision_config describes"),
             });
         }
-        Ok(Some(MoonVit3d {
+        Ok(MoonVit3d {
             cfg,
             text_hidden,
             dtype,
@@ -466,7 +527,7 @@ impl MoonVit3d {
             proj0,
             proj2,
             post_norm,
-        }))
+        })
     }
 
     /// The prompt token ids the features replace (`image_token_index`, then `media_placeholder_token_id`;
