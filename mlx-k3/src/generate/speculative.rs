@@ -21,7 +21,7 @@ use std::time::Instant;
 use super::{ids_array, prefill, FinishReason, GenerateOptions, GenerationStats, PromptCache, TokenEvent};
 use crate::model::shard::Comm;
 use crate::model::{KimiK3, ModelCache};
-use crate::{memory, Array, Error, Result};
+use crate::{memory, ops, Array, Error, Result};
 
 use super::sample::{RecentTokens, Sampler};
 
@@ -283,8 +283,9 @@ impl Drafter for RandomDrafter {
 /// How the target's KDA state returns to the last kept position after a rejected draft.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Rollback {
-    /// The verify forward keeps the state after each position (one scan call per position); a rollback
-    /// picks one. Measured faster on k3-nano (docs/performance.md#speculative-decoding).
+    /// The verify forward keeps each KDA layer's inputs and the state before it; a rollback runs the gated
+    /// delta rule over the kept positions again (one scan per layer). Measured faster on k3-nano
+    /// (docs/performance.md#speculative-decoding).
     #[default]
     Record,
     /// Snapshot before the verify forward; after a rejection, restore it and run the kept tokens again.
@@ -580,22 +581,33 @@ impl SpecStats {
 }
 
 /// Runs `fed` (the last emitted token, then the drafts) through the target, continuing `cache`; returns
-/// the log-probabilities `[T, V]` after each position (logits processors applied), evaluated with the cache.
+/// the log-probabilities after each position (logits processors applied) as one `[T, V]` array and as its
+/// `[1, V]` rows, and the tap layers' hidden states (nothing evaluated).
 fn score(
     model: &KimiK3,
     cache: &mut ModelCache,
     fed: &[u32],
     sampler: &Sampler,
     taps: &[usize],
-) -> Result<(Vec<Array>, Vec<Array>)> {
+) -> Result<(Array, Vec<Array>, Vec<Array>)> {
     let (logits, tapped) = model.forward_with_taps(&ids_array(fed)?, Some(cache), taps)?;
     let recent = RecentTokens::new(sampler.config(), &[])?;
+    let t = fed.len() as i32;
+    if sampler.config().logit_bias.is_empty() {
+        // No processor touches single rows (penalties never reach here): one log-softmax over all T rows
+        // (row by row, the same arithmetic as T calls), then views of its rows. On an overhead-bound model
+        // this saves three operations per drafted position.
+        let all = crate::kernels::log_softmax(&logits.reshape(&[t, -1])?)?;
+        let rows = (0..t).map(|j| all.slice_axis(0, j, j + 1)).collect::<Result<_>>()?;
+        return Ok((all, rows, tapped));
+    }
     let mut rows = Vec::with_capacity(fed.len());
-    for j in 0..fed.len() as i32 {
+    for j in 0..t {
         let row = logits.slice_axis(1, j, j + 1)?.squeeze(&[1])?;
         rows.push(crate::kernels::log_softmax(&sampler.process_recent(&row, &recent)?)?);
     }
-    Ok((rows, tapped))
+    let refs: Vec<&Array> = rows.iter().collect();
+    Ok((ops::concatenate(&refs, 0)?, rows, tapped))
 }
 
 /// Where generated tokens go: the stop conditions, the callback and the timing, shared by drafting cycles
@@ -991,14 +1003,14 @@ pub fn generate_speculative(
                 let before = (spec.rollback == Rollback::Recompute).then(|| cache.snapshot());
                 cache.set_recording(spec.rollback == Rollback::Record);
                 let start_pos = pcache.tokens.len();
-                let (rows, tapped) = score(model, cache, &fed, &sampler, &taps)?;
+                let (all, rows, tapped) = score(model, cache, &fed, &sampler, &taps)?;
                 let decided = if greedy {
-                    let best: Vec<Array> = rows.iter().map(|r| r.argmax(-1, false)).collect::<Result<_>>()?;
-                    let mut outs: Vec<&Array> = best.iter().collect();
+                    // One argmax over the T rows: the same per-row reduction as T calls, in one operation.
+                    let best = all.argmax(-1, false)?;
+                    let mut outs: Vec<&Array> = vec![&best];
                     outs.extend(cache.arrays());
                     crate::eval(&outs)?;
-                    let best: Vec<u32> = best.iter().map(|b| b.item::<u32>()).collect::<Result<_>>()?;
-                    Some(accept_greedy(&best, &fed[1..]))
+                    Some(accept_greedy(&best.to_vec::<u32>()?, &fed[1..]))
                 } else if leader {
                     let dist: Vec<Array> = rows.iter().map(|r| sampler.distribution(r)).collect::<Result<_>>()?;
                     let mut outs: Vec<&Array> = dist.iter().collect();

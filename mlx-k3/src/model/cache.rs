@@ -115,11 +115,29 @@ pub struct KdaCache {
     /// The gated-delta state.
     pub ssm: Option<Array>,
     offset: usize,
-    /// While set, a forward over several tokens also keeps the state after each of its positions in
-    /// `steps`, so that [`ModelCache::rollback`] can return to any of them (speculative decoding's verify).
+    /// While set, a forward keeps in `recorded` what [`ModelCache::rollback`] needs to return to any of its
+    /// positions (speculative decoding's verify).
     pub(crate) record: bool,
-    /// With `record`: `(conv, ssm)` before the last forward (index 0) and after each of its positions.
-    pub(crate) steps: Vec<(Option<Array>, Option<Array>)>,
+    /// With `record`: the last forward's [`KdaRecord`].
+    pub(crate) recorded: Option<KdaRecord>,
+}
+
+/// What a recorded KDA forward over T positions keeps so that a rollback can return to the state after any
+/// of them: the short convolution's inputs (the window before the forward, then the T new rows), the
+/// recurrent state before the forward, and each position's gated-delta inputs. A rollback to `keep`
+/// positions slices the conv window and runs the gated delta rule over the first `keep` positions again from
+/// the state before: the same sequential arithmetic the forward ran, so the same state bit for bit, and
+/// nothing of the rest of the layer (projections, conv, gates) is recomputed.
+#[derive(Clone, Debug)]
+pub(crate) struct KdaRecord {
+    /// `[B, K-1+T, 3P]`.
+    pub(crate) conv_in: Array,
+    /// K-1, the rows of the conv window.
+    pub(crate) window: usize,
+    /// The recurrent state before the forward (None: zeros).
+    pub(crate) ssm: Option<Array>,
+    /// q, k, v, g, beta of the T positions (`[B, T, H, d]`, beta `[B, T, H]`).
+    pub(crate) inputs: [Array; 5],
 }
 
 impl KdaCache {
@@ -137,10 +155,30 @@ impl KdaCache {
         if keep == fed {
             return Ok(());
         }
-        let (conv, ssm) = self.steps.get(keep).cloned().ok_or_else(|| {
-            Error::invalid("cache", format!("no KDA state recorded for position {keep} of the last forward"))
+        let r = self.recorded.as_ref().ok_or_else(|| {
+            Error::invalid("cache", format!("no KDA state recorded to return to position {keep} of the last forward"))
         })?;
-        self.conv = conv;
+        let (fed_i, keep_i) = (fed as i32, keep as i32);
+        if r.conv_in.dim(1)? != r.window as i32 + fed_i {
+            return Err(Error::invalid(
+                "cache",
+                format!(
+                    "the recorded KDA forward covered {} positions, not {fed}",
+                    r.conv_in.dim(1)? - r.window as i32
+                ),
+            ));
+        }
+        let conv = r.conv_in.slice_axis(1, keep_i, keep_i + r.window as i32)?.contiguous()?;
+        let ssm = if keep == 0 {
+            r.ssm.clone()
+        } else {
+            let [q, k, v, g, beta] = &r.inputs;
+            let first = |a: &Array| a.slice_axis(1, 0, keep_i);
+            let (_, state) =
+                super::kda::delta_scan(&first(q)?, &first(k)?, &first(v)?, &first(g)?, &first(beta)?, r.ssm.clone())?;
+            Some(state)
+        };
+        self.conv = Some(conv);
         self.ssm = ssm;
         self.offset -= fed - keep;
         Ok(())
@@ -209,14 +247,14 @@ impl ModelCache {
         Ok(dropped)
     }
 
-    /// Makes later forwards over several tokens keep every KDA layer's state after each position (on), or
-    /// stops that and forgets what was kept (off). Costs one state per layer and position of the forward;
-    /// MLA layers need nothing (they are trimmed).
+    /// Makes later forwards keep what every KDA layer needs to return to any of their positions (on: a
+    /// [`KdaRecord`], the layer's inputs and its state before the forward), or stops that and forgets what
+    /// was kept (off). MLA layers need nothing (they are trimmed).
     pub fn set_recording(&mut self, on: bool) {
         for l in &mut self.layers {
             if let LayerCache::Kda(c) = l {
                 c.record = on;
-                c.steps.clear();
+                c.recorded = None;
             }
         }
     }

@@ -7,7 +7,7 @@
 //! primitive, and a one-token decode step the fused `kernels::kda_step` primitive (also on CUDA); other
 //! devices run the per-step ops.
 
-use super::cache::KdaCache;
+use super::cache::{KdaCache, KdaRecord};
 use super::config::TextConfig;
 use super::linear::{Linear, RmsNorm};
 use super::shard::{Comm, Part, Shard};
@@ -176,20 +176,19 @@ impl Kda {
         let g = self.decay(&a)?;
 
         let record = cache.as_ref().is_some_and(|c| c.record);
-        let (out, state) = if record {
-            // Speculative verify: one scan per position, so the state after each is kept for a rollback
-            // (the same sequential arithmetic as one scan over all of them).
-            self.scan_recording(&q, &k, &v, &g, &beta, ssm_state, &conv_in, cache.as_deref_mut())?
-        } else if crate::current_stream()?.device() == crate::Device::Cpu && !crate::kernels::differentiable() {
-            // All T tokens in one primitive (tests/kda_step.rs checks it against the per-step ops below).
-            crate::kernels::gated_delta_scan(&q, &k, &v, &g, &beta, ssm_state.as_ref())?
-        } else {
-            let state = match ssm_state {
-                Some(s) => s,
-                None => zeros(&[b, h, d, d], Dtype::F32)?,
-            };
-            gated_delta_steps(&q, &k, &v, &g, &beta, state)?
-        };
+        let before = record.then(|| ssm_state.clone());
+        let (out, state) = delta_scan(&q, &k, &v, &g, &beta, ssm_state)?;
+        if let (Some(c), Some(ssm)) = (cache.as_deref_mut(), before) {
+            // Speculative verify: keep what a rollback needs to return to any position of this forward (the
+            // conv inputs, the state before, each position's gated-delta inputs) rather than the state after
+            // each position: one scan here, and one over the kept positions if a draft is rejected.
+            c.recorded = Some(KdaRecord {
+                conv_in: conv_in.clone(),
+                window: (self.kernel - 1) as usize,
+                ssm,
+                inputs: [q.clone(), k.clone(), v.clone(), g.clone(), beta.clone()],
+            });
+        }
 
         if let Some(c) = cache {
             c.conv = Some(new_conv);
@@ -200,51 +199,6 @@ impl Kda {
         let gate = self.gate_logits(x)?.reshape(&[b, t, h, d])?.sigmoid()?;
         let out = self.o_norm.forward(&out.reshape(&[b, t, h, d])?)?.multiply(&gate)?.reshape(&[b, t, p])?;
         self.project_out(&out, comm)
-    }
-
-    /// The gated delta rule over the T tokens of a forward one position at a time, recording in `cache` the
-    /// `(conv, ssm)` state before the forward and after each position (`conv_in` is the conv window followed by
-    /// the T new inputs).
-    #[allow(clippy::too_many_arguments)]
-    fn scan_recording(
-        &self,
-        q: &Array,
-        k: &Array,
-        v: &Array,
-        g: &Array,
-        beta: &Array,
-        ssm_state: Option<Array>,
-        conv_in: &Array,
-        cache: Option<&mut KdaCache>,
-    ) -> Result<(Array, Array)> {
-        let t = q.dim(1)?;
-        let kw = self.kernel - 1;
-        let mut steps = vec![(Some(conv_in.slice_axis(1, 0, kw)?), ssm_state.clone())];
-        let mut state = match ssm_state {
-            Some(s) => s,
-            None => {
-                let s = q.shape();
-                zeros(&[s[0], self.heads, self.head_dim, self.head_dim], Dtype::F32)?
-            }
-        };
-        let cpu = crate::current_stream()?.device() == crate::Device::Cpu;
-        let mut ys = Vec::with_capacity(t as usize);
-        for j in 0..t {
-            let at = |a: &Array| a.slice_axis(1, j, j + 1);
-            let (y, s) = if cpu {
-                crate::kernels::gated_delta_scan(&at(q)?, &at(k)?, &at(v)?, &at(g)?, &at(beta)?, Some(&state))?
-            } else {
-                gated_delta_steps(&at(q)?, &at(k)?, &at(v)?, &at(g)?, &at(beta)?, state)?
-            };
-            ys.push(y);
-            state = s;
-            steps.push((Some(conv_in.slice_axis(1, j + 1, j + 1 + kw)?.contiguous()?), Some(state.clone())));
-        }
-        if let Some(c) = cache {
-            c.steps = steps;
-        }
-        let refs: Vec<&Array> = ys.iter().collect();
-        Ok((ops::concatenate(&refs, 1)?, state))
     }
 
     /// The output gate's logits `[B, T, P]`.
@@ -274,6 +228,31 @@ impl Kda {
             Some(lb) => a_log.exp()?.multiply(&a.astype(Dtype::F32)?.add(&dt_bias)?)?.sigmoid()?.multiply(lb)?.exp(),
         }
     }
+}
+
+/// The gated delta rule over T tokens from `state` (zeros when None): q, k, g `[B, T, H, d_k]`, v
+/// `[B, T, H, d_v]`, beta `[B, T, H]` -> (y `[B, T, H, d_v]`, final state `[B, H, d_v, d_k]`). On the CPU all T
+/// steps run in one `kernels::gated_delta_scan` primitive (tests/kda_step.rs checks it against
+/// [`gated_delta_steps`]), elsewhere and under autodiff as per-step ops.
+pub(crate) fn delta_scan(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: Option<Array>,
+) -> Result<(Array, Array)> {
+    if crate::current_stream()?.device() == crate::Device::Cpu && !crate::kernels::differentiable() {
+        return crate::kernels::gated_delta_scan(q, k, v, g, beta, state.as_ref());
+    }
+    let state = match state {
+        Some(s) => s,
+        None => {
+            let (qs, vs) = (q.shape(), v.shape());
+            zeros(&[qs[0], qs[2], vs[3], qs[3]], Dtype::F32)?
+        }
+    };
+    gated_delta_steps(q, k, v, g, beta, state)
 }
 
 /// The gated delta rule over T tokens, one [`gated_delta_step`] each: q, k, g `[B, T, H, d_k]`, v
