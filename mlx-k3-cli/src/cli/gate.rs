@@ -2,11 +2,12 @@
 
 use clap::Args as ClapArgs;
 
-use mlx_k3::generate::speculative::GateConfig;
+use mlx_k3::generate::speculative::{GateConfig, MAX_DRAFT};
 use mlx_k3::{Error, Result};
 
-/// The most tokens one drafting cycle can emit (64 drafts, the limit of `--num-draft`, and the model's own).
-const MAX_TOKENS_PER_CYCLE: f32 = 65.0;
+/// The most tokens one drafting cycle can emit (the most drafts, the limit of `--num-draft`, and the model's
+/// own).
+const MAX_TOKENS_PER_CYCLE: f32 = (MAX_DRAFT + 1) as f32;
 
 /// Thresholds and windows of the adaptive gate (speculative decoding). Unset flags keep the defaults, which
 /// docs/performance.md#speculative-decoding justifies (k3-nano's measured break-even).
@@ -107,8 +108,8 @@ impl GateArgs {
             ));
         }
         if let Some(d) = &self.gate_drafts {
-            if d.is_empty() || d.iter().any(|&k| k == 0 || k > 64) || d.windows(2).any(|w| w[0] >= w[1]) {
-                return bad(format!("--gate-drafts must be increasing counts from 1 to 64, got {d:?}"));
+            if d.is_empty() || d.iter().any(|&k| k == 0 || k > MAX_DRAFT) || d.windows(2).any(|w| w[0] >= w[1]) {
+                return bad(format!("--gate-drafts must be increasing counts from 1 to {MAX_DRAFT}, got {d:?}"));
             }
             c.drafts = d.clone();
             if self.gate_raise_at.is_none() {

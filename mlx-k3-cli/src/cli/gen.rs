@@ -7,7 +7,7 @@ use clap::Args as ClapArgs;
 
 use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
 use mlx_k3::generate::block_drafter::drafter_for;
-use mlx_k3::generate::speculative::{Drafter, GateConfig, Rank0Drafts, SpecOptions};
+use mlx_k3::generate::speculative::{Drafter, GateConfig, Rank0Drafts, SpecOptions, MAX_DRAFT};
 use mlx_k3::generate::{
     GenerateOptions, GenerationStats, ImageInput, ImagePrompt, MediaInput, Pipeline, PromptCache, PromptMedia,
     SamplerConfig, TextGeneration, VideoInput,
@@ -91,8 +91,8 @@ pub struct ModelArgs {
 
 /// The speculative settings of `--num-draft`, `--no-gate` and the gate flags; an error names the flag.
 pub fn spec_options(num_draft: usize, gate: bool, gate_config: GateConfig) -> Result<SpecOptions> {
-    if num_draft == 0 || num_draft > 64 {
-        return Err(Error::invalid("cli", format!("--num-draft must be from 1 to 64, got {num_draft}")));
+    if num_draft == 0 || num_draft > MAX_DRAFT {
+        return Err(Error::invalid("cli", format!("--num-draft must be from 1 to {MAX_DRAFT}, got {num_draft}")));
     }
     let options = SpecOptions { num_draft, gate, gate_config, ..SpecOptions::default() };
     options.validate()?;

@@ -505,6 +505,10 @@ impl Gate {
     }
 }
 
+/// The most tokens one cycle may draft (`SpecOptions::num_draft`, the gate's counts; one exchange over ranks
+/// carries this many).
+pub const MAX_DRAFT: usize = 64;
+
 /// Settings of speculative decoding.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SpecOptions {
@@ -527,8 +531,8 @@ impl Default for SpecOptions {
 impl SpecOptions {
     /// Rejects settings speculative decoding cannot honour, naming the setting.
     pub fn validate(&self) -> Result<()> {
-        if self.num_draft == 0 || self.num_draft > 64 {
-            return Err(Error::invalid("num_draft", format!("must be 1 to 64, got {}", self.num_draft)));
+        if self.num_draft == 0 || self.num_draft > MAX_DRAFT {
+            return Err(Error::invalid("num_draft", format!("must be 1 to {MAX_DRAFT}, got {}", self.num_draft)));
         }
         self.gate_config.validate()
     }
@@ -676,8 +680,6 @@ struct Pending {
     decided: Option<(usize, u32)>,
 }
 
-/// The most drafts one exchange carries ([`SpecOptions::validate`]'s limit).
-const MAX_DRAFT: usize = 64;
 /// Words of an exchange before the drafts.
 const HEAD: usize = 10;
 
@@ -751,7 +753,7 @@ impl Say {
 /// rank checks the same gathered words, so they all fail together with the same message when one rank's
 /// tokens, or (greedy) its decision on the last cycle, differ from rank 0's (the tripwire of
 /// [`super::tripwire`], every round). Returns rank 0's word, with its action turned into a stop when any
-/// rank asked to stop.
+/// rank asked to stop (the caller refuses a word without an action).
 fn exchange(comm: &Comm, mine: &Say) -> Result<Say> {
     let w = HEAD + MAX_DRAFT;
     let all = comm.group().all_gather(&Array::from_slice(&mine.encode(), &[w as i32])?)?.to_vec::<u32>()?;
@@ -780,9 +782,6 @@ fn exchange(comm: &Comm, mine: &Say) -> Result<Say> {
         }
     }
     let mut lead = lead.clone();
-    if lead.action.is_none() {
-        return Err(Error::invalid("distributed", "rank 0 sent no speculative action"));
-    }
     if says.iter().any(|s| s.stop) && !matches!(lead.action, Some(Action::Stop(_))) {
         lead.action = Some(Action::Stop(FinishReason::Cancelled));
     }
