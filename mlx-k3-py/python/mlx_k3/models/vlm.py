@@ -154,3 +154,14 @@ def with_quantization(config_class):
     ModelConfig.__module__ = config_class.__module__
     ModelConfig.__doc__ = with_quantization.__doc__
     return ModelConfig
+
+
+def install_classes(module, model, config, mlx_vlm_model, mlx_vlm_config) -> None:
+    """Makes mlx-vlm's model module ``module`` build ``model`` from ``config``, keeping mlx-vlm's own classes
+    reachable as ``_mlx_vlm_Model`` / ``_mlx_vlm_ModelConfig`` (idempotent)."""
+    if module.Model is model:
+        return
+    module._mlx_vlm_Model = mlx_vlm_model
+    module._mlx_vlm_ModelConfig = mlx_vlm_config
+    module.Model = model
+    module.ModelConfig = config

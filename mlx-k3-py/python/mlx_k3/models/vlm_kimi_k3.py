@@ -43,13 +43,7 @@ class Model(vlm.VisionLanguageModel, MlxVlmModel):
 def install(module=None) -> None:
     """Makes ``mlx_vlm.models.kimi_k3`` build :class:`Model` from :class:`ModelConfig` (idempotent)."""
     kimi_k3.install()
-    module = module or base
-    if module.Model is Model:
-        return
-    module._mlx_vlm_Model = MlxVlmModel
-    module._mlx_vlm_ModelConfig = MlxVlmModelConfig
-    module.Model = Model
-    module.ModelConfig = ModelConfig
+    vlm.install_classes(module or base, Model, ModelConfig, MlxVlmModel, MlxVlmModelConfig)
 
 
 install()
