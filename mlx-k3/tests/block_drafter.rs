@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use mlx_k3::generate::block_drafter::{load_drafter, BlockDrafter};
+use mlx_k3::generate::block_drafter::{load_drafter, BlockDrafter, BlockEngine};
 use mlx_k3::generate::speculative::{generate_speculative, Drafter, Rollback, SpecOptions, SpecStats};
 use mlx_k3::generate::{generate_tokens, GenerateOptions, PromptCache, Sampler, SamplerConfig};
 use mlx_k3::io::Safetensors;
@@ -74,18 +74,48 @@ fn logits_and_taps_match_the_training_script() {
     let d = max_abs_diff(&a, &b);
     assert!(d <= 1e-3 * scale, "taps differ by {d} (largest {scale})");
 
-    // The drafter's logits on the reference taps.
-    let got = drafter.logits_for_taps(&taps, tokens[40]).unwrap();
-    assert_eq!(got.shape(), want.shape());
-    let (g, w) = (got.to_vec_f32().unwrap(), want.to_vec_f32().unwrap());
-    let d = max_abs_diff(&g, &w);
-    assert!(d < 2e-3, "drafter logits differ by {d}");
+    // The drafter's logits on the reference taps, from both engines (the default on a CPU is the host).
+    assert_eq!(drafter.engine(), BlockEngine::Host);
+    let mlx = BlockDrafter::load_with(&drafter_dir(), &target, Some(BlockEngine::Mlx)).unwrap();
+    assert_eq!(mlx.engine(), BlockEngine::Mlx);
+    let w = want.to_vec_f32().unwrap();
     let argmax =
         |v: &[f32], row: usize, n: usize| (0..n).max_by(|&i, &j| v[row * n + i].total_cmp(&v[row * n + j])).unwrap();
     let v = want.dim(1).unwrap() as usize;
-    for r in 0..want.dim(0).unwrap() as usize {
-        assert_eq!(argmax(&g, r, v), argmax(&w, r, v), "slot {r}: different argmax");
+    let mut engines = Vec::new();
+    for d in [&drafter, &mlx] {
+        let got = d.logits_for_taps(&taps, tokens[40]).unwrap();
+        assert_eq!(got.shape(), want.shape());
+        let g = got.to_vec_f32().unwrap();
+        let diff = max_abs_diff(&g, &w);
+        assert!(diff < 2e-3, "{:?}: drafter logits differ by {diff}", d.engine());
+        for r in 0..want.dim(0).unwrap() as usize {
+            assert_eq!(argmax(&g, r, v), argmax(&w, r, v), "{:?} slot {r}: different argmax", d.engine());
+        }
+        engines.push(g);
     }
+    // The two engines agree more closely than either with the reference (both fp32, summation order only).
+    let diff = max_abs_diff(&engines[0], &engines[1]);
+    assert!(diff < 2e-4, "host and MLX engines differ by {diff}");
+}
+
+/// The MLX engine (what a drafter runs on a GPU, or above the host's size limit) drafts the same tokens as
+/// the host engine in whole generations, so both give plain greedy output and the same cycles.
+#[test]
+fn both_engines_draft_the_same() {
+    let target = load_target();
+    let opts = GenerateOptions { max_tokens: 32, ..Default::default() };
+    let so = SpecOptions { num_draft: 7, gate: false, ..Default::default() };
+    let prompt = &prompts()[1];
+    let want = generate_tokens(&target, &mut PromptCache::new(), prompt, &opts, |_| true).unwrap().0;
+    let mut runs = Vec::new();
+    for engine in [BlockEngine::Host, BlockEngine::Mlx] {
+        let mut d = BlockDrafter::load_with(&drafter_dir(), &target, Some(engine)).unwrap();
+        let (got, st) = spec(&target, &mut d, prompt, &opts, &so);
+        assert_eq!(got, want, "{engine:?}");
+        runs.push((st.cycles, st.accepted));
+    }
+    assert_eq!(runs[0], runs[1], "host vs MLX engine: (cycles, accepted)");
 }
 
 /// Greedy output with the block drafter is the target's plain greedy output (k3-nano, held-out prompts,

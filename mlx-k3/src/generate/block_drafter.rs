@@ -17,7 +17,8 @@ use super::speculative::{Draft, Drafter, SplitMix64};
 use crate::fast::{self, AttentionMask};
 use crate::io::Safetensors;
 use crate::model::KimiK3;
-use crate::{ops, Array, Dtype, Error, Result};
+use crate::{ops, Array, Device, Dtype, Error, Result};
+use mlx_k3_host::{self as host, HostBlock};
 
 /// `config.json` of a block drafter (`model_type: "k3_block_drafter"`).
 #[derive(Clone, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
@@ -64,19 +65,19 @@ impl BlockDrafterConfig {
 /// The context the block attends to: projected taps `[C, D]` and, per drafter layer, their keys (RoPE at
 /// their absolute positions) and values `[1, H, C, hd]`, computed once per position rather than every cycle.
 #[derive(Clone)]
-struct Ctx {
+struct MlxCtx {
     feats: Array,
     kv: Vec<(Array, Array)>,
 }
 
-impl Ctx {
+impl MlxCtx {
     fn len(&self) -> Result<i32> {
         self.feats.dim(0)
     }
 
     /// Rows `a..b`.
-    fn rows(&self, a: i32, b: i32) -> Result<Ctx> {
-        Ok(Ctx {
+    fn rows(&self, a: i32, b: i32) -> Result<MlxCtx> {
+        Ok(MlxCtx {
             feats: self.feats.slice_axis(0, a, b)?,
             kv: self
                 .kv
@@ -86,8 +87,8 @@ impl Ctx {
         })
     }
 
-    fn append(&self, more: &Ctx) -> Result<Ctx> {
-        Ok(Ctx {
+    fn append(&self, more: &MlxCtx) -> Result<MlxCtx> {
+        Ok(MlxCtx {
             feats: ops::concatenate(&[&self.feats, &more.feats], 0)?,
             kv: self
                 .kv
@@ -96,6 +97,68 @@ impl Ctx {
                 .map(|((k, v), (k2, v2))| Ok((ops::concatenate(&[k, k2], 2)?, ops::concatenate(&[v, v2], 2)?)))
                 .collect::<Result<_>>()?,
         })
+    }
+}
+
+/// The context in the form the drafter's engine keeps it.
+#[derive(Clone)]
+enum Ctx {
+    Mlx(MlxCtx),
+    Host(host::Ctx),
+}
+
+/// Where a block drafter's forward runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockEngine {
+    /// MLX operations on MLX's default device.
+    Mlx,
+    /// Plain Rust on the calling thread (`block_host.rs`): the default on a CPU for drafters up to
+    /// [`HOST_MAX_PARAMS`] parameters, whose forward is too small for MLX's per-operation cost to pay.
+    Host,
+}
+
+/// The most parameters of a drafter that runs on the host by default (on a CPU): above it, MLX's
+/// multithreaded kernels win over one thread.
+pub const HOST_MAX_PARAMS: usize = 16 << 20;
+
+/// A block's logits `[K, V]`, from either engine.
+enum Logits {
+    Mlx(Array),
+    Host { data: Vec<f32>, vocab: usize },
+}
+
+impl Logits {
+    /// The argmax of each of the first `k` rows.
+    fn argmax_rows(&self, k: usize) -> Result<Vec<u32>> {
+        match self {
+            Logits::Mlx(a) => {
+                let best = a.slice_axis(0, 0, k as i32)?.argmax(-1, false)?;
+                crate::eval(&[&best])?;
+                best.to_vec::<u32>()
+            }
+            Logits::Host { data, vocab } => Ok(data
+                .chunks_exact(*vocab)
+                .take(k)
+                .map(|r| {
+                    // First maximum, as MLX's argmax.
+                    let mut best = 0;
+                    for (i, &v) in r.iter().enumerate() {
+                        if v > r[best] {
+                            best = i;
+                        }
+                    }
+                    best as u32
+                })
+                .collect()),
+        }
+    }
+
+    /// Row `i` as an MLX array `[1, V]`.
+    fn row(&self, i: usize) -> Result<Array> {
+        match self {
+            Logits::Mlx(a) => a.slice_axis(0, i as i32, i as i32 + 1),
+            Logits::Host { data, vocab } => Array::from_slice(&data[i * vocab..(i + 1) * vocab], &[1, *vocab as i32]),
+        }
     }
 }
 
@@ -122,6 +185,8 @@ pub struct BlockDrafter {
     norm: Array,
     /// The target's embedding matrix `[V, D]` (f32): slot 0's input and the output projection.
     embed: Array,
+    /// The forward on the host (see [`BlockEngine::Host`]); None: MLX operations.
+    host: Option<HostBlock>,
     /// The context of positions `ctx_start..ctx_start + C` (C at most `context_window`).
     ctx: Option<Ctx>,
     ctx_start: usize,
@@ -137,8 +202,15 @@ fn transpose(w: &Array) -> Result<Array> {
 }
 
 impl BlockDrafter {
-    /// Loads `dir` (config.json, model.safetensors) for `target`, checking that the two fit together.
+    /// Loads `dir` (config.json, model.safetensors) for `target`, checking that the two fit together; the
+    /// engine is the host on a CPU for a drafter up to [`HOST_MAX_PARAMS`] parameters, else MLX (the
+    /// environment's `K3_BLOCK_DRAFTER=host|mlx` chooses instead).
     pub fn load(dir: &Path, target: &KimiK3) -> Result<BlockDrafter> {
+        Self::load_with(dir, target, None)
+    }
+
+    /// [`BlockDrafter::load`] with the engine chosen (None: the default rule).
+    pub fn load_with(dir: &Path, target: &KimiK3, engine: Option<BlockEngine>) -> Result<BlockDrafter> {
         let cpath = dir.join("config.json");
         let text = std::fs::read_to_string(&cpath).map_err(|source| Error::Io { path: cpath.clone(), source })?;
         let cfg: BlockDrafterConfig = serde_json::from_str(&text)
@@ -215,7 +287,8 @@ impl BlockDrafter {
         let ids = Array::from_slice(&(0..t.vocab_size as u32).collect::<Vec<_>>(), &[1, t.vocab_size as i32])?;
         let embed = target.embed_tokens(&ids)?.squeeze(&[0])?.astype(Dtype::F32)?;
         crate::eval(&[&embed])?;
-        let drafter = BlockDrafter {
+        let mut drafter = BlockDrafter {
+            host: None,
             fc_t: transpose(&get("fc.weight", &[d, taps_w])?)?,
             ctx_norm: get("ctx_norm.weight", &[d])?,
             mask_embed: get("mask_embed", &[d])?,
@@ -233,7 +306,81 @@ impl BlockDrafter {
             drafter.layers.iter().flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]).collect();
         crate::eval(&all)?;
         crate::eval(&[&drafter.fc_t])?;
+        let engine = match (engine, std::env::var("K3_BLOCK_DRAFTER").ok().as_deref()) {
+            (Some(e), _) => e,
+            (None, Some("host")) => BlockEngine::Host,
+            (None, Some("mlx")) => BlockEngine::Mlx,
+            (None, Some(other)) => {
+                return Err(Error::invalid("K3_BLOCK_DRAFTER", format!("must be host or mlx, got {other:?}")))
+            }
+            (None, None) if Device::default_device()? == Device::Cpu && drafter.parameters() <= HOST_MAX_PARAMS => {
+                BlockEngine::Host
+            }
+            (None, None) => BlockEngine::Mlx,
+        };
+        if engine == BlockEngine::Host {
+            drafter.host = Some(drafter.host_weights()?);
+        }
         Ok(drafter)
+    }
+
+    /// Its own parameters (the target's embedding, which it borrows, not counted).
+    pub fn parameters(&self) -> usize {
+        let l: usize =
+            self.layers.iter().flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]).map(|a| a.size()).sum();
+        l + self.fc_t.size() + self.slot_embed.size() + 3 * self.cfg.hidden_size * (self.cfg.num_layers + 1)
+    }
+
+    /// Which engine runs its forward.
+    pub fn engine(&self) -> BlockEngine {
+        if self.host.is_some() {
+            BlockEngine::Host
+        } else {
+            BlockEngine::Mlx
+        }
+    }
+
+    /// The host engine's copy of the weights (matrices input-major, as the MLX path keeps them; q/k/v and
+    /// gate/up side by side).
+    fn host_weights(&self) -> Result<HostBlock> {
+        let pack = |parts: &[&Array]| -> Result<host::Packed> {
+            let w = if parts.len() == 1 { parts[0].clone() } else { ops::concatenate(parts, 1)? };
+            let (k, n) = (w.dim(0)? as usize, w.dim(1)? as usize);
+            Ok(host::Packed::new(&w.to_vec_f32()?, k, n))
+        };
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(host::Layer {
+                    attn_norm: l.attn_norm.to_vec_f32()?,
+                    qkv: pack(&[&l.q, &l.k, &l.v])?,
+                    o: pack(&[&l.o])?,
+                    mlp_norm: l.mlp_norm.to_vec_f32()?,
+                    gate_up: pack(&[&l.gate, &l.up])?,
+                    down: pack(&[&l.down])?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        let c = &self.cfg;
+        Ok(HostBlock {
+            d: c.hidden_size,
+            heads: c.num_heads,
+            head_dim: c.head_dim,
+            inter: c.intermediate_size,
+            block: c.block_size,
+            vocab: c.vocab_size,
+            eps: c.rms_norm_eps,
+            theta: c.rope_theta,
+            fc: pack(&[&self.fc_t])?,
+            ctx_norm: self.ctx_norm.to_vec_f32()?,
+            mask_embed: self.mask_embed.to_vec_f32()?,
+            slot_embed: self.slot_embed.to_vec_f32()?,
+            layers,
+            norm: self.norm.to_vec_f32()?,
+            embed: self.embed.to_vec_f32()?,
+            embed_t: pack(&[&self.embed.t()?.contiguous()?])?,
+        })
     }
 
     /// The configuration.
@@ -247,7 +394,7 @@ impl BlockDrafter {
     }
 
     /// The context of projected taps `feats` `[C, D]` at positions `offset..offset + C`.
-    fn context(&self, feats: Array, offset: i32) -> Result<Ctx> {
+    fn context(&self, feats: Array, offset: i32) -> Result<MlxCtx> {
         let (h, hd) = (self.cfg.num_heads as i32, self.cfg.head_dim as i32);
         let c = feats.dim(0)?;
         let heads = |t: &Array| t.reshape(&[1, c, h, hd])?.transpose(&[0, 2, 1, 3]);
@@ -259,13 +406,13 @@ impl BlockDrafter {
                 Ok((k, heads(&feats.matmul(&l.v)?)?))
             })
             .collect::<Result<_>>()?;
-        Ok(Ctx { feats, kv })
+        Ok(MlxCtx { feats, kv })
     }
 
     /// The block's logits `[K, V]` for the context `ctx` (none: no
     /// context), the last position's features `last` `[D]`, the unrun token `token` and the block at
     /// positions `block_pos..block_pos + K`.
-    fn block(&self, ctx: Option<&Ctx>, last: &Array, token: u32, block_pos: i32) -> Result<Array> {
+    fn block(&self, ctx: Option<&MlxCtx>, last: &Array, token: u32, block_pos: i32) -> Result<Array> {
         let (kk, d) = (self.cfg.block_size as i32, self.cfg.hidden_size as i32);
         let (h, hd) = (self.cfg.num_heads as i32, self.cfg.head_dim as i32);
         let eps = self.cfg.rms_norm_eps;
@@ -309,6 +456,13 @@ impl BlockDrafter {
     /// training script's reference.
     pub fn logits_for_taps(&self, taps: &Array, token: u32) -> Result<Array> {
         let t = taps.dim(0)?;
+        if let Some(hb) = &self.host {
+            let (t, d) = (t as usize, hb.d);
+            let ctx = hb.context(hb.project(&taps.astype(Dtype::F32)?.to_vec_f32()?, t), 0);
+            let last = ctx.feats[(t - 1) * d..].to_vec();
+            let logits = hb.block(Some(&ctx), &last, token, t);
+            return Array::from_slice(&logits, &[hb.block as i32, hb.vocab as i32]);
+        }
         let ctx = self.context(self.project(taps)?, 0)?;
         let last = ctx.feats.slice_axis(0, t - 1, t)?.squeeze(&[0])?;
         self.block(Some(&ctx), &last, token, t)
@@ -331,6 +485,41 @@ impl BlockDrafter {
         if self.pending.is_empty() {
             return Ok(());
         }
+        let rows: usize = self.pending.iter().map(|(n, _)| n).sum();
+        let offset = self.ctx_end() - rows;
+        let new = match &self.host {
+            Some(hb) => Ctx::Host(hb.context(hb.project(&self.pending_taps_host()?, rows), offset)),
+            None => Ctx::Mlx(self.context(self.project(&self.pending_taps_mlx()?)?, offset as i32)?),
+        };
+        self.pending.clear();
+        let w = self.cfg.context_window;
+        let (d, kw) = (self.cfg.hidden_size, self.cfg.num_heads * self.cfg.head_dim);
+        let ctx = match (self.ctx.take(), new) {
+            (Some(Ctx::Mlx(c)), Ctx::Mlx(n)) => Ctx::Mlx(c.append(&n)?),
+            (Some(Ctx::Host(mut c)), Ctx::Host(n)) => {
+                c.append(n);
+                Ctx::Host(c)
+            }
+            (_, n) => n,
+        };
+        let c = match &ctx {
+            Ctx::Mlx(m) => m.len()? as usize,
+            Ctx::Host(h) => h.len(d),
+        };
+        self.ctx = Some(if c > w {
+            self.ctx_start += c - w;
+            match ctx {
+                Ctx::Mlx(m) => Ctx::Mlx(m.rows((c - w) as i32, c as i32)?),
+                Ctx::Host(h) => Ctx::Host(h.rows(c - w, c, d, kw)),
+            }
+        } else {
+            ctx
+        });
+        Ok(())
+    }
+
+    /// The pending taps as one MLX array `[rows, taps * D_target]`.
+    fn pending_taps_mlx(&self) -> Result<Array> {
         let d = self.cfg.target_hidden_size as i32;
         let mut layers = Vec::with_capacity(self.cfg.tap_layers.len());
         for l in 0..self.cfg.tap_layers.len() {
@@ -352,23 +541,27 @@ impl BlockDrafter {
                 ops::concatenate(&pieces.iter().collect::<Vec<_>>(), 0)?
             });
         }
-        let rows: usize = self.pending.iter().map(|(n, _)| n).sum();
-        self.pending.clear();
-        let feats = self.project(&ops::concatenate(&layers.iter().collect::<Vec<_>>(), 1)?)?;
-        let new = self.context(feats, (self.ctx_end() - rows) as i32)?;
-        let ctx = match &self.ctx {
-            Some(c) => c.append(&new)?,
-            None => new,
-        };
-        let c = ctx.len()? as usize;
-        let w = self.cfg.context_window;
-        self.ctx = Some(if c > w {
-            self.ctx_start += c - w;
-            ctx.rows((c - w) as i32, c as i32)?
-        } else {
-            ctx
-        });
-        Ok(())
+        ops::concatenate(&layers.iter().collect::<Vec<_>>(), 1)
+    }
+
+    /// The pending taps on the host, `[rows, taps * D_target]` row-major (no MLX operation: each tap is
+    /// read as the target's forward left it).
+    fn pending_taps_host(&self) -> Result<Vec<f32>> {
+        let d = self.cfg.target_hidden_size;
+        let nt = self.cfg.tap_layers.len();
+        let mut out = Vec::new();
+        for (n, taps) in &self.pending {
+            let data: Vec<Vec<f32>> = taps.iter().map(|t| t.to_vec_f32()).collect::<Result<_>>()?;
+            for r in 0..*n {
+                for l in 0..nt {
+                    let row = data[l].get(r * d..(r + 1) * d).ok_or_else(|| {
+                        Error::invalid("block drafter", format!("a tap holds fewer than {n} positions"))
+                    })?;
+                    out.extend_from_slice(row);
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Keeps what is known of positions `< pos` only.
@@ -381,7 +574,12 @@ impl BlockDrafter {
             self.ctx = None;
             self.ctx_start = pos;
         } else if let Some(c) = &self.ctx {
-            self.ctx = Some(c.rows(0, (pos - self.ctx_start) as i32)?);
+            let keep = pos - self.ctx_start;
+            let (d, kw) = (self.cfg.hidden_size, self.cfg.num_heads * self.cfg.head_dim);
+            self.ctx = Some(match c {
+                Ctx::Mlx(m) => Ctx::Mlx(m.rows(0, keep as i32)?),
+                Ctx::Host(h) => Ctx::Host(h.rows(0, keep, d, kw)),
+            });
         }
         self.tokens.truncate(pos);
         Ok(())
@@ -434,30 +632,45 @@ impl Drafter for BlockDrafter {
         let agree = self.tokens.iter().zip(&context[..n]).take_while(|(a, b)| **a == **b || **a == u32::MAX).count();
         self.truncate(agree)?;
         self.flush()?;
-        let d = self.cfg.hidden_size as i32;
-        let (ctx, last, pos) = match &self.ctx {
-            Some(c) => {
-                let cn = c.len()?;
-                let last = if self.ctx_end() == n {
-                    c.feats.slice_axis(0, cn - 1, cn)?.squeeze(&[0])?
-                } else {
-                    ops::zeros(&[d], Dtype::F32)?
+        // The last position's features when the context reaches it (else zeros, as in training).
+        let at_end = self.ctx_end() == n;
+        let logits = match (&self.host, &self.ctx) {
+            (Some(hb), ctx) => {
+                let ctx = match ctx {
+                    Some(Ctx::Host(c)) => Some(c),
+                    _ => None,
                 };
-                (Some(c), last, n as i32)
+                let d = hb.d;
+                let last = match ctx {
+                    Some(c) if at_end => c.feats[(c.len(d) - 1) * d..].to_vec(),
+                    _ => vec![0.0; d],
+                };
+                Logits::Host { data: hb.block(ctx, &last, token, n), vocab: hb.vocab }
             }
-            None => (None, ops::zeros(&[d], Dtype::F32)?, n as i32),
+            (None, ctx) => {
+                let ctx = match ctx {
+                    Some(Ctx::Mlx(c)) => Some(c),
+                    _ => None,
+                };
+                let d = self.cfg.hidden_size as i32;
+                let last = match ctx {
+                    Some(c) if at_end => {
+                        let cn = c.len()?;
+                        c.feats.slice_axis(0, cn - 1, cn)?.squeeze(&[0])?
+                    }
+                    _ => ops::zeros(&[d], Dtype::F32)?,
+                };
+                Logits::Mlx(self.block(ctx, &last, token, n as i32)?)
+            }
         };
-        let logits = self.block(ctx, &last, token, pos)?;
         let recent = RecentTokens::new(sampler.config(), &[])?;
         if sampler.config().temperature == 0.0 {
-            let best = logits.slice_axis(0, 0, k as i32)?.argmax(-1, false)?;
-            crate::eval(&[&best])?;
-            return Ok(Draft { tokens: best.to_vec::<u32>()?, probs: None });
+            return Ok(Draft { tokens: logits.argmax_rows(k)?, probs: None });
         }
         let mut tokens = Vec::with_capacity(k);
         let mut probs = Vec::with_capacity(k);
-        for i in 0..k as i32 {
-            let row = logits.slice_axis(0, i, i + 1)?;
+        for i in 0..k {
+            let row = logits.row(i)?;
             let lp = crate::kernels::log_softmax(&sampler.process_recent(&row, &recent)?)?;
             let q = sampler.distribution(&lp)?.to_vec::<f32>()?;
             tokens.push(rng.draw(&q));
