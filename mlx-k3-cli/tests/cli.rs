@@ -437,10 +437,13 @@ fn spec_counts(stderr: &str) -> (usize, usize, usize) {
     (num("cycles"), num("plain"), num("fallbacks"))
 }
 
-/// The gate's thresholds are flags: k3-nano drafting for itself keeps every draft and never falls back
-/// with the defaults, while `--gate-short 8` (more tokens per cycle than a probe of 3 drafts can give)
-/// falls back after the first probe and decodes the rest plainly; the text is the same. Bad values and
-/// gate flags that would change nothing are refused, naming the flag, before the model loads.
+/// The gate's thresholds are flags: k3-nano drafting for itself keeps every draft and, weighed by tokens
+/// (`--gate-cost tokens`), never falls back, while `--gate-short 8` (more tokens per cycle than a probe of
+/// 3 drafts can give) falls back after the first probe and decodes the rest plainly. Weighed by time (the
+/// default, whose decisions depend on the machine's timing), a zero speed threshold never falls back and
+/// an impossible one (64 times plain decoding's speed, from cycles of at most 8 tokens) falls back after the
+/// request's first probe. The text is the same every time. Bad values and gate flags that would change
+/// nothing are refused, naming the flag, before the model loads.
 #[test]
 fn gate_flags_change_the_gate_and_bad_values_are_refused() {
     let n = nano();
@@ -449,6 +452,10 @@ fn gate_flags_change_the_gate_and_bad_values_are_refused() {
     assert!(ok, "{stderr}");
     let mut args = base.to_vec();
     args.extend(["--draft-model", n.to_str().unwrap()]);
+    let (ok, spec, stderr) = mlx_k3(&args);
+    assert!(ok, "{stderr}");
+    assert_eq!(spec, plain, "the default gate");
+    args.extend(["--gate-cost", "tokens"]);
     let (ok, spec, stderr) = mlx_k3(&args);
     assert!(ok, "{stderr}");
     assert_eq!(spec, plain);
@@ -467,6 +474,31 @@ fn gate_flags_change_the_gate_and_bad_values_are_refused() {
     // plain tokens (the next probe would come after 64).
     assert_eq!((cycles, fallbacks), (2, 1), "{stderr}");
     assert_eq!(plain_steps, 40 - 8, "{stderr}");
+
+    // By time: 4 plain steps timed, then a probe of 2 cycles of 7 drafts (all kept: 16 tokens).
+    let timed = |extra: &[&'static str]| {
+        let mut a = base.to_vec();
+        a.extend(["--draft-model", n.to_str().unwrap()]);
+        a.extend(extra);
+        let (ok, spec, stderr) = mlx_k3(&a);
+        assert!(ok, "{stderr}");
+        assert_eq!(spec, plain, "{extra:?}");
+        spec_counts(&stderr)
+    };
+    let (cycles, plain_steps, fallbacks) = timed(&["--gate-speed-short", "64"]);
+    assert_eq!((cycles, fallbacks, plain_steps), (2, 1, 40 - 16), "impossible speed");
+    let (cycles, plain_steps, fallbacks) = timed(&[
+        "--gate-cost",
+        "time",
+        "--gate-speed-short",
+        "0",
+        "--gate-speed-long",
+        "0",
+        "--gate-measure-steps",
+        "2",
+    ]);
+    assert_eq!(fallbacks, 0, "zero speed");
+    assert!(cycles >= 4 && (2..=3).contains(&plain_steps), "zero speed: {cycles} cycles, {plain_steps} plain");
     // A long window longer than the output and a short one of 3 cycles: the same text, with the flags taken.
     let mut windows = args.clone();
     windows.extend([
@@ -485,8 +517,16 @@ fn gate_flags_change_the_gate_and_bad_values_are_refused() {
 
     let draft = n.to_str().unwrap();
     for (extra, flag) in [
-        (&["--draft-model", draft, "--gate-short", "-1"][..], "--gate-short"),
-        (&["--draft-model", draft, "--gate-long", "NaN"][..], "--gate-long"),
+        (&["--draft-model", draft, "--gate-cost", "tokens", "--gate-short", "-1"][..], "--gate-short"),
+        (&["--draft-model", draft, "--gate-cost", "tokens", "--gate-long", "NaN"][..], "--gate-long"),
+        (&["--draft-model", draft, "--gate-short", "3"][..], "--gate-short applies with --gate-cost tokens"),
+        (&["--draft-model", draft, "--gate-speed-short", "-1"][..], "--gate-speed-short"),
+        (&["--draft-model", draft, "--gate-speed-long", "inf"][..], "--gate-speed-long"),
+        (&["--draft-model", draft, "--gate-measure-steps", "0"][..], "--gate-measure-steps"),
+        (
+            &["--draft-model", draft, "--gate-cost", "tokens", "--gate-speed-long", "1"][..],
+            "--gate-speed-long applies with --gate-cost time",
+        ),
         (&["--draft-model", draft, "--gate-short-window", "0"][..], "--gate-short-window"),
         (&["--draft-model", draft, "--gate-short-window", "20"][..], "--gate-short-window"),
         (&["--draft-model", draft, "--gate-drafts", "5,3"][..], "--gate-drafts"),

@@ -674,6 +674,9 @@ fn speculative_generate_over_two_ranks_prints_what_one_rank_prints() {
         let mut args = generate_args(&[opts, &["--draft-model", draft.as_str()][..]].concat());
         if no_gate {
             args.push("--no-gate".into());
+        } else {
+            // Decisions by tokens, which do not depend on timing, so one rank's statistics are the two ranks'.
+            args.extend(strings(&["--gate-cost", "tokens"]));
         }
         let one = Command::new(bin()).args(&args).output().unwrap();
         let one_err = String::from_utf8_lossy(&one.stderr).into_owned();
@@ -707,16 +710,25 @@ fn speculative_generate_over_two_ranks_prints_what_one_rank_prints() {
 #[test]
 fn speculative_ranks_that_sample_differently_stop_with_a_divergence_error() {
     // Rank 0 decides every drafting cycle, so drafted tokens agree whatever the ranks' seeds; but a gate that
-    // falls back at once (--gate-short 8: a probe of 3 drafts gives at most 4 tokens per cycle) leaves the
-    // tokens to each rank's own sampler, and with different seeds they differ: the hash every round's
-    // exchange compares must stop every rank with an error.
+    // falls back at once (--gate-cost tokens --gate-short 8: a probe of 3 drafts gives at most 4 tokens per
+    // cycle) leaves the tokens to each rank's own sampler, and with different seeds they differ: the hash
+    // every round's exchange compares must stop every rank with an error.
     let dir = scratch("spec-diverge");
     let drafter = nano().join("drafter").display().to_string();
     let outs = wait_all(
         spawn_ranks_with(&dir, 2, |r| {
             let seed = (r + 1).to_string();
             let mut a = generate_args(&["--max-tokens", "64", "--temp", "1.5", "--seed", &seed]);
-            a.extend(strings(&["--draft-model", &drafter, "--gate-short", "8", "--distributed", "ring"]));
+            a.extend(strings(&[
+                "--draft-model",
+                &drafter,
+                "--gate-cost",
+                "tokens",
+                "--gate-short",
+                "8",
+                "--distributed",
+                "ring",
+            ]));
             a
         }),
         Duration::from_secs(120),

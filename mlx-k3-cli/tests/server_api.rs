@@ -70,7 +70,9 @@ fn health_models_and_metrics_answer() {
 fn speculative_decoding_serves_the_same_text_and_counts_its_cycles() {
     let _g = serial();
     let model = server_support::model_dir();
-    let s = Server::start(&["--draft-model", model.to_str().unwrap(), "--num-draft", "3"]);
+    // Gated by tokens: drafting starts at a request's first token (by time, the default, a request first
+    // times a few plain steps, and these replies are short).
+    let s = Server::start(&["--draft-model", model.to_str().unwrap(), "--num-draft", "3", "--gate-cost", "tokens"]);
     let body = json!({"prompt": "def main():", "max_tokens": 12, "temperature": 0});
     let (code, spec) = s.post("/v1/completions", &body);
     assert_eq!(code, 200, "{spec}");

@@ -345,7 +345,9 @@ fn web_chat_footer_shows_tokens_per_cycle_with_a_drafter() {
     };
     // k3-nano drafting for itself: every draft is kept, so a cycle emits num_draft + 1 tokens.
     let model = server_support::model_dir();
-    let s = Server::start(&["--draft-model", model.to_str().unwrap(), "--num-draft", "3"]);
+    // Gated by tokens: drafting starts at a request's first token (by time, the default, a request first
+    // times a few plain steps, and these replies are short).
+    let s = Server::start(&["--draft-model", model.to_str().unwrap(), "--num-draft", "3", "--gate-cost", "tokens"]);
     let mut b = Browser::launch(&exe);
     b.call("Page.enable", json!({}));
     b.call("Page.navigate", json!({"url": s.at("/")}));

@@ -5,8 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use mlx_k3::generate::speculative::{
-    accept_sampled, generate_speculative, DraftModel, Drafter, GateConfig, GateEvent, RandomDrafter, Rollback,
-    SpecOptions, SpecStats, SplitMix64,
+    accept_sampled, generate_speculative, DraftModel, Drafter, GateConfig, GateCost, GateEvent, RandomDrafter,
+    Rollback, SpecOptions, SpecStats, SplitMix64,
 };
 use mlx_k3::generate::{generate_tokens, FinishReason, GenerateOptions, PromptCache, SamplerConfig};
 use mlx_k3::model::{KimiK3, LoadOptions, ModelConfig};
@@ -232,8 +232,10 @@ fn stops_inside_a_cycle() {
     assert_eq!((got.as_slice(), reason), (&want[..3], FinishReason::Cancelled));
 }
 
-/// With the adversarial drafter the gate falls back to plain decoding (and probes again later), and the
-/// output is still plain greedy output; drafting for itself it never falls back.
+/// With the adversarial drafter the gate falls back to plain decoding (and probes again later), weighed by
+/// time (the default: after its 4 timed plain steps) or by tokens, and the output is still plain greedy
+/// output; drafting for itself it never falls back by tokens (by time it may: k3-nano drafting for itself
+/// costs more than it saves on a CPU).
 #[test]
 fn gate_falls_back_on_an_adversarial_drafter() {
     let target = load(&nano());
@@ -241,19 +243,36 @@ fn gate_falls_back_on_an_adversarial_drafter() {
     let prompt = &prompts()[0];
     let opts = greedy(80);
     let want = plain(&target, prompt, &opts);
-    let gate =
-        SpecOptions { gate_config: GateConfig { probe_after: 16, ..GateConfig::default() }, ..SpecOptions::default() };
-    let (got, st) = spec(&target, &mut RandomDrafter::new(vocab, 1), prompt, &opts, &gate);
-    assert_eq!(got, want);
-    assert!(st.fallbacks >= 1, "no fallback: {st:?}");
-    assert!(matches!(st.events[0], GateEvent::Fallback { at, .. } if at <= 8), "{:?}", st.events);
-    assert!(st.events.iter().any(|e| matches!(e, GateEvent::Probe { .. })), "never probed: {:?}", st.events);
-    // Most tokens came from plain steps, not from doomed drafting cycles.
-    assert!(st.plain_steps > opts.max_tokens / 2, "{st:?}");
-    let (got, st) = spec(&target, &mut DraftModel::new(load(&nano()), vocab).unwrap(), prompt, &opts, &gate);
+    for cost in [GateCost::Time, GateCost::Tokens] {
+        let gate = SpecOptions {
+            gate_config: GateConfig { probe_after: 16, cost, ..GateConfig::default() },
+            ..SpecOptions::default()
+        };
+        let (got, st) = spec(&target, &mut RandomDrafter::new(vocab, 1), prompt, &opts, &gate);
+        assert_eq!(got, want);
+        assert!(st.fallbacks >= 1, "{cost:?}: no fallback: {st:?}");
+        assert!(matches!(st.events[0], GateEvent::Fallback { at, .. } if at <= 8), "{cost:?}: {:?}", st.events);
+        assert!(st.events.iter().any(|e| matches!(e, GateEvent::Probe { .. })), "never probed: {:?}", st.events);
+        // Most tokens came from plain steps, not from doomed drafting cycles.
+        assert!(st.plain_steps > opts.max_tokens / 2, "{cost:?}: {st:?}");
+    }
+    let tokens = SpecOptions {
+        gate_config: GateConfig { cost: GateCost::Tokens, ..GateConfig::default() },
+        ..SpecOptions::default()
+    };
+    let (got, st) = spec(&target, &mut DraftModel::new(load(&nano()), vocab).unwrap(), prompt, &opts, &tokens);
     assert_eq!(got, want);
     assert_eq!(st.fallbacks, 0, "{:?}", st.events);
     assert_eq!(st.plain_steps, 0);
+    // By time with no speed asked for, it only decodes its timed plain steps.
+    let free = SpecOptions {
+        gate_config: GateConfig { speed_short: 0.0, speed_long: 0.0, ..GateConfig::default() },
+        ..SpecOptions::default()
+    };
+    let (got, st) = spec(&target, &mut DraftModel::new(load(&nano()), vocab).unwrap(), prompt, &opts, &free);
+    assert_eq!(got, want);
+    assert_eq!(st.fallbacks, 0, "{:?}", st.events);
+    assert_eq!(st.plain_steps, GateConfig::default().measure_steps);
 }
 
 /// Sampling end to end on k3-nano: a seeded run repeats exactly and runs its cycles with either drafter

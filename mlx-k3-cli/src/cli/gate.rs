@@ -2,7 +2,7 @@
 
 use clap::Args as ClapArgs;
 
-use mlx_k3::generate::speculative::{GateConfig, MAX_DRAFT};
+use mlx_k3::generate::speculative::{GateConfig, GateCost, MAX_DRAFT};
 use mlx_k3::{Error, Result};
 
 /// The most tokens one drafting cycle can emit (the most drafts, the limit of `--num-draft`, and the model's
@@ -13,7 +13,23 @@ const MAX_TOKENS_PER_CYCLE: f32 = (MAX_DRAFT + 1) as f32;
 /// docs/performance.md#speculative-decoding justifies (k3-nano's measured break-even).
 #[derive(ClapArgs, Debug, Clone, Default)]
 pub struct GateArgs {
-    /// With --draft-model: fall back to plain decoding when the mean tokens per drafting cycle (kept drafts
+    /// With --draft-model: what the gate weighs drafting by: `time` (a drafting cycle's measured tokens per
+    /// second against the request's own timed plain decode steps, counting the drafter's cost) or `tokens`
+    /// (tokens per cycle against --gate-short/--gate-long: the same decisions on every greedy run)
+    /// [default: time].
+    #[arg(long, value_name = "time|tokens", value_parser = ["time", "tokens"])]
+    pub gate_cost: Option<String>,
+    /// With --gate-cost time: fall back to plain decoding when drafting's tokens per second over the short
+    /// window are below this share of plain decoding's [default: 0.9: a dip is tolerated].
+    #[arg(long, value_name = "SHARE", allow_negative_numbers = true)]
+    pub gate_speed_short: Option<f32>,
+    /// With --gate-cost time: ...or over the long window below this share [default: 1.0: break-even].
+    #[arg(long, value_name = "SHARE", allow_negative_numbers = true)]
+    pub gate_speed_long: Option<f32>,
+    /// With --gate-cost time: plain decode steps a request times before its first probe [default: 4].
+    #[arg(long, value_name = "STEPS")]
+    pub gate_measure_steps: Option<usize>,
+    /// With --gate-cost tokens: fall back to plain decoding when the mean tokens per drafting cycle (kept drafts
     /// + 1) over the short window is below this [default: 3.0, the measured break-even of 3 drafts on
     /// k3-nano].
     #[arg(long, value_name = "TOKENS", allow_negative_numbers = true)]
@@ -39,7 +55,8 @@ pub struct GateArgs {
     /// to 16x) [default: 64].
     #[arg(long, value_name = "TOKENS")]
     pub gate_probe_after: Option<usize>,
-    /// Drafting cycles a probe runs before it decides [default: 2].
+    /// Drafting cycles a probe runs before it decides; a cycle that keeps no draft decides at once [default:
+    /// 2].
     #[arg(long, value_name = "CYCLES")]
     pub gate_probe_cycles: Option<usize>,
 }
@@ -47,6 +64,10 @@ pub struct GateArgs {
 impl GateArgs {
     fn given(&self) -> impl Iterator<Item = &'static str> + '_ {
         [
+            (self.gate_cost.is_some(), "--gate-cost"),
+            (self.gate_speed_short.is_some(), "--gate-speed-short"),
+            (self.gate_speed_long.is_some(), "--gate-speed-long"),
+            (self.gate_measure_steps.is_some(), "--gate-measure-steps"),
             (self.gate_short.is_some(), "--gate-short"),
             (self.gate_long.is_some(), "--gate-long"),
             (self.gate_short_window.is_some(), "--gate-short-window"),
@@ -75,6 +96,40 @@ impl GateArgs {
             }
         }
         let mut c = GateConfig::default();
+        if self.gate_cost.as_deref() == Some("tokens") {
+            c.cost = GateCost::Tokens;
+        }
+        // A threshold of the other measure would change nothing: refused, naming what it needs.
+        let (other, needs) = match c.cost {
+            GateCost::Time => (
+                vec![(self.gate_short.is_some(), "--gate-short"), (self.gate_long.is_some(), "--gate-long")],
+                "--gate-cost tokens",
+            ),
+            GateCost::Tokens => (
+                vec![
+                    (self.gate_speed_short.is_some(), "--gate-speed-short"),
+                    (self.gate_speed_long.is_some(), "--gate-speed-long"),
+                    (self.gate_measure_steps.is_some(), "--gate-measure-steps"),
+                ],
+                "--gate-cost time (the default)",
+            ),
+        };
+        if let Some((_, flag)) = other.iter().find(|(set, _)| *set) {
+            return bad(format!("{flag} applies with {needs} only"));
+        }
+        for (flag, v, slot) in [
+            ("--gate-speed-short", self.gate_speed_short, &mut c.speed_short),
+            ("--gate-speed-long", self.gate_speed_long, &mut c.speed_long),
+        ] {
+            if let Some(v) = v {
+                if !(0.0..=MAX_TOKENS_PER_CYCLE).contains(&v) {
+                    return bad(format!(
+                        "{flag} must be a share of plain decoding's speed from 0 to {MAX_TOKENS_PER_CYCLE}, got {v}"
+                    ));
+                }
+                *slot = v;
+            }
+        }
         for (flag, v, slot) in [
             ("--gate-short", self.gate_short, &mut c.fallback_short),
             ("--gate-long", self.gate_long, &mut c.fallback_long),
@@ -93,6 +148,7 @@ impl GateArgs {
             ("--gate-long-window", self.gate_long_window, &mut c.long_window),
             ("--gate-probe-after", self.gate_probe_after, &mut c.probe_after),
             ("--gate-probe-cycles", self.gate_probe_cycles, &mut c.probe_cycles),
+            ("--gate-measure-steps", self.gate_measure_steps, &mut c.measure_steps),
         ] {
             if let Some(v) = v {
                 if v == 0 || v > 1 << 20 {

@@ -292,6 +292,20 @@ pub enum Rollback {
     Recompute,
 }
 
+/// What the adaptive gate weighs a drafting stretch by.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GateCost {
+    /// Measured time: a drafting cycle's tokens per second (drafter, verify forward and rollback) against
+    /// the request's own plain decode steps, timed as they run. It counts what a token-count threshold
+    /// cannot: the drafter's own cost and the machine's speed (docs/performance.md#speculative-decoding).
+    #[default]
+    Time,
+    /// Tokens per cycle against fixed thresholds ([`GateConfig::fallback_short`] and `fallback_long`): the
+    /// same decisions on every run of a greedy request.
+    Tokens,
+}
+
 /// The adaptive gate's settings (tokens per cycle: tokens a drafting cycle emits, kept drafts + 1).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GateConfig {
@@ -299,10 +313,25 @@ pub struct GateConfig {
     pub short_window: usize,
     /// Cycles in the long window.
     pub long_window: usize,
-    /// Fall back to plain decoding when the short window's mean tokens per cycle is below this...
+    /// What a fallback is decided by.
+    #[serde(default)]
+    pub cost: GateCost,
+    /// [`GateCost::Tokens`]: fall back to plain decoding when the short window's mean tokens per cycle is
+    /// below this...
     pub fallback_short: f32,
     /// ...or the long window's is below this.
     pub fallback_long: f32,
+    /// [`GateCost::Time`]: fall back when the short window's tokens per second are below this share of the
+    /// plain decode steps' (1.0: break-even)...
+    #[serde(default = "default_speed_short")]
+    pub speed_short: f32,
+    /// ...or the long window's are below this share.
+    #[serde(default = "default_speed_long")]
+    pub speed_long: f32,
+    /// [`GateCost::Time`]: plain steps a request times before its first probe (the plain speed the cycles
+    /// are weighed against; later plain stretches update it).
+    #[serde(default = "default_measure_steps")]
+    pub measure_steps: usize,
     /// Draft counts to choose from, smallest first; the acceptance rate picks one.
     pub drafts: Vec<usize>,
     /// Acceptance rates (kept / drafted over the short window) at which the 2nd, 3rd, ... draft count is
@@ -310,8 +339,22 @@ pub struct GateConfig {
     pub raise_at: Vec<f32>,
     /// Plain tokens before drafting is probed again (doubles after each failed probe, up to 16x).
     pub probe_after: usize,
-    /// Cycles a probe drafts (the smallest draft count) before it decides; a request starts with a probe.
+    /// Cycles a probe drafts before it decides (the smallest draft count with [`GateCost::Tokens`], the
+    /// largest with [`GateCost::Time`]); a request starts with a probe. A probe cycle that keeps no draft
+    /// decides at once (a fallback).
     pub probe_cycles: usize,
+}
+
+fn default_speed_short() -> f32 {
+    GateConfig::default().speed_short
+}
+
+fn default_speed_long() -> f32 {
+    GateConfig::default().speed_long
+}
+
+fn default_measure_steps() -> usize {
+    GateConfig::default().measure_steps
 }
 
 impl Default for GateConfig {
@@ -319,12 +362,18 @@ impl Default for GateConfig {
         GateConfig {
             short_window: 8,
             long_window: 16,
+            cost: GateCost::Time,
             // k3-nano on a 2-core CPU (docs/performance.md#speculative-decoding): a verify cycle with a
             // drafter that costs nothing breaks even with plain decoding at 3.0-3.1 tokens per cycle for 3
             // drafts and 3.3 for 5 (3.6 for 7), so drafting that stays below these loses even before the
             // drafter's own cost.
             fallback_short: 3.0,
             fallback_long: 3.3,
+            // Measured time: a short dip below plain speed is tolerated (acceptance comes in bursts), a long
+            // window must at least break even (docs/performance.md#speculative-decoding).
+            speed_short: 0.9,
+            speed_long: 1.0,
+            measure_steps: 4,
             drafts: vec![3, 5, 7],
             raise_at: vec![0.6, 0.8],
             probe_after: 64,
@@ -355,8 +404,14 @@ impl GateConfig {
         if !(self.fallback_short.is_finite() && self.fallback_long.is_finite()) {
             return bad("fallback thresholds must be finite".into());
         }
-        if self.probe_after == 0 || self.probe_cycles == 0 {
-            return bad("probe_after and probe_cycles must be positive".into());
+        if !(self.speed_short.is_finite() && self.speed_long.is_finite())
+            || self.speed_short < 0.0
+            || self.speed_long < 0.0
+        {
+            return bad("speed thresholds must be finite and not negative".into());
+        }
+        if self.probe_after == 0 || self.probe_cycles == 0 || self.measure_steps == 0 {
+            return bad("probe_after, probe_cycles and measure_steps must be positive".into());
         }
         Ok(())
     }
@@ -369,7 +424,8 @@ pub enum GateEvent {
     Fallback {
         /// Output length then.
         at: usize,
-        /// The short window's mean tokens per cycle (a failed probe: the probe's).
+        /// The short window's measure ([`GateCost::Tokens`]: mean tokens per cycle; [`GateCost::Time`]:
+        /// its speed as a share of plain decoding's); a failed probe: the probe's.
         short: f32,
         /// The long window's.
         long: f32,
@@ -383,47 +439,95 @@ pub enum GateEvent {
     Resume {
         /// Output length then.
         at: usize,
-        /// The probe's mean tokens per cycle.
+        /// The probe's measure (as [`GateEvent::Fallback`]'s).
         mean: f32,
     },
+}
+
+/// One drafting cycle as the gate saw it.
+#[derive(Clone, Copy, Debug)]
+struct Cycle {
+    drafted: usize,
+    kept: usize,
+    /// Its measured seconds (drafter, verify and, once known, rollback); 0 when not timed.
+    seconds: f64,
 }
 
 #[derive(Debug)]
 enum Mode {
     Drafting,
-    Plain { left: usize },
-    Probing { left: usize, got: Vec<(usize, usize)> },
+    /// Plain decoding; `first`: the request's timing stretch, which no probe event announces the end of.
+    Plain {
+        left: usize,
+        first: bool,
+    },
+    Probing {
+        left: usize,
+        got: Vec<Cycle>,
+    },
 }
 
-/// The adaptive gate of one request: rolling windows of (drafted, kept) per cycle.
+/// The adaptive gate of one request: rolling windows of drafting cycles, and (with [`GateCost::Time`]) the
+/// measured speed of its plain decode steps.
 #[derive(Debug)]
 pub struct Gate {
     cfg: GateConfig,
     max_draft: usize,
     enabled: bool,
-    window: VecDeque<(usize, usize)>,
+    window: VecDeque<Cycle>,
     mode: Mode,
     backoff: usize,
+    /// Seconds per plain decode step, as measured (a running mean weighted toward recent stretches).
+    plain_s: Option<f64>,
     /// What it decided, in order.
     pub events: Vec<GateEvent>,
 }
 
 impl Gate {
-    /// A gate drafting at most `max_draft` tokens; `enabled` false always drafts `max_draft`.
+    /// A gate drafting at most `max_draft` tokens; `enabled` false always drafts `max_draft`. With
+    /// [`GateCost::Time`] a request first decodes `measure_steps` tokens plainly (timing them), then probes;
+    /// with [`GateCost::Tokens`] it probes at once.
     pub fn new(cfg: GateConfig, max_draft: usize, enabled: bool) -> Gate {
-        let mode = Mode::Probing { left: cfg.probe_cycles, got: Vec::new() };
-        Gate { cfg, max_draft, enabled, window: VecDeque::new(), mode, backoff: 1, events: Vec::new() }
+        let mode = match cfg.cost {
+            GateCost::Time => Mode::Plain { left: cfg.measure_steps, first: true },
+            GateCost::Tokens => Mode::Probing { left: cfg.probe_cycles, got: Vec::new() },
+        };
+        Gate { cfg, max_draft, enabled, window: VecDeque::new(), mode, backoff: 1, plain_s: None, events: Vec::new() }
     }
 
-    fn mean_tpc(&self, n: usize) -> f32 {
-        let w: Vec<_> = self.window.iter().rev().take(n).collect();
-        w.iter().map(|(_, kept)| (*kept + 1) as f32).sum::<f32>() / w.len().max(1) as f32
+    /// The measure of the last `n` cycles of `cycles` that a fallback is decided by: mean tokens per cycle
+    /// ([`GateCost::Tokens`]), or their tokens per second as a share of plain decoding's ([`GateCost::Time`]:
+    /// None while either is not timed yet).
+    fn measure<'a>(&self, cycles: impl DoubleEndedIterator<Item = &'a Cycle>, n: usize) -> Option<f32> {
+        let w: Vec<&Cycle> = cycles.rev().take(n).collect();
+        let tokens: usize = w.iter().map(|c| c.kept + 1).sum();
+        match self.cfg.cost {
+            GateCost::Tokens => Some(tokens as f32 / w.len().max(1) as f32),
+            GateCost::Time => {
+                let seconds: f64 = w.iter().map(|c| c.seconds).sum();
+                let plain = self.plain_s?;
+                (seconds > 0.0).then(|| (tokens as f64 * plain / seconds) as f32)
+            }
+        }
+    }
+
+    /// The thresholds of the short and long windows in the unit of [`Gate::measure`].
+    fn thresholds(&self) -> (f32, f32) {
+        match self.cfg.cost {
+            GateCost::Tokens => (self.cfg.fallback_short, self.cfg.fallback_long),
+            GateCost::Time => (self.cfg.speed_short, self.cfg.speed_long),
+        }
+    }
+
+    /// Seconds per plain decode step as measured so far (None before any plain step was timed).
+    pub fn plain_seconds(&self) -> Option<f64> {
+        self.plain_s
     }
 
     /// Plain tokens left before the next probe (0 unless the gate has fallen back).
     pub fn plain_left(&self) -> usize {
         match &self.mode {
-            Mode::Plain { left } if self.enabled => *left,
+            Mode::Plain { left, .. } if self.enabled => *left,
             _ => 0,
         }
     }
@@ -435,15 +539,20 @@ impl Gate {
         }
         let k = match &self.mode {
             Mode::Plain { .. } => return 0,
-            Mode::Probing { .. } => self.cfg.drafts[0],
+            // By tokens a probe risks the least; by time it drafts what a won probe would go on drafting,
+            // since a short block caps the tokens of a cycle whose cost hardly depends on its length.
+            Mode::Probing { .. } => match self.cfg.cost {
+                GateCost::Tokens => self.cfg.drafts[0],
+                GateCost::Time => self.cfg.drafts[self.cfg.drafts.len() - 1],
+            },
             Mode::Drafting => {
                 let w: Vec<_> = self.window.iter().rev().take(self.cfg.short_window).collect();
                 if w.is_empty() {
                     // No evidence yet: the middle count.
                     self.cfg.drafts[self.cfg.drafts.len() / 2]
                 } else {
-                    let drafted: usize = w.iter().map(|(d, _)| d).sum();
-                    let kept: usize = w.iter().map(|(_, k)| k).sum();
+                    let drafted: usize = w.iter().map(|c| c.drafted).sum();
+                    let kept: usize = w.iter().map(|c| c.kept).sum();
                     let rate = kept as f32 / drafted.max(1) as f32;
                     let i = self.cfg.raise_at.iter().take_while(|&&r| rate >= r).count();
                     self.cfg.drafts[i]
@@ -453,55 +562,98 @@ impl Gate {
         k.min(self.max_draft).max(1)
     }
 
-    /// Records a cycle that drafted `drafted` tokens (0: a plain step) and kept `kept`; `at` is the output
-    /// length after it.
-    pub fn record(&mut self, drafted: usize, kept: usize, at: usize) {
+    /// Times `tokens` plain decode steps that took `seconds` together (a plain stretch, pipelined as plain
+    /// decoding is): the speed drafting is weighed against ([`GateCost::Time`]).
+    pub fn plain_time(&mut self, seconds: f64, tokens: usize) {
+        if tokens == 0 || !(seconds.is_finite() && seconds > 0.0) {
+            return;
+        }
+        let per = seconds / tokens as f64;
+        // A running mean in which a stretch weighs by its length, half of it gone after about 32 tokens.
+        let w = (tokens as f64 / 32.0).min(1.0);
+        self.plain_s = Some(match self.plain_s {
+            Some(p) => p + w * (per - p),
+            None => per,
+        });
+    }
+
+    /// Adds `seconds` to the last drafting cycle recorded (its rollback, which runs after its decision).
+    pub fn add_time(&mut self, seconds: f64) {
+        let last = match &mut self.mode {
+            Mode::Drafting => self.window.back_mut(),
+            Mode::Probing { got, .. } => got.last_mut(),
+            Mode::Plain { .. } => None,
+        };
+        if let Some(c) = last {
+            c.seconds += seconds;
+        }
+    }
+
+    /// Records a cycle that drafted `drafted` tokens (0: a plain step) and kept `kept`, taking `seconds`
+    /// (drafter and verify forward; 0 when not timed); `at` is the output length after it.
+    pub fn record(&mut self, drafted: usize, kept: usize, seconds: f64, at: usize) {
         if !self.enabled || (drafted == 0 && !matches!(self.mode, Mode::Plain { .. })) {
             return;
         }
+        let cycle = Cycle { drafted, kept, seconds };
+        let (lo_short, lo_long) = self.thresholds();
         match &mut self.mode {
-            Mode::Plain { left } => {
+            Mode::Plain { left, first } => {
                 *left = left.saturating_sub(1);
                 if *left == 0 {
+                    if !*first {
+                        self.events.push(GateEvent::Probe { at });
+                    }
                     self.mode = Mode::Probing { left: self.cfg.probe_cycles, got: Vec::new() };
-                    self.events.push(GateEvent::Probe { at });
                 }
             }
             Mode::Probing { left, got } => {
-                got.push((drafted, kept));
+                got.push(cycle);
                 *left -= 1;
-                if *left == 0 {
-                    let mean = got.iter().map(|(_, k)| (*k + 1) as f32).sum::<f32>() / got.len() as f32;
-                    if mean >= self.cfg.fallback_short {
-                        self.window = got.drain(..).collect();
+                // A probe cycle that keeps none of its drafts ends the probe: it cannot have won, and the
+                // rest of the probe would cost as much again (what an adversarial drafter costs is probes).
+                if *left == 0 || kept == 0 {
+                    let got = std::mem::take(got);
+                    let (mean, lo) = match self.measure(got.iter(), got.len()) {
+                        Some(m) => (m, lo_short),
+                        // Not timed (no plain step measured yet): by tokens per cycle.
+                        None => (
+                            got.iter().map(|c| (c.kept + 1) as f32).sum::<f32>() / got.len() as f32,
+                            self.cfg.fallback_short,
+                        ),
+                    };
+                    if mean >= lo {
+                        self.window = got.into_iter().collect();
                         self.mode = Mode::Drafting;
                         self.backoff = 1;
                         self.events.push(GateEvent::Resume { at, mean });
                     } else {
-                        self.mode = Mode::Plain { left: self.cfg.probe_after * self.backoff };
-                        self.backoff = (self.backoff * 2).min(16);
-                        self.events.push(GateEvent::Fallback { at, short: mean, long: mean });
+                        self.fall_back(at, mean, mean);
                     }
                 }
             }
             Mode::Drafting => {
-                self.window.push_back((drafted, kept));
+                self.window.push_back(cycle);
                 while self.window.len() > self.cfg.long_window {
                     self.window.pop_front();
                 }
                 let n = self.window.len();
-                let short = self.mean_tpc(self.cfg.short_window);
-                let long = self.mean_tpc(self.cfg.long_window);
-                let lose = (n >= self.cfg.short_window && short < self.cfg.fallback_short)
-                    || (n >= self.cfg.long_window && long < self.cfg.fallback_long);
+                let short = self.measure(self.window.iter(), self.cfg.short_window);
+                let long = self.measure(self.window.iter(), self.cfg.long_window);
+                let lose = (n >= self.cfg.short_window && short.is_some_and(|s| s < lo_short))
+                    || (n >= self.cfg.long_window && long.is_some_and(|l| l < lo_long));
                 if lose {
-                    self.window.clear();
-                    self.mode = Mode::Plain { left: self.cfg.probe_after * self.backoff };
-                    self.backoff = (self.backoff * 2).min(16);
-                    self.events.push(GateEvent::Fallback { at, short, long });
+                    self.fall_back(at, short.unwrap_or(0.0), long.unwrap_or(0.0));
                 }
             }
         }
+    }
+
+    fn fall_back(&mut self, at: usize, short: f32, long: f32) {
+        self.window.clear();
+        self.mode = Mode::Plain { left: self.cfg.probe_after * self.backoff, first: false };
+        self.backoff = (self.backoff * 2).min(16);
+        self.events.push(GateEvent::Fallback { at, short, long });
     }
 }
 
@@ -875,6 +1027,8 @@ pub fn generate_speculative(
     let mut shared_len = 0;
     // Rank 0, sampling: the drafter's distributions of the drafts being verified.
     let mut pending_q: Option<Vec<Vec<f32>>> = None;
+    // Rank 0: seconds the drafter took for the cycle being decided (the gate weighs whole cycles).
+    let mut draft_s = 0.0;
     let reason = loop {
         // Rank 0 (or the only rank) decides what comes next.
         let mut action = None;
@@ -894,7 +1048,8 @@ pub fn generate_speculative(
                 } else {
                     let t0 = Instant::now();
                     let draft = drafter.propose(&em.context, k, &sampler, &mut rng)?;
-                    sstats.draft_seconds += t0.elapsed().as_secs_f64();
+                    draft_s = t0.elapsed().as_secs_f64();
+                    sstats.draft_seconds += draft_s;
                     let k = draft.tokens.len().min(k);
                     if let Some(bad) = draft.tokens.iter().find(|&&t| t as usize >= model.config().vocab_size) {
                         return Err(Error::invalid(
@@ -964,10 +1119,14 @@ pub fn generate_speculative(
             }
             cache.set_recording(false);
             pcache.tokens.extend_from_slice(&p.fed[..keep]);
-            sstats.verify_seconds += t0.elapsed().as_secs_f64();
-            if !leader {
+            let rollback_s = t0.elapsed().as_secs_f64();
+            sstats.verify_seconds += rollback_s;
+            if leader {
+                // The cycle was recorded when rank 0 decided it; its rollback belongs to its cost.
+                gate.add_time(rollback_s);
+            } else {
                 // Rank 0 emitted these when it decided.
-                if let Some(r) = emit_cycle(&mut em, &mut gate, &mut sstats, &p.fed, &p.rows, kept, next) {
+                if let Some(r) = emit_cycle(&mut em, &mut gate, &mut sstats, &p.fed, &p.rows, kept, next, 0.0) {
                     end.get_or_insert(r);
                 }
             }
@@ -985,8 +1144,10 @@ pub fn generate_speculative(
             Action::Plain(n) => {
                 let (t0, before) = (Instant::now(), em.out.len());
                 let (e, last) = plain_stretch(model, pcache, &mut sampler, y, n, &mut em, &mut gate, drafter, &taps)?;
-                sstats.plain_steps += em.out.len() - before;
-                sstats.verify_seconds += t0.elapsed().as_secs_f64();
+                let (seconds, tokens) = (t0.elapsed().as_secs_f64(), em.out.len() - before);
+                sstats.plain_steps += tokens;
+                sstats.verify_seconds += seconds;
+                gate.plain_time(seconds, tokens);
                 y = last;
                 if let Some(r) = e {
                     end.get_or_insert(r);
@@ -1028,14 +1189,16 @@ pub fn generate_speculative(
                     crate::eval(&outs)?;
                     None
                 };
-                sstats.verify_seconds += t1.elapsed().as_secs_f64();
+                let verify_s = t1.elapsed().as_secs_f64();
+                sstats.verify_seconds += verify_s;
                 if leader {
                     let (kept, next) = decided.ok_or_else(|| Error::invalid("generate", "no decision"))?;
                     if !taps.is_empty() {
                         drafter.observe(start_pos, &fed[..kept + 1], &tapped)?;
                     }
                     shared_len = em.out.len();
-                    if let Some(r) = emit_cycle(&mut em, &mut gate, &mut sstats, &fed, &rows, kept, next) {
+                    let seconds = draft_s + verify_s;
+                    if let Some(r) = emit_cycle(&mut em, &mut gate, &mut sstats, &fed, &rows, kept, next, seconds) {
                         end.get_or_insert(r);
                     }
                 }
@@ -1064,8 +1227,10 @@ pub fn generate_speculative(
     Ok((out, reason, stats, sstats))
 }
 
-/// Counts a verified cycle that kept `kept` of the drafts `fed[1..]` and then `next`, tells the gate, and
-/// emits the kept drafts and `next`; Some when generation ends among them.
+/// Counts a verified cycle that kept `kept` of the drafts `fed[1..]` and then `next`, tells the gate (the
+/// cycle took `seconds`, drafter and verify forward; 0 on ranks that do not decide), and emits the kept
+/// drafts and `next`; Some when generation ends among them.
+#[allow(clippy::too_many_arguments)]
 fn emit_cycle<F: FnMut(TokenEvent<'_>) -> bool>(
     em: &mut Emitter<'_, F>,
     gate: &mut Gate,
@@ -1074,6 +1239,7 @@ fn emit_cycle<F: FnMut(TokenEvent<'_>) -> bool>(
     rows: &[Array],
     kept: usize,
     next: u32,
+    seconds: f64,
 ) -> Option<FinishReason> {
     let k = fed.len() - 1;
     sstats.cycles += 1;
@@ -1081,7 +1247,7 @@ fn emit_cycle<F: FnMut(TokenEvent<'_>) -> bool>(
     sstats.accepted += kept;
     let mut emitted: Vec<u32> = fed[1..kept + 1].to_vec();
     emitted.push(next);
-    gate.record(k, kept, em.out.len() + emitted.len());
+    gate.record(k, kept, seconds, em.out.len() + emitted.len());
     for (j, &token) in emitted.iter().enumerate() {
         if let Some(r) = em.emit(token, &rows[j]) {
             return Some(r);
@@ -1131,7 +1297,7 @@ fn plain_stretch<F: FnMut(TokenEvent<'_>) -> bool>(
             pcache.tokens.push(token);
         }
         last = token;
-        gate.record(0, 0, em.out.len() + 1);
+        gate.record(0, 0, 0.0, em.out.len() + 1);
         if let Some(r) = em.emit(token, &lp) {
             return Ok((Some(r), last));
         }
@@ -1163,6 +1329,73 @@ fn step_taps(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// By time: a request times its plain steps, probes with the largest draft count, keeps drafting while
+    /// its cycles beat plain decoding's speed, falls back when they do not, and reports speeds as shares.
+    #[test]
+    fn time_gate_weighs_cycles_against_plain_steps() {
+        let cfg = GateConfig { short_window: 2, long_window: 4, probe_after: 8, ..GateConfig::default() };
+        let mut g = Gate::new(cfg.clone(), 7, true);
+        // 4 timed plain steps of 1 ms first (no probe event: the request's first probe is implicit).
+        for i in 0..4 {
+            assert_eq!(g.next_k(), 0);
+            g.record(0, 0, 0.0, i + 1);
+        }
+        g.plain_time(0.004, 4);
+        assert_eq!(g.plain_seconds(), Some(0.001));
+        assert_eq!(g.next_k(), 7, "a timed probe drafts the most");
+        // Two cycles of 5 tokens in 4 ms: 1.25x plain speed: drafting resumes.
+        g.record(7, 4, 0.004, 9);
+        g.record(7, 4, 0.004, 14);
+        assert!(
+            matches!(g.events[..], [GateEvent::Resume { mean, .. }] if (mean - 1.25).abs() < 1e-6),
+            "{:?}",
+            g.events
+        );
+        // Cycles of 3 tokens in 4 ms (0.75x): the short window falls back after two of them.
+        g.record(7, 2, 0.004, 17);
+        assert!(g.next_k() > 0);
+        g.record(7, 2, 0.003, 20);
+        g.add_time(0.001); // its rollback
+        assert_eq!(g.events.len(), 2, "{:?}", g.events);
+        assert!(matches!(g.events[1], GateEvent::Fallback { .. }));
+        assert_eq!(g.next_k(), 0);
+        assert_eq!(g.plain_left(), 8);
+        // The same cycles by tokens (3 per cycle against 3.0): no fallback.
+        let mut t = Gate::new(GateConfig { cost: GateCost::Tokens, ..cfg }, 7, true);
+        assert_eq!(t.next_k(), 3, "a request starts with a probe of the smallest count");
+        for (i, kept) in [3, 3, 2, 2].into_iter().enumerate() {
+            t.record(3, kept, 0.004, 4 * (i + 1));
+        }
+        assert!(!t.events.iter().any(|e| matches!(e, GateEvent::Fallback { .. })), "{:?}", t.events);
+        // A probe cycle that keeps nothing ends its probe at once, by either measure.
+        for cost in [GateCost::Tokens, GateCost::Time] {
+            let mut p = Gate::new(GateConfig { cost, measure_steps: 1, ..GateConfig::default() }, 7, true);
+            if cost == GateCost::Time {
+                p.record(0, 0, 0.0, 1);
+                p.plain_time(0.001, 1);
+            }
+            p.record(p.next_k(), 0, 0.004, 2);
+            assert!(matches!(p.events[..], [GateEvent::Fallback { .. }]), "{cost:?}: {:?}", p.events);
+            assert_eq!(p.next_k(), 0);
+        }
+    }
+
+    /// Plain speed is a running mean in which a stretch weighs by its length; untimed or empty stretches
+    /// are ignored.
+    #[test]
+    fn plain_time_is_a_weighted_running_mean() {
+        let mut g = Gate::new(GateConfig::default(), 7, true);
+        assert_eq!(g.plain_seconds(), None);
+        g.plain_time(0.0, 4);
+        g.plain_time(0.01, 0);
+        assert_eq!(g.plain_seconds(), None);
+        g.plain_time(0.004, 4);
+        g.plain_time(0.064, 32); // 2 ms a step over a full-weight stretch replaces the estimate
+        assert!((g.plain_seconds().unwrap() - 0.002).abs() < 1e-12);
+        g.plain_time(0.016, 16); // 1 ms a step over half a weight: halfway
+        assert!((g.plain_seconds().unwrap() - 0.0015).abs() < 1e-12);
+    }
 
     #[test]
     fn exchange_words_round_trip() {
