@@ -112,7 +112,7 @@ enum Ctx {
 pub enum BlockEngine {
     /// MLX operations on MLX's default device.
     Mlx,
-    /// Plain Rust on the calling thread (`block_host.rs`): the default on a CPU for drafters up to
+    /// Plain Rust on the calling thread (the `mlx-k3-host` crate): the default on a CPU for drafters up to
     /// [`HOST_MAX_PARAMS`] parameters, whose forward is too small for MLX's per-operation cost to pay.
     Host,
 }
