@@ -11,8 +11,10 @@
 /// weights to every output).
 pub struct Layer {
     pub attn_norm: Vec<f32>,
-    /// q, k and v side by side: `[D, 3 * H * hd]`.
-    pub qkv: Packed,
+    /// `[D, H * hd]`.
+    pub q: Packed,
+    /// k and v side by side: `[D, 2 * H * hd]` (the context's rows need only these).
+    pub kv: Packed,
     pub o: Packed,
     pub mlp_norm: Vec<f32>,
     /// gate and up side by side: `[D, 2 * F]`.
@@ -56,11 +58,15 @@ impl Ctx {
         self.feats.len() / d
     }
 
-    /// Rows `a..b` (`d` the drafter's width, `w` a key's width `H * hd`).
-    pub fn rows(&self, a: usize, b: usize, d: usize, w: usize) -> Ctx {
-        Ctx {
-            feats: self.feats[a * d..b * d].to_vec(),
-            kv: self.kv.iter().map(|(k, v)| (k[a * w..b * w].to_vec(), v[a * w..b * w].to_vec())).collect(),
+    /// Keeps rows `a..b` in place (`d` the drafter's width, `w` a key's width `H * hd`).
+    pub fn keep_rows(&mut self, a: usize, b: usize, d: usize, w: usize) {
+        self.feats.truncate(b * d);
+        self.feats.drain(..a * d);
+        for (k, v) in &mut self.kv {
+            for t in [k, v] {
+                t.truncate(b * w);
+                t.drain(..a * w);
+            }
         }
     }
 
@@ -266,6 +272,16 @@ pub fn rope(x: &mut [f32], heads: usize, hd: usize, pos0: usize, theta: f32) {
     }
 }
 
+/// Rows of k and v side by side (`[T, 2 * kw]`) as k `[T, kw]` and v `[T, kw]`.
+fn split_kv(kv: &[f32], kw: usize) -> (Vec<f32>, Vec<f32>) {
+    let (mut k, mut v) = (Vec::with_capacity(kv.len() / 2), Vec::with_capacity(kv.len() / 2));
+    for row in kv.chunks_exact(2 * kw) {
+        k.extend_from_slice(&row[..kw]);
+        v.extend_from_slice(&row[kw..]);
+    }
+    (k, v)
+}
+
 impl HostBlock {
     fn kw(&self) -> usize {
         self.heads * self.head_dim
@@ -285,13 +301,7 @@ impl HostBlock {
             .layers
             .iter()
             .map(|l| {
-                // Only k and v of the fused qkv: columns kw..3kw.
-                let qkv = matmul(&feats, c, &l.qkv);
-                let (mut k, mut v) = (Vec::with_capacity(c * kw), Vec::with_capacity(c * kw));
-                for row in qkv.chunks_exact(3 * kw) {
-                    k.extend_from_slice(&row[kw..2 * kw]);
-                    v.extend_from_slice(&row[2 * kw..]);
-                }
+                let (mut k, v) = split_kv(&matmul(&feats, c, &l.kv), kw);
                 rope(&mut k, self.heads, self.head_dim, offset, self.theta);
                 (k, v)
             })
@@ -316,13 +326,8 @@ impl HostBlock {
         for (li, l) in self.layers.iter().enumerate() {
             let mut xn = x.clone();
             rms_norm(&mut xn, &l.attn_norm, self.eps);
-            let qkv = matmul(&xn, kk, &l.qkv);
-            let (mut q, mut kb, mut vb) = (Vec::new(), Vec::new(), Vec::new());
-            for row in qkv.chunks_exact(3 * kw) {
-                q.extend_from_slice(&row[..kw]);
-                kb.extend_from_slice(&row[kw..2 * kw]);
-                vb.extend_from_slice(&row[2 * kw..]);
-            }
+            let mut q = matmul(&xn, kk, &l.q);
+            let (mut kb, vb) = split_kv(&matmul(&xn, kk, &l.kv), kw);
             rope(&mut q, h, hd, pos, self.theta);
             rope(&mut kb, h, hd, pos, self.theta);
             let empty = (Vec::new(), Vec::new());

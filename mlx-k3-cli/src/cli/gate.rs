@@ -117,28 +117,15 @@ impl GateArgs {
         if let Some((_, flag)) = other.iter().find(|(set, _)| *set) {
             return bad(format!("{flag} applies with {needs} only"));
         }
-        for (flag, v, slot) in [
-            ("--gate-speed-short", self.gate_speed_short, &mut c.speed_short),
-            ("--gate-speed-long", self.gate_speed_long, &mut c.speed_long),
+        for (flag, v, slot, unit) in [
+            ("--gate-speed-short", self.gate_speed_short, &mut c.speed_short, "a share of plain decoding's speed"),
+            ("--gate-speed-long", self.gate_speed_long, &mut c.speed_long, "a share of plain decoding's speed"),
+            ("--gate-short", self.gate_short, &mut c.fallback_short, "a number of tokens per cycle"),
+            ("--gate-long", self.gate_long, &mut c.fallback_long, "a number of tokens per cycle"),
         ] {
             if let Some(v) = v {
                 if !(0.0..=MAX_TOKENS_PER_CYCLE).contains(&v) {
-                    return bad(format!(
-                        "{flag} must be a share of plain decoding's speed from 0 to {MAX_TOKENS_PER_CYCLE}, got {v}"
-                    ));
-                }
-                *slot = v;
-            }
-        }
-        for (flag, v, slot) in [
-            ("--gate-short", self.gate_short, &mut c.fallback_short),
-            ("--gate-long", self.gate_long, &mut c.fallback_long),
-        ] {
-            if let Some(v) = v {
-                if !(0.0..=MAX_TOKENS_PER_CYCLE).contains(&v) {
-                    return bad(format!(
-                        "{flag} must be a number of tokens per cycle from 0 to {MAX_TOKENS_PER_CYCLE}, got {v}"
-                    ));
+                    return bad(format!("{flag} must be {unit} from 0 to {MAX_TOKENS_PER_CYCLE}, got {v}"));
                 }
                 *slot = v;
             }

@@ -340,8 +340,8 @@ impl BlockDrafter {
         }
     }
 
-    /// The host engine's copy of the weights (matrices input-major, as the MLX path keeps them; q/k/v and
-    /// gate/up side by side).
+    /// The host engine's copy of the weights (matrices input-major, as the MLX path keeps them; k and v,
+    /// gate and up side by side).
     fn host_weights(&self) -> Result<HostBlock> {
         let pack = |parts: &[&Array]| -> Result<host::Packed> {
             let w = if parts.len() == 1 { parts[0].clone() } else { ops::concatenate(parts, 1)? };
@@ -354,7 +354,8 @@ impl BlockDrafter {
             .map(|l| {
                 Ok(host::Layer {
                     attn_norm: l.attn_norm.to_vec_f32()?,
-                    qkv: pack(&[&l.q, &l.k, &l.v])?,
+                    q: pack(&[&l.q])?,
+                    kv: pack(&[&l.k, &l.v])?,
                     o: pack(&[&l.o])?,
                     mlp_norm: l.mlp_norm.to_vec_f32()?,
                     gate_up: pack(&[&l.gate, &l.up])?,
@@ -494,7 +495,7 @@ impl BlockDrafter {
         self.pending.clear();
         let w = self.cfg.context_window;
         let (d, kw) = (self.cfg.hidden_size, self.cfg.num_heads * self.cfg.head_dim);
-        let ctx = match (self.ctx.take(), new) {
+        let mut ctx = match (self.ctx.take(), new) {
             (Some(Ctx::Mlx(c)), Ctx::Mlx(n)) => Ctx::Mlx(c.append(&n)?),
             (Some(Ctx::Host(mut c)), Ctx::Host(n)) => {
                 c.append(n);
@@ -506,15 +507,14 @@ impl BlockDrafter {
             Ctx::Mlx(m) => m.len()? as usize,
             Ctx::Host(h) => h.len(d),
         };
-        self.ctx = Some(if c > w {
+        if c > w {
             self.ctx_start += c - w;
-            match ctx {
-                Ctx::Mlx(m) => Ctx::Mlx(m.rows((c - w) as i32, c as i32)?),
-                Ctx::Host(h) => Ctx::Host(h.rows(c - w, c, d, kw)),
+            match &mut ctx {
+                Ctx::Mlx(m) => *m = m.rows((c - w) as i32, c as i32)?,
+                Ctx::Host(h) => h.keep_rows(c - w, c, d, kw),
             }
-        } else {
-            ctx
-        });
+        }
+        self.ctx = Some(ctx);
         Ok(())
     }
 
@@ -573,13 +573,13 @@ impl BlockDrafter {
         if pos <= self.ctx_start {
             self.ctx = None;
             self.ctx_start = pos;
-        } else if let Some(c) = &self.ctx {
+        } else if let Some(c) = &mut self.ctx {
             let keep = pos - self.ctx_start;
             let (d, kw) = (self.cfg.hidden_size, self.cfg.num_heads * self.cfg.head_dim);
-            self.ctx = Some(match c {
-                Ctx::Mlx(m) => Ctx::Mlx(m.rows(0, keep as i32)?),
-                Ctx::Host(h) => Ctx::Host(h.rows(0, keep, d, kw)),
-            });
+            match c {
+                Ctx::Mlx(m) => *m = m.rows(0, keep as i32)?,
+                Ctx::Host(h) => h.keep_rows(0, keep, d, kw),
+            }
         }
         self.tokens.truncate(pos);
         Ok(())
