@@ -630,14 +630,51 @@ fn video_fixture(name: &str) -> PathBuf {
 }
 
 #[test]
+fn generate_takes_an_image_for_a_k25_checkpoint() {
+    // The Kimi K2.5 vision fixture (tests/vision_chat.rs checks it against mlx-vlm: the checkpoint's chat
+    // template renders the image part, its pad is repeated to the image's tokens): the program's prompt is
+    // the processor's (60 tokens for this chat, per the manifest) and its greedy text the library's.
+    use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
+    use mlx_k3::generate::{GenerateOptions, ImageInput, Pipeline, PromptCache};
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/vision_chat_k25");
+    let png = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/vision_preprocess/rgb.png");
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    let case = &manifest["cases"][0];
+    let text = case["messages"][0]["content"][1]["text"].as_str().unwrap();
+    let args = ["generate", "--model", dir.to_str().unwrap(), "--image", png.to_str().unwrap(), "--prompt", text];
+    let (ok, out, err) = mlx_k3(&[&args[..], &["--max-tokens", "4"]].concat());
+    assert!(ok, "{err}");
+    assert!(err.contains(&format!("prompt: {} tokens", case["prompt_tokens"])), "{err}");
+    let p = Pipeline::load(&dir, mlx_k3::model::LoadOptions::default(), &mut |_, _| {}).unwrap();
+    let msgs: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone()).unwrap();
+    let opts = ChatOptions::thinking(ThinkingEffort::Auto);
+    let (ids, media) = p.encode_chat_media(&msgs, None, &opts, &[ImageInput::read(&png).unwrap()]).unwrap();
+    let g = GenerateOptions { max_tokens: 4, ..GenerateOptions::default() };
+    let r = p.generate_media(&mut PromptCache::new(), &ids, media.as_ref(), &g, |_| true).unwrap();
+    assert_eq!(out, format!("{}\n", r.text));
+}
+
+#[test]
 fn generate_takes_a_video_as_the_library_does() {
     // The Kimi K3 vision fixture (tests/vision_chat.rs checks its images against mlx-vlm) with a directory of
     // six frames: chunks of 4 and 2 frames, each with its start time in the prompt. The program's greedy
     // text and prompt length must be what the library gives for the same frames.
+    video_as_the_library_does("vision_chat");
+}
+
+#[test]
+fn generate_takes_a_video_for_a_k25_checkpoint() {
+    // The same for Kimi K2.5: its chat template writes the video placeholder, which becomes the chunk prompts.
+    // (mlx-vlm 0.7.10 takes no K2.5 video, so there is no reference beyond the library.)
+    video_as_the_library_does("vision_chat_k25");
+}
+
+fn video_as_the_library_does(fixture: &str) {
     use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
     use mlx_k3::generate::{GenerateOptions, MediaInput, Pipeline, PromptCache, VideoInput};
     use mlx_k3::media::VideoOptions;
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures/vision_chat");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures").join(fixture);
     let frames = video_fixture("frames");
     let text = "What happens in the video?";
     let (ok, out, err) = mlx_k3(&[
@@ -662,6 +699,13 @@ fn generate_takes_a_video_as_the_library_does() {
         .encode_chat_visual(&msgs, None, &ChatOptions::thinking(ThinkingEffort::Auto), &[MediaInput::Video(video)])
         .unwrap();
     assert_eq!(prompt.processed.iter().map(|c| c.grid[0]).collect::<Vec<_>>(), [4, 2]);
+    // Each chunk's prompt: its start time, then the video marker and the chunk's pads.
+    let text_of = p.tokenizer.decode(&prompt.ids).unwrap();
+    for (stamp, chunk) in ["00:00:00.000", "00:00:02.000"].iter().zip(&prompt.processed) {
+        let pads = "<|media_pad|>".repeat(chunk.tokens);
+        let want = format!("{stamp}<|media_begin|>video<|media_content|>{pads}<|media_end|>");
+        assert!(text_of.contains(&want), "{text_of}\nwant {want}");
+    }
     let media = p.encode_media(&prompt).unwrap();
     let opts = GenerateOptions { max_tokens: 6, ..GenerateOptions::default() };
     let r = p.generate_media(&mut PromptCache::new(), &prompt.ids, Some(&media), &opts, |_| true).unwrap();

@@ -715,11 +715,22 @@ fn chat_requests_with_images_run_the_vision_tower() {
     // The end-to-end vision fixture (tests/vision_chat.rs checks the same chat against mlx-vlm): an
     // image_url data URL expands to the prompt mlx-vlm's processor builds, a second turn about the same
     // image in a session reuses the first turn's state, and a broken image is a 400 naming it.
+    images_run_the_vision_tower("vision_chat");
+}
+
+#[test]
+fn k25_chat_requests_with_images_run_the_vision_tower() {
+    // The same for the Kimi K2.5 fixture, whose chat template renders the image part (tests/vision_chat.rs
+    // checks it against mlx-vlm's KimiK25Processor).
+    images_run_the_vision_tower("vision_chat_k25");
+}
+
+fn images_run_the_vision_tower(fixture: &str) {
     let _g = serial();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures");
-    let s = Server::start_with(&root.join("vision_chat"), &[]);
+    let s = Server::start_with(&root.join(fixture), &[]);
     let manifest: Value =
-        serde_json::from_str(&std::fs::read_to_string(root.join("vision_chat/manifest.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(root.join(fixture).join("manifest.json")).unwrap()).unwrap();
     let case = &manifest["cases"][0];
     let text = case["messages"][0]["content"][1]["text"].as_str().unwrap();
     use base64::Engine as _;

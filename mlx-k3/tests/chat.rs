@@ -235,6 +235,42 @@ fn template_prompts_encode_as_transformers_sanitize_control_tokens() {
     }
 }
 
+/// A template sees a message with image or video parts as mlx-vlm hands it over: the content stays a list,
+/// text parts as they are, each image (`image` or `image_url`, whatever its URL) as `{"type": "image"}` and
+/// each video as `{"type": "video"}`; text-only lists are joined as before. The built-in text encodings
+/// refuse media parts, naming the part.
+#[test]
+fn templates_see_media_parts_as_mlx_vlm_hands_them_over() {
+    let t = "{%- for m in messages -%}{{ m['role'] }}:{%- if m['content'] is string -%}{{ m['content'] }}\
+             {%- else -%}{%- for p in m['content'] -%}[{{ p['type'] }}{{ '=' ~ p['text'] if p['text'] is defined }}\
+             {{ '+url' if p['image_url'] is defined }}]{%- endfor -%}{%- endif -%};{%- endfor -%}";
+    let (_, enc) = nano_with_template(t);
+    let messages: Vec<Value> = serde_json::from_value(serde_json::json!([
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "c"},
+            {"type": "image"}, {"type": "video_url", "video_url": {"url": "file.mp4"}}, {"type": "video"}]}
+    ]))
+    .unwrap();
+    let text = enc
+        .prompt(&messages, None, &ChatOptions { add_generation_prompt: false, ..Default::default() })
+        .unwrap()
+        .text();
+    assert_eq!(text, "user:a\nb;user:[image][text=c][image][video][video];");
+    // A part of another type is still refused, naming it.
+    let odd: Vec<Value> =
+        serde_json::from_value(serde_json::json!([{"role": "user", "content": [{"type": "audio"}]}])).unwrap();
+    let e = enc.prompt(&odd, None, &ChatOptions::default()).unwrap_err().to_string();
+    assert!(e.contains("messages[0].content[0]") && e.contains("\"audio\""), "{e}");
+    // k3-nano's built-in encoding shows text only.
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/k3-nano");
+    let (tok, cfg) = Tokenizer::load(&dir).unwrap();
+    let im = ChatEncoder::new(&tok, None, cfg.bos_token, cfg.eos_token).unwrap();
+    assert_eq!(im.format().name(), "kimi_im");
+    let e = im.prompt(&messages, None, &ChatOptions::default()).unwrap_err().to_string();
+    assert!(e.contains("messages[1].content[0]") && e.contains("text parts only"), "{e}");
+}
+
 #[test]
 fn typed_messages_render_like_the_raw_json() {
     // ChatMessage serializes to the same dicts templates see in transformers (absent fields undefined).

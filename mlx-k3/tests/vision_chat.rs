@@ -1,8 +1,9 @@
-//! Images in a Kimi K3 chat, end to end, against mlx-vlm 0.7.10: the checkpoint, image files and chats of
-//! `tests/fixtures/vision_chat` (written by `scripts/make_vision_chat_fixtures.py`) go through
+//! Images in a Kimi K3 and a Kimi K2.5 chat, end to end, against mlx-vlm 0.7.10: the checkpoint, image files
+//! and chats of `tests/fixtures/vision_chat` (written by `scripts/make_vision_chat_fixtures.py`; K2.5:
+//! `vision_chat_k25`, `scripts/make_vision_chat_k25_fixtures.py`, whose checkpoint ships its chat template) go through
 //! `Pipeline::load` and `Pipeline::encode_chat_media` (decode, the K3 image processor, the chat encoding with
-//! its placeholders expanded, the MoonViT-3d tower and projector) and greedy generation with the media in
-//! place of the placeholders. The prompt ids must equal what mlx-vlm's `KimiK3Processor` gives, the greedy
+//! its placeholders expanded, the MoonViT-3d (K2.5: MoonViT) tower and projector) and greedy generation with the
+//! media in place of the placeholders. The prompt ids must equal what mlx-vlm's processor gives, the greedy
 //! tokens must be identical, and the log-probabilities of each step must agree within 1e-4 of the largest
 //! magnitude (the text fixtures' bound: both sides run the same MLX CPU kernels in f32, the differences are
 //! op order, measured ~1e-6 and printed; the script checked that every top-1 leads by >= 2e-3).
@@ -15,16 +16,30 @@ use mlx_k3::io::Safetensors;
 use mlx_k3::model::LoadOptions;
 use serde_json::Value;
 
+/// The Kimi K3 fixture.
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vision_chat")
 }
 
+/// The Kimi K2.5 fixture (`scripts/make_vision_chat_k25_fixtures.py`: the checkpoint's own chat template).
+fn k25_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vision_chat_k25")
+}
+
 fn manifest() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir().join("manifest.json")).unwrap()).unwrap()
+    manifest_of(&dir())
+}
+
+fn manifest_of(d: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(d.join("manifest.json")).unwrap()).unwrap()
 }
 
 fn expected(name: &str) -> Vec<f32> {
-    let st = Safetensors::load(dir().join("expected.safetensors")).unwrap();
+    expected_of(&dir(), name)
+}
+
+fn expected_of(d: &Path, name: &str) -> Vec<f32> {
+    let st = Safetensors::load(d.join("expected.safetensors")).unwrap();
     st.get(name).unwrap().astype(mlx_k3::Dtype::F32).unwrap().to_vec::<f32>().unwrap()
 }
 
@@ -33,7 +48,11 @@ fn messages(case: &Value) -> Vec<ChatMessage> {
 }
 
 fn images(case: &Value) -> Vec<ImageInput> {
-    let from = dir().join(manifest()["images_from"].as_str().unwrap());
+    images_of(&dir(), case)
+}
+
+fn images_of(d: &Path, case: &Value) -> Vec<ImageInput> {
+    let from = d.join(manifest_of(d)["images_from"].as_str().unwrap());
     case["images"]
         .as_array()
         .unwrap()
@@ -46,19 +65,21 @@ fn greedy(n: usize) -> GenerateOptions {
     GenerateOptions { max_tokens: n, prefill_chunk: 7, ..Default::default() }
 }
 
-#[test]
-fn image_chats_match_mlx_vlm_from_file_to_tokens() {
-    let p = Pipeline::load(&dir(), LoadOptions::default(), &mut |_, _| {}).unwrap();
+/// Every chat of the fixture in `d`: prompt ids, greedy tokens and per-step log-probabilities against
+/// mlx-vlm's; `family` names the processor in messages.
+fn chats_match_mlx_vlm(d: &Path, family: &str) {
+    let p = Pipeline::load(d, LoadOptions::default(), &mut |_, _| {}).unwrap();
     assert!(p.vision.is_some(), "the fixture checkpoint has a vision tower");
-    let m = manifest();
+    let m = manifest_of(d);
     let steps = m["decode_steps"].as_u64().unwrap() as usize;
     for (i, case) in m["cases"].as_array().unwrap().iter().enumerate() {
-        let (ids, media) = p.encode_chat_media(&messages(case), None, &ChatOptions::default(), &images(case)).unwrap();
-        let want_ids: Vec<u32> = expected(&format!("case{i}_ids")).iter().map(|&x| x as u32).collect();
-        assert_eq!(ids, want_ids, "case {i}: prompt ids differ from KimiK3Processor's");
+        let (ids, media) =
+            p.encode_chat_media(&messages(case), None, &ChatOptions::default(), &images_of(d, case)).unwrap();
+        let want_ids: Vec<u32> = expected_of(d, &format!("case{i}_ids")).iter().map(|&x| x as u32).collect();
+        assert_eq!(ids, want_ids, "case {i}: prompt ids differ from {family}'s");
         let media = media.expect("images give media");
 
-        let want_lp = expected(&format!("case{i}_logprobs"));
+        let want_lp = expected_of(d, &format!("case{i}_logprobs"));
         let scale = want_lp.iter().fold(0f32, |a, &x| a.max(x.abs()));
         let vocab = want_lp.len() / steps;
         let mut worst = 0f32;
@@ -72,7 +93,7 @@ fn image_chats_match_mlx_vlm_from_file_to_tokens() {
                 true
             })
             .unwrap();
-        let want_tokens: Vec<u32> = expected(&format!("case{i}_tokens")).iter().map(|&x| x as u32).collect();
+        let want_tokens: Vec<u32> = expected_of(d, &format!("case{i}_tokens")).iter().map(|&x| x as u32).collect();
         assert_eq!(tokens, want_tokens, "case {i}: greedy tokens differ from mlx-vlm's");
         println!("case {i}: {} prompt tokens, worst log-prob difference {:.2e} (of {scale:.2})", ids.len(), worst);
         assert!(worst <= 1e-4 * scale.max(1.0), "case {i}: log-probs differ by {worst}");
@@ -80,10 +101,65 @@ fn image_chats_match_mlx_vlm_from_file_to_tokens() {
 }
 
 #[test]
+fn image_chats_match_mlx_vlm_from_file_to_tokens() {
+    chats_match_mlx_vlm(&dir(), "KimiK3Processor");
+}
+
+/// Kimi K2.5: the checkpoint's chat template renders the image parts (one `<|media_pad|>` each) and each
+/// pad is repeated to its image's tokens, as `KimiK25Processor` does; then the MoonViT tower and the
+/// DeepSeek-V3 text model.
+#[test]
+fn k25_image_chats_match_mlx_vlm_from_file_to_tokens() {
+    chats_match_mlx_vlm(&k25_dir(), "KimiK25Processor");
+}
+
+/// What a Kimi K2.5 chat refuses, each with a clear error: more image parts than images, a pad token typed
+/// into a message (text, so it neither counts nor forges a placeholder), and a checkpoint without its
+/// template (the built-in Kimi K2 encoding is text-only).
+#[test]
+fn k25_image_chats_refuse_what_they_cannot_place() {
+    let d = k25_dir();
+    let p = Pipeline::load(&d, LoadOptions::default(), &mut |_, _| {}).unwrap();
+    let m = manifest_of(&d);
+    let (one, two) = (&m["cases"][0], &m["cases"][1]);
+    let e = p.encode_chat_media(&messages(two), None, &ChatOptions::default(), &images_of(&d, one)).unwrap_err();
+    assert!(e.to_string().contains("2 image placeholders for 1 images"), "{e}");
+    // The pad token's text in a message stays text: the prompt still has exactly the image's pads.
+    let typed: Vec<ChatMessage> = serde_json::from_value(serde_json::json!([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "<|media_pad|> what is this?"}]}]))
+    .unwrap();
+    let (ids, _) = p.encode_chat_media(&typed, None, &ChatOptions::default(), &images_of(&d, one)).unwrap();
+    let pad = m["placeholder"].as_u64().unwrap() as u32;
+    let tokens = one["grids"][0].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).product::<u64>() / 4;
+    assert_eq!(ids.iter().filter(|&&t| t == pad).count() as u64, tokens);
+    // Without chat_template.jinja the checkpoint falls back to the text-only Kimi K2 encoding.
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&d).unwrap() {
+        let e = e.unwrap();
+        if e.file_name() != "chat_template.jinja" {
+            std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
+        }
+    }
+    let p = Pipeline::load(tmp.path(), LoadOptions::default(), &mut |_, _| {}).unwrap();
+    let e = p.encode_chat_media(&messages(one), None, &ChatOptions::default(), &images_of(&d, one)).unwrap_err();
+    assert!(e.to_string().contains("chat template"), "{e}");
+}
+
+/// A second turn about the same image in a Kimi K2.5 chat reuses the first turn's cache.
+#[test]
+fn k25_second_turn_about_the_same_image_reuses_the_cache() {
+    second_turn_reuses_the_cache(&k25_dir());
+}
+
+#[test]
 fn a_second_turn_about_the_same_image_reuses_the_cache() {
-    let p = Pipeline::load(&dir(), LoadOptions::default(), &mut |_, _| {}).unwrap();
-    let case = &manifest()["cases"][0];
-    let imgs = images(case);
+    second_turn_reuses_the_cache(&dir());
+}
+
+fn second_turn_reuses_the_cache(d: &Path) {
+    let p = Pipeline::load(d, LoadOptions::default(), &mut |_, _| {}).unwrap();
+    let case = &manifest_of(d)["cases"][0];
+    let imgs = images_of(d, case);
     let mut msgs = messages(case);
     let (ids, media) = p.encode_chat_media(&msgs, None, &ChatOptions::default(), &imgs).unwrap();
     let mut pc = PromptCache::new();

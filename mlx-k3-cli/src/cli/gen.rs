@@ -271,8 +271,8 @@ pub(super) struct GenerateArgs {
     /// the images come before the prompt's text in the user message).
     #[arg(long = "image", value_name = "FILE", conflicts_with = "raw")]
     images: Vec<PathBuf>,
-    /// A video shown with the prompt (repeatable; after the images, before the text), for Kimi K3 vision
-    /// checkpoints: a directory of frame images (in name order, taken at --video-fps), an animated PNG or
+    /// A video shown with the prompt (repeatable; after the images, before the text), for Kimi K3 and Kimi
+    /// K2.5 vision checkpoints (K2.5: where its chat template writes the video placeholder): a directory of frame images (in name order, taken at --video-fps), an animated PNG or
     /// WebP, or any video file the optional FFmpeg programs (ffprobe, ffmpeg; K3_FFPROBE / K3_FFMPEG name
     /// others) decode. Frames are sampled, chunked by 4 and written into the prompt with their start times
     /// as docs/architecture.md#vision says.

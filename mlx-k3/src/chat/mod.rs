@@ -425,7 +425,9 @@ impl ChatEncoder {
             }
         }
         let tools = tools.filter(|_| opts.tool_choice.as_ref().and_then(Value::as_str) != Some("none"));
-        let messages = text_messages(messages)?;
+        // A checkpoint's own template sees image and video parts (Kimi K2.5's renders its media markers for
+        // them); the built-in text encodings take text only.
+        let messages = text_messages(messages, matches!(self.format, ChatFormat::Template(_)))?;
         let segments = match &self.format {
             ChatFormat::Template(t) => {
                 let mut vars = serde_json::json!({
@@ -497,10 +499,16 @@ impl ChatEncoder {
     }
 }
 
-/// Messages for the text-only encodings: roles checked, keys whose value is null dropped (as transformers
-/// does), text parts joined with newlines (as vLLM does for templates that take string content), and a tool
-/// result without a name named after the call it answers.
-fn text_messages(messages: &[Value]) -> Result<Vec<Value>> {
+/// Messages for the encodings other than Kimi's built-in ones: roles checked, keys whose value is null dropped
+/// (as transformers does), text parts joined with newlines (as vLLM does for templates that take string
+/// content), and a tool result without a name named after the call it answers.
+///
+/// With `media`, a content list that holds an image or video part (`image`, `image_url`, `video`,
+/// `video_url`) stays a list, as mlx-vlm hands it to a template: its text parts as `{"type": "text", "text":
+/// ...}`, its media parts as `{"type": "image"}` or `{"type": "video"}` (the template marks where the medium
+/// goes; the pixels travel separately and a data URL never reaches the template). Without `media` such parts
+/// are refused.
+fn text_messages(messages: &[Value], media: bool) -> Result<Vec<Value>> {
     let mut out: Vec<Value> = Vec::with_capacity(messages.len());
     for (i, m) in messages.iter().enumerate() {
         let Value::Object(map) = m else {
@@ -520,22 +528,32 @@ fn text_messages(messages: &[Value]) -> Result<Vec<Value>> {
             map.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect();
         if let Some(Value::Array(parts)) = map.get("content") {
             let mut texts = Vec::with_capacity(parts.len());
+            let mut listed = Vec::with_capacity(parts.len());
+            let mut has_media = false;
             for (j, p) in parts.iter().enumerate() {
                 match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                    (Some("text"), Some(t)) => texts.push(t),
+                    (Some("text"), Some(t)) => {
+                        texts.push(t);
+                        listed.push(serde_json::json!({"type": "text", "text": t}));
+                    }
+                    (Some(kind @ ("image" | "image_url" | "video" | "video_url")), _) if media => {
+                        has_media = true;
+                        let kind = if kind.starts_with("image") { "image" } else { "video" };
+                        listed.push(serde_json::json!({ "type": kind }));
+                    }
                     (kind, _) => {
+                        let takes = if media { "text, image and video parts" } else { "text parts only" };
                         return Err(Error::invalid(
                             "chat",
                             format!(
-                                "messages[{i}].content[{j}]: a part of type {kind:?}; this chat encoding takes text \
-                                 parts only"
+                                "messages[{i}].content[{j}]: a part of type {kind:?}; this chat encoding takes {takes}"
                             ),
-                        ))
+                        ));
                     }
                 }
             }
-            let joined = texts.join("\n");
-            map.insert("content".into(), Value::String(joined));
+            let content = if has_media { Value::Array(listed) } else { Value::String(texts.join("\n")) };
+            map.insert("content".into(), content);
         }
         if role == "tool" && !map.contains_key("name") {
             if let Some(id) = map.get("tool_call_id").and_then(Value::as_str) {

@@ -134,8 +134,8 @@ fn image_processor(dir: &Path, cfg: &ModelConfig) -> Result<ImageProcessor> {
 
 /// Decodes and processes `media`, renders the chat and expands its image and video placeholders to each
 /// medium's token count (Kimi K3: the `image WxH` prompt in place of each image placeholder, one
-/// timestamped video prompt per chunk in place of each video placeholder; K2.5: `<|media_pad|>` repeated,
-/// images only). Errors name an image or video that cannot be decoded, and say so when the placeholders
+/// timestamped video prompt per chunk in place of each video placeholder; K2.5, through the checkpoint's
+/// template: each image's `<|media_pad|>` repeated, each video placeholder replaced by its chunk prompts). Errors name an image or video that cannot be decoded, and say so when the placeholders
 /// and media differ in number or kind or the checkpoint takes no images.
 fn encode_chat_visual(
     tokenizer: &Tokenizer,
@@ -147,6 +147,16 @@ fn encode_chat_visual(
     media_in: &[MediaInput],
 ) -> Result<ImagePrompt> {
     let processor = processor.ok_or_else(no_vision)?;
+    if processor.kind == ProcessorKind::K25 && !matches!(chat.format(), ChatFormat::Template(_)) {
+        return Err(Error::invalid(
+            "media",
+            format!(
+                "images and videos in a Kimi K2.5 chat go through the checkpoint's chat template, and this \
+                 checkpoint ships none (its chat encoding is the built-in {}, text only); add its chat_template.jinja",
+                chat.format().name()
+            ),
+        ));
+    }
     let limits = media::Limits::default();
     // Each medium's processed grids (one for an image, one per chunk for a video), chunk timestamps and keys.
     let mut done: Vec<(Vec<Processed>, Option<Vec<String>>, Vec<u64>)> = Vec::with_capacity(media_in.len());
@@ -169,27 +179,16 @@ fn encode_chat_visual(
         }
     }
     let rendered = chat.prompt_messages(messages, tools, opts)?;
+    let refs: Vec<media::prompt::Medium> = done
+        .iter()
+        .map(|(p, stamps, _)| match stamps {
+            None => media::prompt::Medium::Image(&p[0]),
+            Some(t) => media::prompt::Medium::Video(p, t),
+        })
+        .collect();
     let prompt = match processor.kind {
-        ProcessorKind::K3 => {
-            let refs: Vec<media::prompt::Medium> = done
-                .iter()
-                .map(|(p, stamps, _)| match stamps {
-                    None => media::prompt::Medium::Image(&p[0]),
-                    Some(t) => media::prompt::Medium::Video(p, t),
-                })
-                .collect();
-            media::prompt::k3_media_prompt(tokenizer, &rendered, &refs)?
-        }
-        ProcessorKind::K25 => {
-            if done.iter().any(|d| d.1.is_some()) {
-                return Err(Error::invalid(
-                    "media",
-                    "video prompts are made for Kimi K3 checkpoints only (no Kimi K2.5 chat encoding here takes video parts)",
-                ));
-            }
-            let images: Vec<Processed> = done.iter().map(|d| d.0[0].clone()).collect();
-            media::prompt::k25_prompt(tokenizer, &rendered.encode(tokenizer)?, &images)?
-        }
+        ProcessorKind::K3 => media::prompt::k3_media_prompt(tokenizer, &rendered, &refs)?,
+        ProcessorKind::K25 => media::prompt::k25_media_prompt(tokenizer, &rendered, &refs)?,
     };
     let mut processed = Vec::new();
     let mut items = Vec::new();

@@ -8,7 +8,10 @@
 //! (the text around it stays ordinary text); the expansion itself is encoded with special tokens allowed.
 //!
 //! Kimi K2.5 (`KimiK25Processor.__call__`): the prompt is tokenized first and each `<|media_pad|>` token, in
-//! order, is repeated to the image's token count.
+//! order, is repeated to the image's token count ([`k25_prompt`], on ids). A chat goes through
+//! [`k25_media_prompt`], which does the same on the rendered template's segments (the template writes one
+//! `<|media_pad|>` per image) and also puts each video's chunk prompts in place of the template's
+//! [`K25_VIDEO_PLACEHOLDER`] (Kimi K2.5's own processor does; mlx-vlm 0.7.10 takes no K2.5 video).
 //!
 //! Where the reference would go on with a count mismatch (more placeholders than images raises in K3's
 //! segment path, fewer leaves images unused; K2.5 leaves extra pads single), these are errors naming both
@@ -73,19 +76,65 @@ pub fn video_chunk_prompt(timestamp: &str, tokens: usize) -> String {
 /// placeholder by its chunks' prompts, one after another (special segments). The placeholders must match
 /// `media` in number and kind, in order.
 pub fn expand_k3_media(segments: &[Segment], media: &[Medium]) -> Result<Vec<Segment>> {
+    expand_media(segments, media, Family::K3)
+}
+
+/// What the rendered Kimi K2.5 chat template writes for a video part (its processor replaces it with the
+/// video's chunk prompts; vLLM's `KimiK25ForConditionalGeneration` and SGLang name the same string).
+pub const K25_VIDEO_PLACEHOLDER: &str = "<|kimi_k25_video_placeholder|>";
+
+/// K2.5: the segments of a rendered chat template with the `<|media_pad|>` of each image marker repeated to
+/// the image's token count (as `KimiK25Processor.__call__` repeats the token) and each
+/// [`K25_VIDEO_PLACEHOLDER`] replaced by the video's chunk prompts. Only the template's own text (special
+/// segments) is searched: message text stays text, so a user cannot forge a marker.
+pub fn expand_k25_media(segments: &[Segment], media: &[Medium]) -> Result<Vec<Segment>> {
+    expand_media(segments, media, Family::K25)
+}
+
+/// The two ways of marking media in a rendered chat.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    /// Kimi K3: its encoding's placeholders, found in any segment (as the reference does).
+    K3,
+    /// Kimi K2.5: the template's pad token and video placeholder, found in special segments only.
+    K25,
+}
+
+impl Family {
+    fn marks(self) -> (&'static str, &'static str) {
+        match self {
+            Family::K3 => (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER),
+            Family::K25 => (MEDIA_PAD, K25_VIDEO_PLACEHOLDER),
+        }
+    }
+
+    fn searches(self, s: &Segment) -> bool {
+        self == Family::K3 || s.special
+    }
+
+    fn image_prompt(self, im: &Processed) -> String {
+        match self {
+            Family::K3 => k3_image_prompt(im.original_size.0, im.original_size.1, im.tokens),
+            Family::K25 => MEDIA_PAD.repeat(im.tokens),
+        }
+    }
+}
+
+fn expand_media(segments: &[Segment], media: &[Medium], family: Family) -> Result<Vec<Segment>> {
+    let (image_mark, video_mark) = family.marks();
     let next_placeholder = |text: &str| -> Option<(usize, &'static str)> {
-        let i = text.find(IMAGE_PLACEHOLDER).map(|i| (i, IMAGE_PLACEHOLDER));
-        let v = text.find(VIDEO_PLACEHOLDER).map(|i| (i, VIDEO_PLACEHOLDER));
+        let i = text.find(image_mark).map(|i| (i, image_mark));
+        let v = text.find(video_mark).map(|i| (i, video_mark));
         match (i, v) {
             (Some(a), Some(b)) => Some(if a.0 < b.0 { a } else { b }),
             (a, b) => a.or(b),
         }
     };
     let mut found = Vec::new();
-    for s in segments {
+    for s in segments.iter().filter(|s| family.searches(s)) {
         let mut rest = s.text.as_str();
         while let Some((at, ph)) = next_placeholder(rest) {
-            found.push(if ph == IMAGE_PLACEHOLDER { "image" } else { "video" });
+            found.push(if ph == image_mark { "image" } else { "video" });
             rest = &rest[at + ph.len()..];
         }
     }
@@ -109,7 +158,7 @@ pub fn expand_k3_media(segments: &[Segment], media: &[Medium]) -> Result<Vec<Seg
     let mut next = media.iter();
     let mut out = Vec::with_capacity(segments.len() + 2 * media.len());
     for s in segments {
-        if next_placeholder(&s.text).is_none() {
+        if !family.searches(s) || next_placeholder(&s.text).is_none() {
             out.push(s.clone());
             continue;
         }
@@ -119,10 +168,7 @@ pub fn expand_k3_media(segments: &[Segment], media: &[Medium]) -> Result<Vec<Seg
                 out.push(Segment { text: rest[..at].to_string(), special: s.special });
             }
             let text = match next.next().expect("counted above") {
-                Medium::Image(im) => {
-                    let (w, h) = im.original_size;
-                    k3_image_prompt(w, h, im.tokens)
-                }
+                Medium::Image(im) => family.image_prompt(im),
                 Medium::Video(chunks, stamps) => {
                     chunks.iter().zip(stamps.iter()).map(|(c, t)| video_chunk_prompt(t, c.tokens)).collect()
                 }
@@ -163,9 +209,19 @@ pub fn k3_prompt(tok: &Tokenizer, rendered: &RenderedPrompt, images: &[Processed
 
 /// K3: [`k3_prompt`] for images and videos ([`expand_k3_media`]).
 pub fn k3_media_prompt(tok: &Tokenizer, rendered: &RenderedPrompt, media: &[Medium]) -> Result<MediaPrompt> {
+    media_prompt(tok, rendered, media, Family::K3)
+}
+
+/// K2.5: a rendered chat template's prompt with its images and videos ([`expand_k25_media`]), encoded as
+/// the chat encoder encodes it; the pad-token count of the result is checked against the media's tokens.
+pub fn k25_media_prompt(tok: &Tokenizer, rendered: &RenderedPrompt, media: &[Medium]) -> Result<MediaPrompt> {
+    media_prompt(tok, rendered, media, Family::K25)
+}
+
+fn media_prompt(tok: &Tokenizer, rendered: &RenderedPrompt, media: &[Medium], family: Family) -> Result<MediaPrompt> {
     let pad = media_pad_id(tok)?;
     let mut expanded = rendered.clone();
-    expanded.segments = expand_k3_media(&rendered.segments, media)?;
+    expanded.segments = expand_media(&rendered.segments, media, family)?;
     let ids = expanded.encode(tok)?;
     let all: Vec<&Processed> = media
         .iter()
