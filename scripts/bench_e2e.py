@@ -17,7 +17,11 @@ same machine, in one run.
    bytes of weights read per decoded token).
 5. Prints a table and the ratios; writes them to DIR/results.json.
 
+6. With --codebook-experts: the same checkpoint with its routed experts in the ternary codebook
+   (`build_codebook`, OUT-codebook), mlx-k3 only, once per codebook layout in memory (compact, ternary).
+
 Run: .venv/bin/python scripts/bench_e2e.py [--gen-tokens 32] [--prompt-tokens 512] [--out target/bench-k3-mid]
+[--codebook-experts]
 (builds mlx-k3 in release mode first; --no-build uses $MLX_K3_EXE or $CARGO_TARGET_DIR/release/mlx-k3;
 --model DIR benchmarks an existing checkpoint, e.g. models/k3-nano, instead of the mid-size one).
 """
@@ -141,6 +145,49 @@ def build(out: Path) -> None:
     (out / "BUILT").write_text(json.dumps({"seed": SEED, "text": TEXT}, indent=1))
 
 
+def build_codebook(src: Path, out: Path) -> None:
+    """The mid-size checkpoint with every routed expert stack in the ternary codebook format (IQ1_S bits in
+    mlx-k3's planes, docs/formats.md): random bits, as the affine checkpoint's weights are random; scales
+    drawn so a weight's magnitude is about 1/sqrt(K), as `init_value` draws the float weights. Everything
+    else is the affine checkpoint's, tensor for tensor. mlx-lm cannot load this format, so only mlx-k3 runs
+    it (once per codebook layout in memory)."""
+    rng = np.random.default_rng(SEED + 1)
+    cfg = json.loads((src / "config.json").read_text())
+    q = cfg["quantization"]
+    out.mkdir(parents=True, exist_ok=True)
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    weight_map = {}
+    for f in sorted(src.glob("*.safetensors")):
+        w = mx.load(str(f))
+        new = {}
+        for k in sorted(w):
+            path, field = k.rsplit(".", 1)
+            if ".switch_mlp." not in path:
+                new[k] = w[k]
+                continue
+            if field != "weight":
+                continue  # the affine scales and biases go with the affine weight
+            e, n = w[k].shape[:2]
+            kdim = w[path + ".scales"].shape[-1] * q[path]["group_size"]
+            assert kdim % 32 == 0, (path, kdim)
+            # d * (2L + 1) with L uniform in 0..7 averages 8 d; a grid value is -1, 0 or +1.
+            d = (1.0 / (8.0 * np.sqrt(kdim))) * (1.0 + 0.1 * rng.standard_normal((e, n, -(-kdim // 256))))
+            new[path + ".codes"] = mx.array(rng.integers(0, 256, (e, n, kdim // 8), dtype=np.uint8))
+            new[path + ".qh"] = mx.array(rng.integers(0, 1 << 16, (e, n, kdim // 32), dtype=np.uint16))
+            new[path + ".scales"] = mx.array(d.astype(np.float16))
+            q[path] = {"mode": "k3_codebook"}
+        mx.save_safetensors(str(out / f.name), new, metadata={"format": "mlx"})
+        weight_map.update({k: f.name for k in new})
+        del w, new
+    if index is not None:
+        index["weight_map"] = dict(sorted(weight_map.items()))
+        index.pop("metadata", None)
+        (out / index_path.name).write_text(json.dumps(index, indent=1))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    (out / "BUILT").write_text(json.dumps({"from": str(src), "seed": SEED + 1, "experts": "k3_codebook"}))
+
+
 def bench_mlx_lm(model_dir: Path, prompt_tokens: int, gen_tokens: int) -> dict:
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
@@ -182,9 +229,12 @@ def bench_mlx_lm(model_dir: Path, prompt_tokens: int, gen_tokens: int) -> dict:
     }
 
 
-def run_k3(args: list) -> dict:
+def run_k3(args: list, layout: str | None = None) -> dict:
     exe = Path(os.environ.get("MLX_K3_EXE") or Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "mlx-k3")
-    out = subprocess.run([str(exe), "bench", *args, "--json"], check=True, capture_output=True, text=True)
+    env = dict(os.environ)
+    if layout:
+        env["K3_CODEBOOK_LAYOUT"] = layout
+    out = subprocess.run([str(exe), "bench", *args, "--json"], check=True, capture_output=True, text=True, env=env)
     sys.stderr.write(out.stderr)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -196,6 +246,9 @@ def main():
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--model", help="benchmark this existing checkpoint instead of building the mid-size one")
+    ap.add_argument("--codebook-experts", action="store_true",
+                    help="also build the mid-size checkpoint with its routed experts in the ternary codebook "
+                         "(OUT-codebook) and run mlx-k3 on it with each codebook layout in memory")
     ap.add_argument("--no-build", action="store_true",
                     help="use the mlx-k3 binary already built ($MLX_K3_EXE, else $CARGO_TARGET_DIR/release/mlx-k3)")
     args = ap.parse_args()
@@ -238,6 +291,23 @@ def main():
           f"mlx-k3 reaches {100 * k3['decode_tok_s'] / limit:.0f}% of it")
     result = {"bandwidth": bw, "mlx_k3": k3, "mlx_lm": lm, "bandwidth_limit_tok_s": limit,
               "machine": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()}}
+    if args.codebook_experts and not args.model:
+        cb = Path(str(out) + "-codebook")
+        if not (cb / "BUILT").exists():
+            print(f"building the codebook-experts variant in {cb} ...", flush=True)
+            build_codebook(out, cb)
+        size = sum(f.stat().st_size for f in cb.glob("*.safetensors"))
+        print(f"codebook-experts checkpoint: {cb} ({size / 1e9:.2f} GB)", flush=True)
+        result["codebook_experts"] = {}
+        for layout in ("compact", "ternary"):
+            r = run_k3(["--model", str(cb), "--prompt-tokens", str(args.prompt_tokens),
+                        "--gen-tokens", str(args.gen_tokens)], layout)
+            b = run_k3(["--bandwidth"])["read_bandwidth_gb_s"]
+            lim = max(b, bw["read_bandwidth_gb_s"]) * 1e9 / r["bytes_read_per_token"]
+            print(f"codebook experts, {layout} layout: decode {r['decode_tok_s']:.2f} tok/s, prefill "
+                  f"{r['prefill_tok_s']:.1f} tok/s, {r['bytes_read_per_token'] / 1e6:.1f} MB read per token, "
+                  f"limit {lim:.1f} tok/s: {100 * r['decode_tok_s'] / lim:.0f}% of it", flush=True)
+            result["codebook_experts"][layout] = {"mlx_k3": r, "bandwidth_after_gb_s": b, "bandwidth_limit_tok_s": lim}
     (Path(args.out) / "results.json").parent.mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.json").write_text(json.dumps(result, indent=1))
 

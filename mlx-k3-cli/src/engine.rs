@@ -447,7 +447,10 @@ fn serve(
     }
     if comm.is_some() && request.images.is_some() {
         // The other ranks get token ids only: the tower's features would have to reach them too.
-        return fail(FailureKind::BadRequest, "prompts with images are not served with --distributed yet".into());
+        return fail(
+            FailureKind::BadRequest,
+            "prompts with images or videos are not served with --distributed yet".into(),
+        );
     }
     if comm.is_some() {
         // What generation would refuse is refused here, before the other ranks are involved: once they have

@@ -725,6 +725,79 @@ fn k25_chat_requests_with_images_run_the_vision_tower() {
     images_run_the_vision_tower("vision_chat_k25");
 }
 
+#[test]
+fn chat_requests_with_videos_run_the_vision_tower() {
+    // `video_url` parts with data URLs, for the Kimi K3 and K2.5 vision fixtures: an animated PNG (decoded
+    // here) and, where FFmpeg is installed (CI requires it), a lossless Matroska clip of the same frames made
+    // by ffmpeg; each gives the prompt the library builds for the same file with the checkpoint's sampling.
+    // A file that is no video is a 400 naming it; remote URLs and other types are refused before decoding.
+    use base64::Engine as _;
+    use mlx_k3::chat::{ChatMessage, ChatOptions};
+    use mlx_k3::generate::{MediaInput, Pipeline, VideoInput};
+    let _g = serial();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut clips = vec![(root.join("video/anim.png"), "image/apng")];
+    if have_ffmpeg() {
+        let mkv = tmp.path().join("clip.mkv");
+        let st = std::process::Command::new("ffmpeg")
+            .args(["-nostdin", "-v", "error", "-framerate", "10", "-i"])
+            .arg(root.join("video/frames/frame_%03d.png"))
+            .args(["-c:v", "ffv1", "-pix_fmt", "bgr0"])
+            .arg(&mkv)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        clips.push((mkv, "video/x-matroska"));
+    }
+    let text = "What happens in the video?";
+    let body = |url: &str| {
+        json!({"messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": text}]}],
+            "max_tokens": 2, "temperature": 0})
+    };
+    let b64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
+    for fixture in ["vision_chat", "vision_chat_k25"] {
+        let s = Server::start_with(&root.join(fixture), &[]);
+        let p = Pipeline::load(&root.join(fixture), mlx_k3::model::LoadOptions::default(), &mut |_, _| {}).unwrap();
+        let vopts = p.vision.as_ref().unwrap().processor.video_options();
+        for (clip, ty) in &clips {
+            let (code, r) = s.post(
+                "/v1/chat/completions",
+                &body(&format!("data:{ty};base64,{}", b64(&std::fs::read(clip).unwrap()))),
+            );
+            assert_eq!(code, 200, "{fixture} {ty}: {r}");
+            let msgs = [ChatMessage {
+                content: json!([{"type": "video_url"}, {"type": "text", "text": text}]),
+                ..ChatMessage::new("user", "")
+            }];
+            let video = VideoInput::read(clip, &vopts).unwrap();
+            let want = p.encode_chat_visual(&msgs, None, &ChatOptions::default(), &[MediaInput::Video(video)]).unwrap();
+            assert_eq!(r["usage"]["prompt_tokens"], want.ids.len(), "{fixture} {ty}: {r}");
+        }
+        let (code, v) =
+            s.post("/v1/chat/completions", &body(&format!("data:video/mp4;base64,{}", b64(b"not a video"))));
+        assert_eq!(code, 400, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("video 0 (video/mp4)"), "{v}");
+        let (code, v) = s.post("/v1/chat/completions", &body("https://example.com/clip.mp4"));
+        assert_eq!(code, 400, "{v}");
+        assert_eq!(v["error"]["param"], "messages[0].content[0].video_url.url", "{v}");
+    }
+}
+
+fn have_ffmpeg() -> bool {
+    let ok = |p: &str| std::process::Command::new(p).arg("-version").output().is_ok_and(|o| o.status.success());
+    let here = ok("ffmpeg") && ok("ffprobe");
+    if !here {
+        assert!(
+            std::env::var("K3_REQUIRE_FFMPEG_CHECK").as_deref() != Ok("1"),
+            "K3_REQUIRE_FFMPEG_CHECK=1 but ffmpeg/ffprobe are not installed"
+        );
+        eprintln!("SKIPPED: ffmpeg or ffprobe not installed; the Matroska clip is not sent");
+    }
+    here
+}
+
 fn images_run_the_vision_tower(fixture: &str) {
     let _g = serial();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlx-k3/tests/fixtures");

@@ -181,6 +181,41 @@ fn bad_videos_are_errors_that_name_them() {
 }
 
 /// Whether FFmpeg is here; with `K3_REQUIRE_FFMPEG_CHECK=1` (CI) its absence fails the test.
+/// The temporary files `decode_video_bytes` writes for FFmpeg, of this process.
+fn temp_videos() -> Vec<PathBuf> {
+    let prefix = format!("mlx-k3-video-{}-", std::process::id());
+    let mut v: Vec<PathBuf> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&prefix)))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Animated PNG and WebP from memory give what the files give, named as the caller says; an empty or
+/// oversized buffer is an error naming it.
+#[test]
+fn videos_in_memory_decode_as_their_files() {
+    let l = Limits::default();
+    for f in ["anim.png", "anim.webp"] {
+        let path = dir().join(f);
+        let want = decode_video(&path, &opts(5.0, 64), &l).unwrap();
+        let got = media::decode_video_bytes(&std::fs::read(&path).unwrap(), "sent", &opts(5.0, 64), &l).unwrap();
+        assert_eq!((got.name.as_str(), got.decoder), ("sent", want.decoder));
+        assert_eq!(
+            (got.indices, got.source_frames, got.source_fps),
+            (want.indices, want.source_frames, want.source_fps)
+        );
+        assert!(got.frames == want.frames, "{f}");
+    }
+    let e = media::decode_video_bytes(b"", "nothing", &opts(2.0, 64), &l).unwrap_err().to_string();
+    assert!(e.contains("nothing") && e.contains("empty"), "{e}");
+    let small = Limits { max_file_bytes: 10, ..Limits::default() };
+    let e = media::decode_video_bytes(&[0u8; 11], "big", &opts(2.0, 64), &small).unwrap_err().to_string();
+    assert!(e.contains("big") && e.contains("11 bytes"), "{e}");
+}
+
 fn have_ffmpeg() -> bool {
     let ok = |p: &str| Command::new(p).arg("-version").output().is_ok_and(|o| o.status.success());
     let here = ok("ffmpeg") && ok("ffprobe");
@@ -222,6 +257,21 @@ fn ffmpeg_decodes_other_video_files_to_the_same_frames() {
     let v = decode_video(&clip, &opts(5.0, 64), &l).unwrap();
     assert_eq!(v.indices, [0, 2, 5]);
     assert!(v.frames[1] == want[2] && v.frames[2] == want[5]);
+    // The same file from memory (as a server gets it): the same frames, named as the caller says, and the
+    // temporary file FFmpeg read is gone afterwards.
+    let before = temp_videos();
+    let bytes = std::fs::read(&clip).unwrap();
+    let m = media::decode_video_bytes(&bytes, "video 0 (video/x-matroska)", &opts(5.0, 64), &l).unwrap();
+    assert_eq!(
+        (m.name.as_str(), m.decoder, m.indices.as_slice()),
+        ("video 0 (video/x-matroska)", "ffmpeg", &[0, 2, 5][..])
+    );
+    assert!(m.frames == v.frames);
+    let e = media::decode_video_bytes(b"\x00\x00\x00\x18ftypmp42 junk", "video 1 (video/mp4)", &opts(2.0, 64), &l)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("video 1 (video/mp4)") && e.contains("ffprobe"), "{e}");
+    assert_eq!(temp_videos(), before, "a temporary video file was left behind");
     // A file FFmpeg cannot read: its error, naming the file.
     let junk = tmp.path().join("junk.mp4");
     std::fs::write(&junk, b"\x00\x00\x00\x18ftypmp42 not really a video").unwrap();

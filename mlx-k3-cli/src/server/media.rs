@@ -1,9 +1,11 @@
-//! Images in chat requests: `image_url` content parts carrying `data:` URLs (base64 PNG, JPEG or WebP).
-//! The server fetches nothing: a remote URL is refused with a 400 that says to send the bytes instead.
-//! [`extract_images`] takes the images out of the messages' content (each part becomes a bare
-//! `{"type": "image_url"}`, which the chat encodings render as the model's image placeholder), checks the
-//! limits, and keys each image by the SHA-256 of its bytes (the prompt cache resumes only over the same
-//! image).
+//! Images and videos in chat requests: `image_url` content parts carrying `data:` URLs (base64 PNG, JPEG or
+//! WebP) and `video_url` parts carrying `data:` URLs of a video file (MP4, WebM, QuickTime, Matroska or GIF,
+//! decoded by the optional FFmpeg programs; animated PNG or WebP, decoded here). The server fetches nothing: a
+//! remote URL is refused with a 400 that says to send the bytes instead. [`extract_images`] takes the media
+//! out of the messages' content (each part becomes a bare `{"type": "image_url"}` or `{"type":
+//! "video_url"}`, which the chat encodings render as the model's placeholder), checks the limits, and keys
+//! each image by the SHA-256 of its bytes (the prompt cache resumes only over the same image; a video's
+//! chunks are keyed by their decoded frames).
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -15,137 +17,212 @@ use mlx_k3::generate::ImageInput;
 /// The media types an image part may carry (the decoders the server has).
 pub const IMAGE_TYPES: [&str; 3] = ["image/png", "image/jpeg", "image/webp"];
 
-/// Limits on the images of one request.
+/// The media types a video part may carry: animated PNG and WebP are decoded here, the others by FFmpeg
+/// (`ffprobe` and `ffmpeg`, or the programs `K3_FFPROBE` / `K3_FFMPEG` name, on the server's machine).
+pub const VIDEO_TYPES: [&str; 8] = [
+    "video/mp4",
+    "video/webm",
+    "video/quicktime",
+    "video/x-matroska",
+    "image/gif",
+    "image/apng",
+    "image/png",
+    "image/webp",
+];
+
+/// Limits on the images and videos of one request.
 #[derive(Clone, Copy, Debug)]
 pub struct ImageLimits {
     /// Most images in one request.
     pub max_images: usize,
     /// Most bytes of one image, decoded from base64 (the encoded file, before the image is decoded).
     pub max_image_bytes: usize,
+    /// Most videos in one request.
+    pub max_videos: usize,
+    /// Most bytes of one video file, decoded from base64.
+    pub max_video_bytes: usize,
 }
 
 impl Default for ImageLimits {
     fn default() -> Self {
-        ImageLimits { max_images: 8, max_image_bytes: 16 << 20 }
+        ImageLimits { max_images: 8, max_image_bytes: 16 << 20, max_videos: 2, max_video_bytes: 64 << 20 }
     }
 }
 
-/// One image of a request: its file bytes, media type, and content key.
+/// One image or video of a request: its file bytes, media type, and content key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestImage {
-    /// The file as sent (PNG, JPEG or WebP).
+    /// The file as sent.
     pub bytes: Vec<u8>,
     /// Its media type, from the data URL.
     pub media_type: String,
     /// The first 8 bytes of the SHA-256 of `bytes`.
     pub key: u64,
+    /// A video (`video_url` part) rather than an image.
+    pub video: bool,
 }
 
-/// The image of one content part, if it is an image part: `{"type": "image_url", "image_url": {"url": ...}}`
-/// (OpenAI's form) or `{"type": "image_url", "image_url": "..."}`. `param` names the part in errors.
+/// What `VideoInput` decoding needs besides the bytes: the name in errors.
+fn video_name(i: usize, media_type: &str) -> String {
+    format!("video {i} ({media_type})")
+}
+
+/// The image or video of one content part, if it is a media part: `{"type": "image_url", "image_url":
+/// {"url": ...}}` (OpenAI's form) or `{"type": "image_url", "image_url": "..."}`, and the same with
+/// `video_url` (vLLM's form for videos). `param` names the part in errors.
 fn part_image(part: &Value, param: &str, limits: &ImageLimits) -> Result<Option<RequestImage>, ApiError> {
-    if part.get("type").and_then(Value::as_str) != Some("image_url") {
-        return Ok(None);
-    }
-    let url = match part.get("image_url") {
+    let field = match part.get("type").and_then(Value::as_str) {
+        Some("image_url") => "image_url",
+        Some("video_url") => "video_url",
+        _ => return Ok(None),
+    };
+    let what = if field == "image_url" { "an image part" } else { "a video part" };
+    let url = match part.get(field) {
         Some(Value::String(s)) => s.as_str(),
         Some(Value::Object(o)) => match o.get("url").and_then(Value::as_str) {
             Some(u) => u,
-            None => return Err(ApiError::bad_param(&format!("{param}.image_url.url"), "an image part needs a url")),
+            None => return Err(ApiError::bad_param(&format!("{param}.{field}.url"), format!("{what} needs a url"))),
         },
-        _ => return Err(ApiError::bad_param(&format!("{param}.image_url"), "an image part needs image_url.url")),
+        _ => return Err(ApiError::bad_param(&format!("{param}.{field}"), format!("{what} needs {field}.url"))),
     };
-    data_url_image(url, &format!("{param}.image_url.url"), limits).map(Some)
+    let param = format!("{param}.{field}.url");
+    if field == "image_url" {
+        data_url_image(url, &param, limits).map(Some)
+    } else {
+        data_url_file(url, &param, limits, true).map(Some)
+    }
 }
 
 /// The image a `data:` URL carries (`param` names it in errors): base64 PNG, JPEG or WebP within `limits`.
 pub fn data_url_image(url: &str, param: &str, limits: &ImageLimits) -> Result<RequestImage, ApiError> {
+    data_url_file(url, param, limits, false)
+}
+
+/// The image (or with `video`, the video file) a `data:` URL carries, within `limits`.
+fn data_url_file(url: &str, param: &str, limits: &ImageLimits, video: bool) -> Result<RequestImage, ApiError> {
     let param = param.to_string();
+    let (what, types, max) = if video {
+        ("video", &VIDEO_TYPES[..], limits.max_video_bytes)
+    } else {
+        ("image", &IMAGE_TYPES[..], limits.max_image_bytes)
+    };
+    let example = if video { "data:video/mp4;base64,..." } else { "data:image/png;base64,..." };
     let Some(rest) = url.strip_prefix("data:") else {
         let scheme = url.split(':').next().unwrap_or("");
         return Err(ApiError::bad_param(
             &param,
-            format!(
-                "the server fetches no URLs ({scheme:?} given): send the image itself as a data URL \
-                 (data:image/png;base64,...)"
-            ),
+            format!("the server fetches no URLs ({scheme:?} given): send the {what} itself as a data URL ({example})"),
         ));
     };
     let Some((header, payload)) = rest.split_once(',') else {
         return Err(ApiError::bad_param(&param, "a data URL needs a ',' before its data"));
     };
     let Some(media_type) = header.strip_suffix(";base64") else {
-        return Err(ApiError::bad_param(&param, "image data URLs must be base64 (data:image/png;base64,...)"));
+        return Err(ApiError::bad_param(&param, format!("{what} data URLs must be base64 ({example})")));
     };
     let media_type = media_type.to_ascii_lowercase();
-    if !IMAGE_TYPES.contains(&media_type.as_str()) {
+    if !types.contains(&media_type.as_str()) {
         return Err(ApiError::bad_param(
             &param,
-            format!("image type {media_type:?} is not one of {}", IMAGE_TYPES.join(", ")),
+            format!("{what} type {media_type:?} is not one of {}", types.join(", ")),
         ));
     }
     // Refuse by the encoded length before decoding anything (4 base64 characters per 3 bytes).
     let payload = payload.trim();
-    if payload.len() / 4 * 3 > limits.max_image_bytes + 3 {
-        return Err(too_large(&param, payload.len() / 4 * 3, limits));
+    if payload.len() / 4 * 3 > max + 3 {
+        return Err(too_large(&param, what, payload.len() / 4 * 3, max));
     }
     use base64::Engine as _;
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(payload)
-        .map_err(|e| ApiError::bad_param(&param, format!("the image's base64 is invalid: {e}")))?;
-    if bytes.len() > limits.max_image_bytes {
-        return Err(too_large(&param, bytes.len(), limits));
+        .map_err(|e| ApiError::bad_param(&param, format!("the {what}'s base64 is invalid: {e}")))?;
+    if bytes.len() > max {
+        return Err(too_large(&param, what, bytes.len(), max));
     }
     if bytes.is_empty() {
-        return Err(ApiError::bad_param(&param, "the image is empty"));
+        return Err(ApiError::bad_param(&param, format!("the {what} is empty")));
     }
     let digest = Sha256::digest(&bytes);
     let key = u64::from_le_bytes(digest[..8].try_into().unwrap_or([0; 8]));
-    Ok(RequestImage { bytes, media_type, key })
+    Ok(RequestImage { bytes, media_type, key, video })
 }
 
-fn too_large(param: &str, n: usize, limits: &ImageLimits) -> ApiError {
-    ApiError::bad_param(param, format!("the image has {n} bytes; at most {} are taken", limits.max_image_bytes))
+fn too_large(param: &str, what: &str, n: usize, max: usize) -> ApiError {
+    ApiError::bad_param(param, format!("the {what} has {n} bytes; at most {max} are taken"))
 }
 
-/// Takes the images out of messages' `content` values (in order), leaving a bare `{"type": "image_url"}`
-/// part in place of each. `param_of(i)` names message `i`'s content in errors.
+/// Takes the images and videos out of messages' `content` values (in order), leaving a bare
+/// `{"type": "image_url"}` or `{"type": "video_url"}` part in place of each. `param_of(i)` names message `i`'s
+/// content in errors.
 pub fn extract_images<'a>(
     contents: impl IntoIterator<Item = &'a mut Value>,
     param_of: impl Fn(usize) -> String,
     limits: &ImageLimits,
 ) -> Result<Vec<RequestImage>, ApiError> {
-    let mut images = Vec::new();
+    let mut media: Vec<RequestImage> = Vec::new();
     for (i, content) in contents.into_iter().enumerate() {
         let Value::Array(parts) = content else { continue };
         for (j, part) in parts.iter_mut().enumerate() {
             let param = format!("{}[{j}]", param_of(i));
-            if let Some(img) = part_image(part, &param, limits)? {
-                if images.len() == limits.max_images {
-                    return Err(ApiError::bad_param(
-                        &param,
-                        format!("more than {} images in one request", limits.max_images),
-                    ));
+            if let Some(m) = part_image(part, &param, limits)? {
+                let (n, max, what) = if m.video {
+                    (media.iter().filter(|x| x.video).count(), limits.max_videos, "videos")
+                } else {
+                    (media.iter().filter(|x| !x.video).count(), limits.max_images, "images")
+                };
+                if n == max {
+                    return Err(ApiError::bad_param(&param, format!("more than {max} {what} in one request")));
                 }
-                images.push(img);
-                *part = json!({"type": "image_url"});
+                *part = json!({ "type": if m.video { "video_url" } else { "image_url" } });
+                media.push(m);
             }
         }
     }
-    Ok(images)
+    Ok(media)
 }
 
-/// A request's images as the prompt encoder takes them (named `image i (type)` in errors), or a 400 when the
-/// loaded model has no vision tower.
-pub fn image_inputs(state: &State, images: Vec<RequestImage>) -> Result<Vec<ImageInput>, ApiError> {
-    if !images.is_empty() && state.engine.encoder().image_processor.is_none() {
-        return Err(ApiError::bad_param("messages", "the loaded model has no vision tower: it takes no images"));
+/// A request's images and videos as the prompt encoder takes them (named `image i (type)` and `video i
+/// (type)` in errors; videos are decoded later, off the engine thread), or a 400 when the loaded model has
+/// no vision tower.
+pub fn image_inputs(state: &State, media: Vec<RequestImage>) -> Result<Vec<RequestMedium>, ApiError> {
+    if !media.is_empty() && state.engine.encoder().image_processor.is_none() {
+        let what = if media.iter().any(|m| m.video) { "images or videos" } else { "images" };
+        return Err(ApiError::bad_param(
+            "messages",
+            format!("the loaded model has no vision tower: it takes no {what}"),
+        ));
     }
-    Ok(images
+    let (mut images, mut videos) = (0, 0);
+    Ok(media
         .into_iter()
-        .enumerate()
-        .map(|(i, im)| ImageInput { name: format!("image {i} ({})", im.media_type), bytes: im.bytes })
+        .map(|m| {
+            if m.video {
+                videos += 1;
+                RequestMedium::Video { name: video_name(videos - 1, &m.media_type), bytes: m.bytes }
+            } else {
+                images += 1;
+                RequestMedium::Image(ImageInput {
+                    name: format!("image {} ({})", images - 1, m.media_type),
+                    bytes: m.bytes,
+                })
+            }
+        })
         .collect())
+}
+
+/// An image ready for the prompt encoder, or a video file still to be decoded (into frames, with the
+/// checkpoint's sampling) where the prompt is encoded.
+#[derive(Clone, Debug)]
+pub enum RequestMedium {
+    /// An image.
+    Image(ImageInput),
+    /// A video file and its name in errors.
+    Video {
+        /// The name in errors (`video i (type)`).
+        name: String,
+        /// The file.
+        bytes: Vec<u8>,
+    },
 }
 
 #[cfg(test)]
@@ -203,11 +280,39 @@ mod tests {
         }
         let e = one(json!({"type": "image_url"}), &l).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].content[1].image_url"));
+        // The same for video parts, with the video types.
+        let e = one(json!({"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}}), &l).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content[1].video_url.url"));
+        assert!(e.message.contains("fetches no URLs") && e.message.contains("data:video/mp4"), "{}", e.message);
+        let e = one(json!({"type": "video_url", "video_url": {"url": "data:image/jpeg;base64,AAAA"}}), &l).unwrap_err();
+        assert!(e.message.contains("video type \"image/jpeg\" is not one of"), "{}", e.message);
+        let e = one(json!({"type": "video_url"}), &l).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content[1].video_url"));
+    }
+
+    #[test]
+    fn video_parts_become_videos_and_bare_parts() {
+        let mut a = json!([{"type": "video_url", "video_url": {"url": data_url("video/MP4", b"mp4 bytes")}},
+                           {"type": "image_url", "image_url": data_url("image/png", b"png")},
+                           {"type": "video_url", "video_url": data_url("image/apng", b"apng")}]);
+        let media = extract_images([&mut a], |i| format!("messages[{i}].content"), &ImageLimits::default()).unwrap();
+        let kinds: Vec<(bool, &str)> = media.iter().map(|m| (m.video, m.media_type.as_str())).collect();
+        assert_eq!(kinds, [(true, "video/mp4"), (false, "image/png"), (true, "image/apng")]);
+        assert_eq!(a, json!([{"type": "video_url"}, {"type": "image_url"}, {"type": "video_url"}]));
+        // Videos are counted apart from images.
+        let l = ImageLimits { max_videos: 1, max_video_bytes: 8, ..ImageLimits::default() };
+        let v = json!({"type": "video_url", "video_url": {"url": data_url("video/webm", b"webm")}});
+        let mut two = json!([v.clone(), {"type": "image_url", "image_url": data_url("image/png", b"png")}, v]);
+        let e = extract_images([&mut two], |_| "messages[0].content".into(), &l).unwrap_err();
+        assert!(e.message.contains("more than 1 videos"), "{}", e.message);
+        assert_eq!(e.param.as_deref(), Some("messages[0].content[2]"));
+        let big = json!({"type": "video_url", "video_url": {"url": data_url("video/webm", &[1u8; 9])}});
+        assert!(one(big, &l).unwrap_err().message.contains("the video has 9 bytes; at most 8"));
     }
 
     #[test]
     fn limits_are_enforced() {
-        let l = ImageLimits { max_images: 1, max_image_bytes: 100 };
+        let l = ImageLimits { max_images: 1, max_image_bytes: 100, ..ImageLimits::default() };
         let ok = json!({"type": "image_url", "image_url": {"url": data_url("image/webp", &[7u8; 100])}});
         assert_eq!(one(ok.clone(), &l).unwrap().len(), 1);
         let big = json!({"type": "image_url", "image_url": {"url": data_url("image/webp", &[7u8; 101])}});

@@ -8,9 +8,10 @@
 use serde_json::Value;
 
 use super::error::ApiError;
+use super::media::RequestMedium;
 use super::State;
 use mlx_k3::chat::{ChatMessage, ChatOptions, ThinkingEffort};
-use mlx_k3::generate::{ImageInput, ImagePrompt};
+use mlx_k3::generate::{ImagePrompt, MediaInput, VideoInput};
 
 /// What a request asks to continue.
 pub enum Prompt {
@@ -26,8 +27,8 @@ pub enum Prompt {
         tools: Option<Value>,
         /// Thinking, tool_choice, response_format.
         options: ChatOptions,
-        /// The images of the messages' image parts, in order.
-        images: Vec<ImageInput>,
+        /// The images and videos of the messages' media parts, in order.
+        images: Vec<RequestMedium>,
     },
 }
 
@@ -77,10 +78,21 @@ pub async fn encode(state: &State, prompt: Prompt, param: &str) -> Result<Encode
             (ids, Some(thinking), None)
         }
         Prompt::Chat { messages, tools, options, images } => {
-            // Decoding and resizing images is heavy work too: it takes a turn like a large prompt.
+            // Decoding and resizing images and videos is heavy work too: it takes a turn like a large prompt.
             let thinking = options.thinking;
             let ip = tokenize(state, usize::MAX, move |e| {
-                e.encode_chat_images(&messages, tools.as_ref(), &options, &images)
+                let media = images
+                    .into_iter()
+                    .map(|m| match m {
+                        RequestMedium::Image(im) => Ok(MediaInput::Image(im)),
+                        RequestMedium::Video { name, bytes } => {
+                            // The checkpoint's sampling (image_inputs has checked there is a processor).
+                            let opts = e.image_processor.as_ref().map(|p| p.video_options()).unwrap_or_default();
+                            VideoInput::from_bytes(&bytes, &name, &opts).map(MediaInput::Video)
+                        }
+                    })
+                    .collect::<mlx_k3::Result<Vec<_>>>()?;
+                e.encode_chat_visual(&messages, tools.as_ref(), &options, &media)
             })
             .await?;
             (ip.ids.clone(), Some(thinking), Some(ip))

@@ -74,6 +74,12 @@ impl VideoInput {
         Ok(VideoInput { video: media::decode_video(path, opts, &media::Limits::default())? })
     }
 
+    /// Decodes and samples a video file held in memory (PNG, WebP and JPEG here, anything else through
+    /// FFmpeg), named `name` in errors, with the default size limits.
+    pub fn from_bytes(bytes: &[u8], name: &str, opts: &media::VideoOptions) -> Result<VideoInput> {
+        Ok(VideoInput { video: media::decode_video_bytes(bytes, name, opts, &media::Limits::default())? })
+    }
+
     /// The prompt cache's key of the frames `frames`: the first 8 bytes of the SHA-256 of their sizes and
     /// pixels.
     fn key(frames: &[media::Image]) -> u64 {

@@ -29,7 +29,7 @@ pub use decode::{decode, decode_file, decode_frames_dir, Limits};
 pub use process::{
     stack, Background, FillStage, ImageProcessor, Processed, ProcessorKind, TimestampMode, VIDEO_CHUNK_FRAMES,
 };
-pub use video::{decode_video, Video, VideoOptions};
+pub use video::{decode_video, decode_video_bytes, Video, VideoOptions};
 
 use crate::{Error, Result};
 

@@ -147,6 +147,19 @@ fn cfg_err(path: &str, message: impl std::fmt::Display) -> Error {
 }
 
 impl ImageProcessor {
+    /// The video sampling the checkpoint asks for: its `sample_fps` and `max_num_frames_each_video`, else
+    /// [`super::VideoOptions`]'s defaults (2 frames/s, 64 frames).
+    pub fn video_options(&self) -> super::VideoOptions {
+        let d = super::VideoOptions::default();
+        super::VideoOptions {
+            fps: self.sample_fps.unwrap_or(d.fps),
+            max_frames: self.max_num_frames_each_video.unwrap_or(d.max_frames),
+            ..d
+        }
+    }
+}
+
+impl ImageProcessor {
     /// The processor's defaults for `kind`.
     pub fn new(kind: ProcessorKind) -> ImageProcessor {
         ImageProcessor {

@@ -134,24 +134,90 @@ pub fn decode_video(path: &Path, opts: &VideoOptions, limits: &Limits) -> Result
     let got = std::fs::File::open(path)
         .and_then(|mut f| f.read(&mut head))
         .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    let head = &head[..got];
+    if !decoded_here(&head[..got]) {
+        return ffmpeg_video(path, &name, opts, limits);
+    }
+    let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    decode_in_memory(&bytes, &name, opts, limits)
+}
+
+/// [`decode_video`] for a file held in memory (a video sent in a request), named `name` in errors. PNG,
+/// WebP and JPEG are decoded here; anything else goes to FFmpeg through a temporary file (created new in
+/// the system's temporary folder, readable only by this user, removed when done), since `ffprobe` counts
+/// frames by reading the whole file and MP4's index may come at its end.
+pub fn decode_video_bytes(bytes: &[u8], name: &str, opts: &VideoOptions, limits: &Limits) -> Result<Video> {
+    opts.validate()?;
+    if bytes.len() > limits.max_file_bytes {
+        return Err(bad(
+            name,
+            format!("the video has {} bytes, more than the limit of {}", bytes.len(), limits.max_file_bytes),
+        ));
+    }
+    if bytes.is_empty() {
+        return Err(bad(name, "the video is empty"));
+    }
+    if decoded_here(&bytes[..bytes.len().min(16)]) {
+        return decode_in_memory(bytes, name, opts, limits);
+    }
+    let tmp =
+        TempFile::write(bytes).map_err(|e| bad(name, format!("writing it to a temporary file for FFmpeg: {e}")))?;
+    ffmpeg_video(&tmp.0, name, opts, limits)
+}
+
+/// A file removed when dropped.
+struct TempFile(PathBuf);
+
+impl TempFile {
+    fn write(bytes: &[u8]) -> std::io::Result<TempFile> {
+        use std::io::Write;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("mlx-k3-video-{}-{n}-{nanos}", std::process::id()));
+        let mut opts = std::fs::OpenOptions::new();
+        opts.write(true).create_new(true);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            opts.mode(0o600);
+        }
+        let mut f = opts.open(&path)?;
+        let tmp = TempFile(path);
+        f.write_all(bytes)?;
+        f.sync_all().ok();
+        Ok(tmp)
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Whether a file starting with `head` is one the crates decode (PNG, WebP, JPEG) rather than FFmpeg.
+fn decoded_here(head: &[u8]) -> bool {
     let png = head.starts_with(b"\x89PNG\r\n\x1a\n");
     let webp = head.len() >= 12 && &head[..4] == b"RIFF" && &head[8..12] == b"WEBP";
     let jpeg = head.starts_with(&[0xff, 0xd8, 0xff]);
-    if !(png || webp || jpeg) {
-        return ffmpeg_video(path, opts, limits);
-    }
-    let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    png || webp || jpeg
+}
+
+/// A PNG (animated or still), WebP (animated or still) or JPEG file's frames, sampled.
+fn decode_in_memory(bytes: &[u8], name: &str, opts: &VideoOptions, limits: &Limits) -> Result<Video> {
+    let png = bytes.starts_with(b"\x89PNG\r\n\x1a\n");
+    let webp = bytes.len() >= 12 && &bytes[..4] == b"RIFF" && &bytes[8..12] == b"WEBP";
     let animation = if png {
-        png_animation(&bytes, &name, limits)?
+        png_animation(bytes, name, limits)?
     } else if webp {
-        webp_animation(&bytes, &name, limits)?
+        webp_animation(bytes, name, limits)?
     } else {
         None
     };
     let (all, delays_ms, decoder) = match animation {
         Some((frames, delays, decoder)) => (frames, delays, decoder),
-        None => (vec![decode(&bytes, &name, limits)?], vec![], "still image"),
+        None => (vec![decode(bytes, name, limits)?], vec![], "still image"),
     };
     let total = all.len();
     // A still image: one frame, at the sampling rate (its time is 0 either way).
@@ -160,7 +226,7 @@ pub fn decode_video(path: &Path, opts: &VideoOptions, limits: &Limits) -> Result
     let indices = sample_indices(total, source_fps, opts.fps, opts.max_frames);
     let mut all: Vec<Option<Image>> = all.into_iter().map(Some).collect();
     let frames = indices.iter().map(|&i| all[i].take().unwrap_or_else(|| unreachable!("indices rise"))).collect();
-    Ok(Video { name, frames, indices, source_frames: total, source_fps, decoder })
+    Ok(Video { name: name.to_string(), frames, indices, source_frames: total, source_fps, decoder })
 }
 
 fn frames_dir(dir: &Path, opts: &VideoOptions, limits: &Limits) -> Result<Video> {
@@ -356,8 +422,8 @@ fn last_line(bytes: &[u8]) -> String {
     text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message").trim().to_string()
 }
 
-fn ffmpeg_video(path: &Path, opts: &VideoOptions, limits: &Limits) -> Result<Video> {
-    let name = path.display().to_string();
+fn ffmpeg_video(path: &Path, name: &str, opts: &VideoOptions, limits: &Limits) -> Result<Video> {
+    let name = name.to_string();
     let probe = run_tool(
         &name,
         Command::new(&opts.ffprobe)

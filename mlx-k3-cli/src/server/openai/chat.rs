@@ -142,7 +142,8 @@ pub struct CheckedChat {
     pub stream: bool,
     /// Whether a stream ends with a usage chunk.
     pub include_usage: bool,
-    /// The images of `image_url` parts, in order (their parts left bare in `messages`).
+    /// The images and videos of `image_url` and `video_url` parts, in order (their parts left bare in
+    /// `messages`).
     pub images: Vec<RequestImage>,
 }
 
@@ -301,12 +302,16 @@ fn convert_messages(messages: Vec<ApiMessage>) -> Result<Vec<ChatMessage>, ApiEr
                 for p in &parts {
                     match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
                         (Some("text"), Some(_)) => {}
-                        // An image part whose image `extract_images` took out.
+                        // An image or video part whose file `extract_images` took out.
                         (Some("image_url"), None) if p.get("image_url").is_none() => {}
+                        (Some("video_url"), None) if p.get("video_url").is_none() => {}
                         (kind, _) => {
                             return Err(ApiError::bad_param(
                                 &param("content"),
-                                format!("content part of type {kind:?}: only text and image_url parts are supported"),
+                                format!(
+                                    "content part of type {kind:?}: only text, image_url and video_url parts are \
+                                     supported"
+                                ),
                             ))
                         }
                     }
