@@ -169,6 +169,7 @@ def build_codebook(src: Path, out: Path) -> None:
             if field != "weight":
                 continue  # the affine scales and biases go with the affine weight
             e, n = w[k].shape[:2]
+            assert path + ".scales" in w, f"{path}: its scales are in another shard"
             kdim = w[path + ".scales"].shape[-1] * q[path]["group_size"]
             assert kdim % 32 == 0, (path, kdim)
             # d * (2L + 1) with L uniform in 0..7 averages 8 d; a grid value is -1, 0 or +1.
@@ -184,6 +185,8 @@ def build_codebook(src: Path, out: Path) -> None:
         index["weight_map"] = dict(sorted(weight_map.items()))
         index.pop("metadata", None)
         (out / index_path.name).write_text(json.dumps(index, indent=1))
+    if "quantization_config" in cfg:  # mlx-lm writes both keys
+        cfg["quantization_config"] = q
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     (out / "BUILT").write_text(json.dumps({"from": str(src), "seed": SEED + 1, "experts": "k3_codebook"}))
 

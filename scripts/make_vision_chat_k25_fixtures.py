@@ -47,6 +47,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_vision_chat_fixtures as k3chat  # noqa: E402  (the same chats, texts and processor settings)
 import make_vision_k25_fixtures as v25  # noqa: E402  (checks the pins on import)
 
 import mlx.core as mx  # noqa: E402
@@ -65,13 +66,14 @@ ROOT = v25.ROOT
 OUT = ROOT / "mlx-k3" / "tests" / "fixtures" / "vision_chat_k25"
 K2_TOKENIZER = ROOT / "mlx-k3" / "tests" / "fixtures" / "chat" / "k2_tokenizer"
 IMAGES = ROOT / "mlx-k3" / "tests" / "fixtures" / "vision_preprocess"
-DECODE_STEPS = 8
+DECODE_STEPS = k3chat.DECODE_STEPS
 # Kimi K2.5's media tokens by offset after the regular vocabulary (163584 + offset in Kimi K2.5).
 K25_MEDIA = {18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>"}
-# The processor's media_proc_cfg: patch 14 as the tower, and a patch limit that wide.png (6 x 1 patches) exceeds.
-PROC = {"patch_size": 14, "in_patch_limit": 4, "merge_kernel_size": [2, 2], "patch_limit_on_one_side": 512}
-CANDIDATE_TEXTS = ["What is in the picture?", "Describe it.", "Which is wider?", "Name the colors.",
-                   "Count the stripes.", "Is it dark?", "What differs?", "Say one word."]
+# The processor's media_proc_cfg and the chats: the K3 fixture's (a patch limit that wide.png exceeds).
+PROC = k3chat.PROC
+CANDIDATE_TEXTS = k3chat.CANDIDATE_TEXTS
+chats = k3chat.chats
+log_softmax = k3chat.log_softmax
 
 TEMPLATE = """{%- macro render_content(msg) -%}
   {%- if msg['content'] is string -%}
@@ -98,21 +100,6 @@ TEMPLATE = """{%- macro render_content(msg) -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}
 """
-
-
-def chats(text: str) -> list[dict]:
-    return [
-        {"images": ["rgb.png"],
-         "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]},
-        {"images": ["rgb.png", "wide.png"],
-         "messages": [{"role": "system", "content": "You compare pictures."},
-                      {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
-                                                   {"type": "image"}, {"type": "text", "text": text}]}]},
-        # Two image parts side by side, the CLI's `--image a --image b`.
-        {"images": ["rgb.png", "wide.png"],
-         "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
-                                                   {"type": "text", "text": text}]}]},
-    ]
 
 
 class KimiTokenizer:
@@ -165,17 +152,6 @@ def write_tokenizer(ckpt: Path) -> int:
     return n + NUM_CONTROL
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return (x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))).astype(np.float32)
-
-
-def top_gap(row: np.ndarray) -> float:
-    s = np.sort(row)
-    return float(s[-1] - s[-2])
-
-
 def run(model, called) -> dict:
     ids = np.array(called["input_ids"])
     cache = [KVCache() for _ in model.language_model.layers]
@@ -188,7 +164,7 @@ def run(model, called) -> dict:
         tokens.append(tok)
         rows.append(np.array(model.language_model(mx.array([[tok]], dtype=mx.int32), cache=cache).logits[0, -1]))
     lp = log_softmax(np.stack(rows[:DECODE_STEPS]))
-    gap = min(top_gap(r) for r in lp)
+    gap = min(v25.k3.top_gap(r) for r in lp)
     return {"ids": ids[0].astype(np.int32), "tokens": np.array(tokens, dtype=np.int32), "logprobs": lp, "gap": gap}
 
 
