@@ -60,48 +60,63 @@ fn gpu_kernels_match_the_cpu_paths_under_emulation() {
     assert!(built.status.success(), "building the emulator failed:\n{}", String::from_utf8_lossy(&built.stderr));
 
     // Leak checking off: MLX keeps its caches until exit. The one warning ASan prints about swapcontext is
-    // expected (the fibers tell it about each stack switch).
-    let mut emulator = Command::new(&exe);
-    emulator.arg(cxx).arg(&dir).arg(mlx_include).arg(scratch.join("units")).env("ASAN_OPTIONS", "detect_leaks=0");
+    // expected (the fibers tell it about each stack switch). The CUDA and the Metal checks run in two processes
+    // at once (K3EMU_API), each compiling its own units.
     let clang = find_clang();
-    match &clang {
-        Some(c) => {
-            emulator.arg(c);
-        }
-        None if std::env::var("K3_REQUIRE_METAL_AS_CHECK").is_ok_and(|v| v == "1") => {
+    if clang.is_none() {
+        if std::env::var("K3_REQUIRE_METAL_AS_CHECK").is_ok_and(|v| v == "1") {
             panic!("K3_REQUIRE_METAL_AS_CHECK=1 but no clang++ was found (K3EMU_CLANG, clang++, clang++-14..19)")
         }
-        None => eprintln!(
+        eprintln!(
             "WARNING: no clang++ (K3EMU_CLANG, clang++, clang++-14..19): the Metal kernels' address spaces are not \
              checked (Debian: apt-get install clang-14)"
-        ),
+        );
     }
-    let run = emulator.output().unwrap();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    print!("{stdout}");
-    assert!(run.status.success(), "{}\n{}", stdout, String::from_utf8_lossy(&run.stderr));
-    // "gpu_emulation: P of N cases passed (cuda A of B, metal C of D; L kernel launches, U compiled units,
-    // S Metal units address-space checked)"
-    let summary = stdout.lines().find(|l| l.starts_with("gpu_emulation: ")).expect("no summary line");
-    let words: Vec<&str> =
-        summary.split(|c: char| c.is_whitespace() || "(,;".contains(c)).filter(|w| !w.is_empty()).collect();
-    let num = |i: usize| -> usize { words[i].parse().unwrap_or_else(|_| panic!("summary word {i}: {summary}")) };
-    let (passed, total) = (num(1), num(3));
-    assert_eq!(words[6], "cuda", "{summary}");
-    assert_eq!(words[10], "metal", "{summary}");
-    let (cuda_total, metal_total) = (num(9), num(13));
-    assert_eq!(passed, total, "{summary}");
-    assert_eq!(cuda_total + metal_total, total, "{summary}");
+    let children: Vec<(&str, std::process::Child)> = ["cuda", "metal"]
+        .into_iter()
+        .map(|api| {
+            let mut emulator = Command::new(&exe);
+            emulator.arg(cxx).arg(&dir).arg(mlx_include).arg(scratch.join(format!("units-{api}")));
+            if let Some(c) = &clang {
+                emulator.arg(c);
+            }
+            emulator.env("ASAN_OPTIONS", "detect_leaks=0").env("K3EMU_API", api);
+            emulator.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+            (api, emulator.spawn().unwrap())
+        })
+        .collect();
+    let mut total = [0usize; 6]; // passed, cases, cuda cases, metal cases, ok lines, address-space checked
+    for (api, child) in children {
+        let run = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        print!("{stdout}");
+        assert!(run.status.success(), "{api}: {}\n{}", stdout, String::from_utf8_lossy(&run.stderr));
+        // "gpu_emulation: P of N cases passed (cuda A of B, metal C of D; L kernel launches, U compiled units,
+        // S Metal units address-space checked)"
+        let summary = stdout.lines().find(|l| l.starts_with("gpu_emulation: ")).expect("no summary line");
+        let words: Vec<&str> =
+            summary.split(|c: char| c.is_whitespace() || "(,;".contains(c)).filter(|w| !w.is_empty()).collect();
+        let num = |i: usize| -> usize { words[i].parse().unwrap_or_else(|_| panic!("summary word {i}: {summary}")) };
+        assert_eq!(words[6], "cuda", "{summary}");
+        assert_eq!(words[10], "metal", "{summary}");
+        assert_eq!(words[21..24], ["Metal", "units", "address-space"], "{summary}");
+        assert_eq!(num(1), num(3), "{api}: {summary}");
+        assert_eq!(num(9) + num(13), num(3), "{api}: {summary}");
+        let ok_lines = stdout.lines().filter(|l| l.starts_with("ok   ")).count();
+        for (t, v) in total.iter_mut().zip([num(1), num(3), num(9), num(13), ok_lines, num(20)]) {
+            *t += v;
+        }
+    }
+    let [passed, cases, cuda_total, metal_total, ok_lines, as_checked] = total;
+    assert_eq!(passed, cases);
     // CUDA: 6 SiTU, 7 router, 5 residual-mix, 5 x 3 KDA-step, 4 codebook, 3 x 2 gathered-codebook and 9 tiered
     // checks; Metal: the same SiTU, router, codebook, gathered and tiered checks, and 2 refusals (the residual mix
     // and the KDA step have no Metal kernel). Fewer means a case stopped being checked.
-    assert!(cuda_total >= 52, "only {cuda_total} CUDA cases ran: {summary}");
-    assert!(metal_total >= 34, "only {metal_total} Metal cases ran: {summary}");
-    assert_eq!(stdout.lines().filter(|l| l.starts_with("ok   ")).count(), total, "{summary}");
-    let as_checked = num(20);
-    assert_eq!(words[21..24], ["Metal", "units", "address-space"], "{summary}");
+    assert!(cuda_total >= 52, "only {cuda_total} CUDA cases ran");
+    assert!(metal_total >= 34, "only {metal_total} Metal cases ran");
+    assert_eq!(ok_lines, cases);
     if clang.is_some() {
-        assert!(as_checked > 0, "clang++ was given but no Metal unit was address-space checked: {summary}");
+        assert!(as_checked > 0, "clang++ was given but no Metal unit was address-space checked");
     }
 }
 

@@ -1049,22 +1049,34 @@ int main(int argc, char** argv) {
       std::printf("FAIL %s %s: %s\n", api_name(), what, e.what());
     }
   };
-  k3::kernels::emulated_gpu_api = GpuApi::cuda;
-  run("situ", check_situ);
-  run("router", check_router);
-  run("attn_res", check_attn_res);
-  run("kda_step", check_kda_step);
-  run("codebook", check_codebook);
-  run("gather_codebook", check_gather_codebook);
-  run("tiered", check_tiered);
+  // K3EMU_API=cuda or metal runs one API's checks only (tests/gpu_emulation.rs runs the two in parallel
+  // processes: compiling the units is most of the time, one compiler at a time per process).
+  const char* only = std::getenv("K3EMU_API");
+  const std::string api = only ? only : "";
+  if (!api.empty() && api != "cuda" && api != "metal") {
+    std::fprintf(stderr, "K3EMU_API must be cuda or metal, not %s\n", api.c_str());
+    return 2;
+  }
+  if (api != "metal") {
+    k3::kernels::emulated_gpu_api = GpuApi::cuda;
+    run("situ", check_situ);
+    run("router", check_router);
+    run("attn_res", check_attn_res);
+    run("kda_step", check_kda_step);
+    run("codebook", check_codebook);
+    run("gather_codebook", check_gather_codebook);
+    run("tiered", check_tiered);
+  }
   const int cuda_cases = g_cases, cuda_failures = g_failures;
-  k3::kernels::emulated_gpu_api = GpuApi::metal;
-  run("situ", check_situ);
-  run("router", check_router);
-  run("no Metal kernel", check_no_metal_kernel);
-  run("codebook", check_codebook);
-  run("gather_codebook", check_gather_codebook);
-  run("tiered", check_tiered);
+  if (api != "cuda") {
+    k3::kernels::emulated_gpu_api = GpuApi::metal;
+    run("situ", check_situ);
+    run("router", check_router);
+    run("no Metal kernel", check_no_metal_kernel);
+    run("codebook", check_codebook);
+    run("gather_codebook", check_gather_codebook);
+    run("tiered", check_tiered);
+  }
   // "gpu_emulation: P of N cases passed (...)": tests/gpu_emulation.rs reads P and N, and the CUDA and Metal
   // counts in the parentheses.
   std::printf("gpu_emulation: %d of %d cases passed (cuda %d of %d, metal %d of %d; %d kernel launches, %d compiled "
