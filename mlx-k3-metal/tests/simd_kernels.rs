@@ -43,6 +43,10 @@ fn kernel_sources() -> (Vec<PathBuf>, Vec<PathBuf>) {
 }
 
 fn compile(cxx: &str, extra: &[&str], out: &Path) -> Output {
+    compile_command(cxx, extra, out).output().unwrap_or_else(|e| panic!("start {cxx}: {e}"))
+}
+
+fn compile_command(cxx: &str, extra: &[&str], out: &Path) -> Command {
     let (sources, includes) = kernel_sources();
     let mut cmd = Command::new(cxx);
     cmd.args(["-O2", "-std=c++20"]).args(extra);
@@ -50,7 +54,7 @@ fn compile(cxx: &str, extra: &[&str], out: &Path) -> Output {
         cmd.arg("-I").arg(inc);
     }
     cmd.args(&sources).arg("-lpthread").arg("-o").arg(out);
-    cmd.output().unwrap_or_else(|e| panic!("start {cxx}: {e}"))
+    cmd
 }
 
 fn check(what: &str, out: Output) {
@@ -140,11 +144,22 @@ fn neon_paths_match_the_scalar_paths_under_qemu() {
         return;
     };
     // Twice: for the baseline ISA, and with the dot-product extension (Apple M chips, Neoverse), which the q8
-    // kernels use where the compiler targets it. (qemu-aarch64's default CPU model has it.)
-    for (tag, flags) in [("baseline", &["-static"][..]), ("+dotprod", &["-static", "-march=armv8.2-a+dotprod"][..])] {
-        let exe = scratch(&format!("aarch64-{tag}"));
-        // Static, so qemu needs no AArch64 loader or libraries.
-        let out = compile(&cxx, flags, &exe);
+    // kernels use where the compiler targets it. (qemu-aarch64's default CPU model has it.) Both compile at once;
+    // static, so qemu needs no AArch64 loader or libraries.
+    let builds: Vec<(&str, PathBuf, std::process::Child)> =
+        [("baseline", &["-static"][..]), ("+dotprod", &["-static", "-march=armv8.2-a+dotprod"][..])]
+            .into_iter()
+            .map(|(tag, flags)| {
+                let exe = scratch(&format!("aarch64-{tag}"));
+                let mut cmd = compile_command(&cxx, flags, &exe);
+                cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+                let child = cmd.spawn().unwrap_or_else(|e| panic!("start {cxx}: {e}"));
+                (tag, exe, child)
+            })
+            .collect();
+    let built: Vec<(&str, PathBuf, Output)> =
+        builds.into_iter().map(|(tag, exe, child)| (tag, exe, child.wait_with_output().unwrap())).collect();
+    for (tag, exe, out) in built {
         assert!(out.status.success(), "cross compile ({tag}): {}", String::from_utf8_lossy(&out.stderr));
         let run = Command::new(&qemu).arg(&exe).output().unwrap();
         let dotprod = String::from_utf8_lossy(&run.stdout).contains("with the dot-product extension");
