@@ -5,6 +5,7 @@ one warm-up, each evaluated, median wall time and mean CPU time (all threads) pr
     /tmp/vlm-venv/bin/python scripts/bench_vision_k25_mlx_vlm.py [SIDE [REPS [DEPTH]]]
 
 (the venv of scripts/make_vision_k25_fixtures.py, which says how to make it).
+REPS 0 times one encode without the warm-up (at full depth one of mlx-vlm's encodes takes minutes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from mlx_vlm.models.kimi_k25.vision import VisionModel
 def main() -> None:
     args = [int(a) for a in sys.argv[1:]]
     side = args[0] if args else 448
+    # REPS 0: one encode and no warm-up (at full depth one mlx-vlm encode takes minutes).
+    warm_up = (args[1] if len(args) > 1 else 3) > 0
     reps = max(1, args[1] if len(args) > 1 else 3)
     vc = VisionConfig(depth=args[2]) if len(args) > 2 else VisionConfig()
     tower = VisionModel(vc)
@@ -35,7 +38,8 @@ def main() -> None:
     def encode():
         return mx.concatenate(proj(tower(pixels.transpose(0, 2, 3, 1), grid_thw=grid)), axis=0)
 
-    mx.eval(encode())
+    if warm_up:
+        mx.eval(encode())
     times = []
     cpu0 = time.process_time()
     for _ in range(reps):

@@ -7,6 +7,7 @@ chunk of that many frames, REPS encodes after one warm-up, each evaluated; media
     /work/vlm-venv/bin/python scripts/bench_vision_k3_mlx_vlm.py [SIDE [REPS [DEPTH [FRAMES]]]]
 
 (a virtualenv with mlx-vlm==0.7.10, mlx-lm==0.32.2 and mlx[cpu]==0.32.4; see make_vision_k3_fixtures.py).
+REPS 0 times one encode without the warm-up (at full depth one of mlx-vlm's encodes takes minutes).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from mlx_vlm.models.kimi_k3.vision import VisionModel
 def main() -> None:
     args = [int(a) for a in sys.argv[1:]]
     side = args[0] if args else 448
+    # REPS 0: one encode and no warm-up (at full depth one mlx-vlm encode takes minutes).
+    warm_up = (args[1] if len(args) > 1 else 3) > 0
     reps = max(1, args[1] if len(args) > 1 else 3)
     vc = VisionConfig(vt_num_hidden_layers=args[2]) if len(args) > 2 else VisionConfig()
     frames = max(1, args[3] if len(args) > 3 else 1)
@@ -38,7 +41,8 @@ def main() -> None:
     def encode():
         return proj(tower(pixels.transpose(0, 2, 3, 1), grid_thws=grid))
 
-    mx.eval(encode())
+    if warm_up:
+        mx.eval(encode())
     times = []
     cpu0 = time.process_time()
     for _ in range(reps):
