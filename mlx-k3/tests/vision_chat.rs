@@ -132,6 +132,9 @@ fn k25_image_chats_refuse_what_they_cannot_place() {
     let pad = m["placeholder"].as_u64().unwrap() as u32;
     let tokens = one["grids"][0].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).product::<u64>() / 4;
     assert_eq!(ids.iter().filter(|&&t| t == pad).count() as u64, tokens);
+    // Image parts without their images: refused, not rendered as bare placeholders.
+    let e = p.encode_chat_media(&messages(one), None, &ChatOptions::default(), &[]).unwrap_err();
+    assert!(e.to_string().contains("1 image or video parts but no images"), "{e}");
     // Without chat_template.jinja the checkpoint falls back to the text-only Kimi K2 encoding.
     let tmp = tempfile::tempdir().unwrap();
     for e in std::fs::read_dir(&d).unwrap() {

@@ -141,8 +141,9 @@ fn image_processor(dir: &Path, cfg: &ModelConfig) -> Result<ImageProcessor> {
 /// Decodes and processes `media`, renders the chat and expands its image and video placeholders to each
 /// medium's token count (Kimi K3: the `image WxH` prompt in place of each image placeholder, one
 /// timestamped video prompt per chunk in place of each video placeholder; K2.5, through the checkpoint's
-/// template: each image's `<|media_pad|>` repeated, each video placeholder replaced by its chunk prompts). Errors name an image or video that cannot be decoded, and say so when the placeholders
-/// and media differ in number or kind or the checkpoint takes no images.
+/// template: each image's `<|media_pad|>` repeated, each video placeholder replaced by its chunk prompts).
+/// Errors name an image or video that cannot be decoded, and say so when the placeholders and media differ
+/// in number or kind or the checkpoint takes no images.
 fn encode_chat_visual(
     tokenizer: &Tokenizer,
     chat: &ChatEncoder,
@@ -365,6 +366,21 @@ fn encode_chat(
     tools: Option<&Value>,
     opts: &ChatOptions,
 ) -> Result<Vec<u32>> {
+    // An image or video part without its medium would render as a bare placeholder: refused, not guessed.
+    let parts = messages
+        .iter()
+        .filter_map(|m| m.content.as_array())
+        .flatten()
+        .filter(|p| {
+            matches!(p.get("type").and_then(Value::as_str), Some("image" | "image_url" | "video" | "video_url"))
+        })
+        .count();
+    if parts > 0 {
+        return Err(Error::invalid(
+            "media",
+            format!("the messages have {parts} image or video parts but no images or videos were given"),
+        ));
+    }
     chat.prompt_messages(messages, tools, opts)?.encode(tokenizer)
 }
 
