@@ -11,8 +11,9 @@ What a real Kimi K2.5 checkpoint ships and this one copies in small:
 - a `chat_template.jinja` that renders an image part as `<|media_begin|>image<|media_content|><|media_pad|>
   <|media_end|>` (one pad; the processor expands it) and a video part as `<|kimi_k25_video_placeholder|>`.
   The template here is written for this project in the shape of Kimi K2.5's (`<|im_user|>` / `<|im_middle|>`
-  / `<|im_end|>` turns, a default system message, the media markers as K2.5's model card, vLLM's
-  `KimiK25ForConditionalGeneration.get_placeholder_str` and Kimi K2-Thinking's `render_content` write them);
+  / `<|im_end|>` turns, a default system message, the media markers as vLLM's
+  `KimiK25ForConditionalGeneration.get_placeholder_str` writes them: Kimi K2-Thinking's `render_content`
+  with the `<|media_begin|>` that K2.5's model card says replaced `<|media_start|>`);
   Kimi K2.5's own template is not available offline here, and which template a checkpoint ships is its own
   business: what is checked is that the checkpoint's template is rendered and expanded as mlx-vlm does.
 - Kimi's tiktoken tokenizer. mlx-vlm loads it with `AutoTokenizer(trust_remote_code=True)`, i.e. Kimi's
