@@ -272,9 +272,9 @@ pub(super) struct GenerateArgs {
     #[arg(long = "image", value_name = "FILE", conflicts_with = "raw")]
     images: Vec<PathBuf>,
     /// A video shown with the prompt (repeatable; after the images, before the text), for Kimi K3 and Kimi
-    /// K2.5 vision checkpoints (K2.5: where its chat template writes the video placeholder): a directory of frame images (in name order, taken at --video-fps), an animated PNG or
-    /// WebP, or any video file the optional FFmpeg programs (ffprobe, ffmpeg; K3_FFPROBE / K3_FFMPEG name
-    /// others) decode. Frames are sampled, chunked by 4 and written into the prompt with their start times
+    /// K2.5 vision checkpoints (K2.5: where its chat template writes the video placeholder): a directory of
+    /// frame images (in name order, taken at --video-fps), an animated PNG or WebP, or any video file the
+    /// optional FFmpeg programs (ffprobe, ffmpeg; K3_FFPROBE / K3_FFMPEG name others) decode. Frames are sampled, chunked by 4 and written into the prompt with their start times
     /// as docs/architecture.md#vision says.
     #[arg(long = "video", value_name = "PATH", conflicts_with = "raw")]
     videos: Vec<PathBuf>,
@@ -385,13 +385,8 @@ pub(super) fn generate(args: GenerateArgs) -> Result<()> {
 
 /// The sampling of `--video`: the flags, else the checkpoint's `media_proc_cfg`, else the defaults.
 fn video_options(p: &Pipeline, fps: Option<f64>, max_frames: Option<usize>) -> Result<VideoOptions> {
-    let proc = p.vision.as_ref().map(|v| &v.processor);
-    let d = VideoOptions::default();
-    let opts = VideoOptions {
-        fps: fps.or(proc.and_then(|p| p.sample_fps)).unwrap_or(d.fps),
-        max_frames: max_frames.or(proc.and_then(|p| p.max_num_frames_each_video)).unwrap_or(d.max_frames),
-        ..d
-    };
+    let base = p.vision.as_ref().map(|v| v.processor.video_options()).unwrap_or_default();
+    let opts = VideoOptions { fps: fps.unwrap_or(base.fps), max_frames: max_frames.unwrap_or(base.max_frames), ..base };
     opts.validate().map_err(|_| {
         Error::invalid(
             "cli",

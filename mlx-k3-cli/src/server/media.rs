@@ -62,11 +62,6 @@ pub struct RequestImage {
     pub video: bool,
 }
 
-/// What `VideoInput` decoding needs besides the bytes: the name in errors.
-fn video_name(i: usize, media_type: &str) -> String {
-    format!("video {i} ({media_type})")
-}
-
 /// The image or video of one content part, if it is a media part: `{"type": "image_url", "image_url":
 /// {"url": ...}}` (OpenAI's form) or `{"type": "image_url", "image_url": "..."}`, and the same with
 /// `video_url` (vLLM's form for videos). `param` names the part in errors.
@@ -198,7 +193,7 @@ pub fn image_inputs(state: &State, media: Vec<RequestImage>) -> Result<Vec<Reque
         .map(|m| {
             if m.video {
                 videos += 1;
-                RequestMedium::Video { name: video_name(videos - 1, &m.media_type), bytes: m.bytes }
+                RequestMedium::Video { name: format!("video {} ({})", videos - 1, m.media_type), bytes: m.bytes }
             } else {
                 images += 1;
                 RequestMedium::Image(ImageInput {

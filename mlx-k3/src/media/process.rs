@@ -157,9 +157,7 @@ impl ImageProcessor {
             ..d
         }
     }
-}
 
-impl ImageProcessor {
     /// The processor's defaults for `kind`.
     pub fn new(kind: ProcessorKind) -> ImageProcessor {
         ImageProcessor {

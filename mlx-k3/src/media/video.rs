@@ -134,17 +134,17 @@ pub fn decode_video(path: &Path, opts: &VideoOptions, limits: &Limits) -> Result
     let got = std::fs::File::open(path)
         .and_then(|mut f| f.read(&mut head))
         .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    if !decoded_here(&head[..got]) {
+    let Some(format) = format_of(&head[..got]) else {
         return ffmpeg_video(path, &name, opts, limits);
-    }
+    };
     let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    decode_in_memory(&bytes, &name, opts, limits)
+    decode_in_memory(&bytes, &name, format, opts, limits)
 }
 
 /// [`decode_video`] for a file held in memory (a video sent in a request), named `name` in errors. PNG,
-/// WebP and JPEG are decoded here; anything else goes to FFmpeg through a temporary file (created new in
-/// the system's temporary folder, readable only by this user, removed when done), since `ffprobe` counts
-/// frames by reading the whole file and MP4's index may come at its end.
+/// WebP and JPEG are decoded here; anything else goes to FFmpeg through a temporary file (`tempfile`: created
+/// new, readable only by this user, removed when done), since `ffprobe` counts frames by reading the whole
+/// file and MP4's index may come at its end.
 pub fn decode_video_bytes(bytes: &[u8], name: &str, opts: &VideoOptions, limits: &Limits) -> Result<Video> {
     opts.validate()?;
     if bytes.len() > limits.max_file_bytes {
@@ -156,64 +156,46 @@ pub fn decode_video_bytes(bytes: &[u8], name: &str, opts: &VideoOptions, limits:
     if bytes.is_empty() {
         return Err(bad(name, "the video is empty"));
     }
-    if decoded_here(&bytes[..bytes.len().min(16)]) {
-        return decode_in_memory(bytes, name, opts, limits);
+    if let Some(format) = format_of(bytes) {
+        return decode_in_memory(bytes, name, format, opts, limits);
     }
-    let tmp =
-        TempFile::write(bytes).map_err(|e| bad(name, format!("writing it to a temporary file for FFmpeg: {e}")))?;
-    ffmpeg_video(&tmp.0, name, opts, limits)
+    // Created new, readable by this user only, removed when dropped.
+    let write = || -> std::io::Result<tempfile::NamedTempFile> {
+        let mut f = tempfile::Builder::new().prefix(&format!("mlx-k3-video-{}-", std::process::id())).tempfile()?;
+        std::io::Write::write_all(&mut f, bytes)?;
+        Ok(f)
+    };
+    let tmp = write().map_err(|e| bad(name, format!("writing it to a temporary file for FFmpeg: {e}")))?;
+    ffmpeg_video(tmp.path(), name, opts, limits)
 }
 
-/// A file removed when dropped.
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn write(bytes: &[u8]) -> std::io::Result<TempFile> {
-        use std::io::Write;
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!("mlx-k3-video-{}-{n}-{nanos}", std::process::id()));
-        let mut opts = std::fs::OpenOptions::new();
-        opts.write(true).create_new(true);
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::OpenOptionsExt;
-            opts.mode(0o600);
-        }
-        let mut f = opts.open(&path)?;
-        let tmp = TempFile(path);
-        f.write_all(bytes)?;
-        f.sync_all().ok();
-        Ok(tmp)
-    }
+/// The formats the crates decode (the rest goes to FFmpeg).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Png,
+    Webp,
+    Jpeg,
 }
 
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+/// The format of a file starting with `head`, if the crates decode it.
+fn format_of(head: &[u8]) -> Option<Format> {
+    if head.starts_with(b"\x89PNG\r\n\x1a\n") {
+        Some(Format::Png)
+    } else if head.len() >= 12 && &head[..4] == b"RIFF" && &head[8..12] == b"WEBP" {
+        Some(Format::Webp)
+    } else if head.starts_with(&[0xff, 0xd8, 0xff]) {
+        Some(Format::Jpeg)
+    } else {
+        None
     }
-}
-
-/// Whether a file starting with `head` is one the crates decode (PNG, WebP, JPEG) rather than FFmpeg.
-fn decoded_here(head: &[u8]) -> bool {
-    let png = head.starts_with(b"\x89PNG\r\n\x1a\n");
-    let webp = head.len() >= 12 && &head[..4] == b"RIFF" && &head[8..12] == b"WEBP";
-    let jpeg = head.starts_with(&[0xff, 0xd8, 0xff]);
-    png || webp || jpeg
 }
 
 /// A PNG (animated or still), WebP (animated or still) or JPEG file's frames, sampled.
-fn decode_in_memory(bytes: &[u8], name: &str, opts: &VideoOptions, limits: &Limits) -> Result<Video> {
-    let png = bytes.starts_with(b"\x89PNG\r\n\x1a\n");
-    let webp = bytes.len() >= 12 && &bytes[..4] == b"RIFF" && &bytes[8..12] == b"WEBP";
-    let animation = if png {
-        png_animation(bytes, name, limits)?
-    } else if webp {
-        webp_animation(bytes, name, limits)?
-    } else {
-        None
+fn decode_in_memory(bytes: &[u8], name: &str, format: Format, opts: &VideoOptions, limits: &Limits) -> Result<Video> {
+    let animation = match format {
+        Format::Png => png_animation(bytes, name, limits)?,
+        Format::Webp => webp_animation(bytes, name, limits)?,
+        Format::Jpeg => None,
     };
     let (all, delays_ms, decoder) = match animation {
         Some((frames, delays, decoder)) => (frames, delays, decoder),
