@@ -70,6 +70,19 @@ bool cpu_has_avx512() {
 #endif
 }
 
+bool cpu_has_avx512_vnni() {
+#ifdef K3_X86
+  static const bool yes = __builtin_cpu_supports("avx512vnni");
+  return yes && cpu_has_avx512();
+#else
+  return false;
+#endif
+}
+
+bool codebook_gemm_applies(int rows, int K, bool simd) {
+  return simd && rows >= kGemmMinRows && K % 256 == 0 && cpu_has_avx512_vnni();
+}
+
 bool cpu_has_simd() {
 #if defined(K3_X86)
   return cpu_has_avx2_fma();
@@ -175,6 +188,7 @@ void codebook_to_ternary(const uint8_t* codes, const uint16_t* qh, size_t rows, 
 
 void codebook_rows(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo, bool simd) {
 #ifdef K3_X86
+  if (simd && a.q8_tiles) return codebook_gemm_q8_vnni(w, a, n0, n1, out, ldo);
   if (simd && w.trits) {
     if (a.q8) return ternary_rows_q8_avx2(w, a, n0, n1, out, ldo);
     if (cpu_has_avx512()) return ternary_rows_avx512(w, a.x, a.sums, a.rows, n0, n1, out, ldo);

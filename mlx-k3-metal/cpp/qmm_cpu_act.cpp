@@ -168,6 +168,19 @@ PreparedActivations::PreparedActivations(const float* x, int rows, int K, Weight
     a.q8 = q8_.data();
     a.q8_d = q8_d_.data();
     a.q8_bsums = bsums_.data();
+#ifdef K3_X86
+    if (simd && format == WeightFormat::codebook && codebook_gemm_applies(rows, K, simd)) {
+      const size_t tiles = (size_t)(rows + 15) / 16;
+      q8_tiles_.resize(tiles * 16 * (K / 4));
+      bsums_tiles_.resize(tiles * 16 * (K / 64));
+      d_tiles_.resize(tiles * 16 * (K / 256));
+      tile_q8_activations(a, reinterpret_cast<int8_t*>(q8_tiles_.data()),
+                          reinterpret_cast<int16_t*>(bsums_tiles_.data()), d_tiles_.data());
+      a.q8_tiles = reinterpret_cast<const int8_t*>(q8_tiles_.data());
+      a.q8_bsums_tiles = reinterpret_cast<const int16_t*>(bsums_tiles_.data());
+      a.q8_d_tiles = d_tiles_.data();
+    }
+#endif
   }
 }
 

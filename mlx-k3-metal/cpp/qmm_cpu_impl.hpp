@@ -126,6 +126,10 @@ void codebook_rows_avx512(const CodebookRows& w, const float* x, const float* xs
 // The codebook's ternary layout, any K.
 void ternary_rows_avx512(const CodebookRows& w, const float* x, const float* xsums, int rows, int n0, int n1,
                          float* out, int ldo);
+// The codebook (either layout) in q8 mode as an int8 GEMM (AVX-512 VNNI), for activations prepared with
+// tiles (a.q8_tiles: codebook_gemm_applies), and the tiling itself.
+void codebook_gemm_q8_vnni(const CodebookRows& w, const Activations& a, int n0, int n1, float* out, int ldo);
+void tile_q8_activations(const Activations& a, int8_t* q_tiles, int16_t* bsums_tiles, float* d_tiles);
 // Whether the AVX-512 affine kernels take these rows, and those kernels.
 bool affine_avx512_applies(const AffineRows& w, const Activations& a);
 void affine_rows_avx512(const AffineRows& w, const Activations& a, int n0, int n1, float* out, int ldo);

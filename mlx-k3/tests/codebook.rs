@@ -554,6 +554,83 @@ fn q8_activations_match_the_reference_on_rounded_inputs() {
     );
 }
 
+/// q8 mode at prefill shapes: at least 6 rows per matrix or per expert and K % 256 == 0, which on CPUs with
+/// AVX-512 VNNI take the int8 GEMM (mlx-k3-metal's qmm_cpu_x86_vnni.cpp; elsewhere the row kernels). Both
+/// codebook layouts, plain, gathered with rows sorted by expert, and tiered, against the f32 reference on the
+/// q8-rounded activations, within the same bound as the row kernels (the GEMM's integer sums are exact too).
+#[test]
+fn q8_prefill_shapes_match_the_reference() {
+    use kernels::QmmActivations::Q8;
+    let _lock = SCALAR.lock().unwrap_or_else(|e| e.into_inner());
+    kernels::force_scalar(false);
+    kernels::set_qmm_activations(Some(Q8));
+    let mut worst = 0f32;
+    // One partial 16-row tile; two tiles and a partial one with a row of zeros.
+    for (m, n, k) in [(6, 37, 768), (40, 37, 512)] {
+        let cb = random_codebook(n, k, 70 + m as u64).to_arrays().unwrap();
+        let x = randn(&[m, k as i32], 71 + m as u64).multiply(mask_row(m, k)).unwrap();
+        let want = q8_rounded(&x).matmul(&codebook::dequantize_reference(&cb).unwrap().t().unwrap()).unwrap();
+        for (layout, w) in [("compact", cb.clone()), ("ternary", cb.to_ternary().unwrap())] {
+            let e = rel_err(&codebook::codebook_qmm(&x, &w).unwrap(), &want);
+            assert!(e <= 2e-5, "q8 {layout} codebook_qmm m={m} n={n} k={k}: rel err {e}");
+            worst = worst.max(e);
+        }
+    }
+    // Gathered, one row per routed token sorted by expert: runs of 16, 7, 6 and 19 rows, expert 1 unused.
+    let (n, k) = (40usize, 512usize);
+    let (cb, deq) = codebook_stack(6, n, k);
+    let experts: Vec<u32> =
+        [(0u32, 16), (2, 7), (3, 6), (5, 19)].iter().flat_map(|&(e, c)| std::iter::repeat(e).take(c)).collect();
+    let p = experts.len() as i32;
+    let x = randn(&[p, 1, k as i32], 72);
+    let lhs = Array::from_slice(&(0..p as u32).collect::<Vec<_>>(), &[p]).unwrap();
+    let rhs = Array::from_slice(&experts, &[p]).unwrap();
+    let want = ops::gather_mm(&q8_rounded(&x), &deq.swapaxes(-1, -2).unwrap(), Some(&lhs), Some(&rhs), true).unwrap();
+    let tcb = cb.to_ternary().unwrap();
+    for (layout, w) in [("compact", &cb), ("ternary", &tcb)] {
+        let e = rel_err(&codebook::gather_codebook_qmm(&x, w, Some(&lhs), Some(&rhs)).unwrap(), &want);
+        assert!(e <= 2e-5, "q8 {layout} sorted gather: rel err {e}");
+        worst = worst.max(e);
+    }
+    // Tiered: the codebook experts (0 and 3) get 9 and 12 rows, the MXFP4 and affine ones a few.
+    use mlx_k3::tiered::{self, Tier};
+    let w = randn(&[6, n as i32, k as i32], 23).multiply(0.05f32).unwrap();
+    let tiers_of = [Tier::Codebook, Tier::Mxfp4, Tier::Affine, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
+    let (t, _) = tiered::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
+    let mut tt = t.clone();
+    tt.codebook = Some(t.codebook.as_ref().unwrap().to_ternary().unwrap());
+    let deq = tiered::dequantize_tiered(&t).unwrap().to_vec_f32().unwrap();
+    let (aq, aspec) = t.affine.as_ref().unwrap();
+    let abias = aq.biases.as_ref().unwrap().to_vec_f32().unwrap();
+    let slots = t.slot.to_vec::<u32>().unwrap();
+    let experts: Vec<u32> =
+        [(0u32, 9), (1, 2), (2, 3), (3, 12), (5, 1)].iter().flat_map(|&(e, c)| std::iter::repeat(e).take(c)).collect();
+    let p = experts.len();
+    let x = randn(&[p as i32, 1, 1, k as i32], 24);
+    let rhs = Array::from_slice(&experts, &[p as i32, 1]).unwrap();
+    let (xv, xr) = (x.to_vec_f32().unwrap(), q8_rounded(&x).to_vec_f32().unwrap());
+    let ng = k / aspec.group_size as usize;
+    let mut want = Vec::new();
+    for (i, &ex) in experts.iter().enumerate() {
+        let (xs, rs) = (&xv[i * k..(i + 1) * k], &xr[i * k..(i + 1) * k]);
+        let wx = &deq[ex as usize * n * k..(ex as usize + 1) * n * k];
+        let bias = matches!(tiers_of[ex as usize], Tier::Affine).then(|| {
+            let s = slots[ex as usize] as usize;
+            (&abias[s * n * ng..(s + 1) * n * ng], aspec.group_size as usize)
+        });
+        want.extend(q8_reference_rows(xs, rs, wx, n, bias));
+    }
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for (layout, t) in [("compact", &t), ("ternary", &tt)] {
+        let got = tiered::gather_tiered_qmm(&x, t, None, Some(&rhs)).unwrap().to_vec_f32().unwrap();
+        let e = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+        assert!(e <= 2e-5, "tiered q8 {layout}, sorted rows: rel err {e}");
+        worst = worst.max(e);
+    }
+    kernels::set_qmm_activations(None);
+    println!("q8 codebook kernels at prefill shapes vs reference on rounded activations: {worst:e}");
+}
+
 /// One activation row against `n` weight rows `w` [n, k] in f64: the rounded activations `xr` multiply the
 /// weights; for affine weights (`bias` = (biases [n, k / group], group)) the bias term takes the exact `x`,
 /// as the q8 kernels do (w = scale * q + bias: sum(scale * q * xr) + bias * sum(x)).

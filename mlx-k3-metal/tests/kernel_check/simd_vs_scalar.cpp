@@ -236,6 +236,13 @@ void run_all(const std::string& tag) {
       codebook_case(r, rows, 11, K, true, 2);
       mxfp4_case(r, rows, 11, K, true);
     }
+    // Enough rows for the int8 GEMM (codebook_gemm_applies: AVX-512 VNNI CPUs with the AVX-512 paths on, K a
+    // multiple of 256; elsewhere, and for K = 416 and 96, these take the row kernels): a partial 16-row tile, two
+    // tiles and a pair plus one, and 13 weight rows split 4 / 9 (panels of 4 with a short one).
+    for (int rows : {kk::kGemmMinRows, 21, 40}) {
+      codebook_case(r, rows, 13, K, true);
+      codebook_case(r, rows, 13, K, true, 1);
+    }
     for (int bits : {2, 4, 8}) {
       for (int group : {32, 64, 128}) {
         if (K % group == 0) affine_case(r, bits, group, K == 512 ? 3 : 1, 13, K, 0, true);
@@ -276,7 +283,8 @@ int main() {
   run_all("[avx2] ");
   kk::set_avx512(1);
   if (kk::cpu_has_avx512()) {
-    std::printf("paths: AVX-512 vs scalar (x86-64)\n");
+    std::printf("paths: AVX-512 vs scalar (x86-64%s)\n",
+                kk::cpu_has_avx512_vnni() ? "; the codebook's q8 GEMM with VNNI" : "; no VNNI: no codebook GEMM");
     run_all("[avx512] ");
   } else {
     std::printf("no AVX-512 on this CPU: its kernels were not run\n");
