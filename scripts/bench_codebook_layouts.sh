@@ -10,7 +10,9 @@
 #   CPUS=0,1                             pin everything to these CPUs (taskset); threads = their count
 #   PROBE=/tmp/codebook_layouts          on a machine loaded by other work: one thread's CPU time instead of
 #                                        wall time, ours through benches/probes/codebook_layouts.cpp (build line
-#                                        in its header) and ggml with GGML_NT=1 GGML_CPUTIME=1, on the first CPU
+#                                        in its header) and ggml with GGML_NT=1 GGML_CPUTIME=1, on the first CPU;
+#                                        the probe also times the q8 row kernels alone (`*_rows_k3`: AVX-512 off,
+#                                        so no int8 GEMM at the prefill shape), the path before that GEMM
 #
 # ggml (built outside the repository; none of its code is part of mlx-k3): ggml-org/ggml at d99724f (the newest
 # commit on 2026-12-07), after three local edits to tests/test-backend-ops.cpp, then
@@ -58,10 +60,12 @@ for r in $(seq 1 "$rounds"); do
         out=$(K3_NUM_THREADS=1 taskset -c "$cpus" "$PROBE" 1 10 cpu | awk '
             /^gemv/ {g = "gemv"} /^experts_decode/ {g = "experts_decode"} /^experts_prefill512/ {g = "experts_prefill512"}
             /^  [a-z]/ && / ms / {
-                v = $1 " " $2 (($3 == "avx2") ? " avx2" : ""); t = ($3 == "avx2") ? $4 : $3
+                three = ($3 == "avx2" || $3 == "rows")
+                v = $1 " " $2 (three ? " " $3 : ""); t = three ? $4 : $3
                 m["compact f32"] = "codebook_k3"; m["ternary f32"] = "codebook_ternary_k3"
                 m["ternary f32 avx2"] = "codebook_ternary_avx2_k3"; m["compact q8"] = "codebook_q8_k3"
                 m["ternary q8"] = "codebook_ternary_q8_k3"; m["affine2 q8"] = "affine2_q8_k3"
+                m["compact q8 rows"] = "codebook_q8_rows_k3"; m["ternary q8 rows"] = "codebook_ternary_q8_rows_k3"
                 if (v in m) print g "/" m[v], t, "ms"
             }')
     else
@@ -93,7 +97,7 @@ awk -v rounds="$rounds" '
     END {
         n = split("gemv experts_decode experts_prefill512", groups, " ")
         n_ours = split("codebook_ternary_q8_k3 codebook_q8_k3 affine2_q8_k3 codebook_ternary_k3 codebook_k3", ours, " ")
-        n_base = split("ggml_iq1_s ggml_tq2_0 ggml_q2_K codebook_q8_k3 affine2_q8_k3", base, " ")
+        n_base = split("ggml_iq1_s ggml_tq2_0 ggml_q2_K codebook_q8_k3 affine2_q8_k3 codebook_ternary_q8_rows_k3 codebook_q8_rows_k3", base, " ")
         for (g = 1; g <= n; g++)
             for (o = 1; o <= n_ours; o++)
                 for (b = 1; b <= n_base; b++) {

@@ -211,6 +211,9 @@ int main(int argc, char** argv) {
       {"compact f32", Kind::compact, false, -1},   {"ternary f32", Kind::ternary, false, -1},
       {"ternary f32 avx2", Kind::ternary, false, 0}, {"compact q8", Kind::compact, true, -1},
       {"ternary q8", Kind::ternary, true, -1},     {"affine2 q8", Kind::affine2, true, -1},
+      // The q8 row kernels alone (AVX-512 off: no int8 GEMM, which takes >= kGemmMinRows rows on VNNI CPUs; the
+      // q8 row kernels are AVX2 either way).
+      {"compact q8 rows", Kind::compact, true, 0}, {"ternary q8 rows", Kind::ternary, true, 0},
   };
   std::vector<std::vector<std::vector<double>>> ms(cases.size(), std::vector<std::vector<double>>(std::size(variants)));
   for (int r = 0; r < rounds; ++r) {
