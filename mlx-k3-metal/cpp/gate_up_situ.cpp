@@ -162,7 +162,10 @@ class GateUpSitu : public mx::UnaryPrimitive {
       if (runs.empty() || runs.back().expert != (int)rhs[p]) runs.push_back(Run{(int)rhs[p], {}, {}, {}, {}, nullptr});
       runs.back().pairs.push_back(p);
     }
-    for (auto& r : runs) {
+    // Each run's rows gathered and prepared on the pool, as gather_qmm does (serially this part did not shrink
+    // with threads).
+    parallel_for(runs.size(), [&](size_t i) {
+      Run& r = runs[i];
       const int rows = (int)r.pairs.size() * M;
       r.x.resize((size_t)rows * K);
       for (size_t j = 0; j < r.pairs.size(); ++j) {
@@ -171,7 +174,7 @@ class GateUpSitu : public mx::UnaryPrimitive {
       r.prep = std::make_unique<PreparedActivations>(r.x.data(), rows, K, f.kind, f.bits, f.simd, f.q8);
       r.g.resize((size_t)rows * N);
       r.u.resize((size_t)rows * N);
-    }
+    });
     struct Task {
       size_t run;
       int n0, n1;

@@ -522,14 +522,20 @@ class PackedQmm : public mx::UnaryPrimitive {
       auto [w, s] = locate(r.expert);
       r.w = w;
       r.slot = s;
+    }
+    // Each run's rows gathered and prepared (quantized, tiled) on the pool. Serially this did not shrink with
+    // threads: a 512-token prefill through 128 codebook experts (q8, int8 GEMM) took 22 ms on two threads against
+    // 32 on one; with it on the pool, 16 ms.
+    parallel_for(runs.size(), [&](size_t i) {
+      Run& r = runs[i];
       int rows = (int)r.pairs.size() * M;
       r.x.resize((size_t)rows * K);
       for (size_t j = 0; j < r.pairs.size(); ++j) {
         std::copy_n(xp + (size_t)lhs[r.pairs[j]] * M * K, (size_t)M * K, r.x.data() + j * M * K);
       }
       r.y.resize((size_t)rows * N);
-      r.prep = std::make_unique<Prepared>(r.x.data(), rows, K, w->f);
-    }
+      r.prep = std::make_unique<Prepared>(r.x.data(), rows, K, r.w->f);
+    });
     // Tasks: (run, slice of output rows), sized so small runs still split across threads.
     struct Task {
       size_t run;
@@ -544,11 +550,12 @@ class PackedQmm : public mx::UnaryPrimitive {
       auto& r = runs[tasks[t].run];
       r.w->rows(r.slot, r.prep->a, tasks[t].n0, tasks[t].n1, r.y.data(), N);
     });
-    for (auto& r : runs) {
+    parallel_for(runs.size(), [&](size_t i) {
+      const Run& r = runs[i];
       for (size_t j = 0; j < r.pairs.size(); ++j) {
         std::copy_n(r.y.data() + j * M * N, (size_t)M * N, out + r.pairs[j] * M * N);
       }
-    }
+    });
   }
 
   Layout layout_;
