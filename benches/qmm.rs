@@ -226,6 +226,11 @@ fn experts(c: &mut Criterion) {
         b.iter(|| codebook::gather_codebook_qmm(&x, &cbt, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
         kernels::set_qmm_activations(None);
     });
+    bench_avx2(&mut g, BenchmarkId::from_parameter("codebook_ternary_q8_avx2_k3"), || {
+        kernels::set_qmm_activations(Some(QmmActivations::Q8));
+        codebook::gather_codebook_qmm(&x, &cbt, None, Some(&rhs)).and_then(|y| y.eval()).unwrap();
+        kernels::set_qmm_activations(None);
+    });
     drop(cbt);
     let w = randn(&[e, n, k], 6);
     for (name, spec) in [
@@ -275,6 +280,12 @@ fn experts(c: &mut Criterion) {
         b.iter(|| codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
         kernels::set_qmm_activations(None);
     });
+    // q8 with AVX-512 off: the row kernels, which the int8 GEMM replaces at this shape on VNNI CPUs.
+    bench_avx2(&mut g, BenchmarkId::from_parameter("codebook_q8_avx2_k3"), || {
+        kernels::set_qmm_activations(Some(QmmActivations::Q8));
+        codebook::gather_codebook_qmm(&x, &cb, None, Some(&rhs)).and_then(|y| y.eval()).unwrap();
+        kernels::set_qmm_activations(None);
+    });
     let cbt = ternary(&cb);
     g.throughput(Throughput::Bytes(cbytes(&cbt)));
     g.bench_function("codebook_ternary_k3", |b| {
@@ -286,6 +297,11 @@ fn experts(c: &mut Criterion) {
     g.bench_function("codebook_ternary_q8_k3", |b| {
         kernels::set_qmm_activations(Some(QmmActivations::Q8));
         b.iter(|| codebook::gather_codebook_qmm(&x, &cbt, None, Some(&rhs)).and_then(|y| y.eval()).unwrap());
+        kernels::set_qmm_activations(None);
+    });
+    bench_avx2(&mut g, BenchmarkId::from_parameter("codebook_ternary_q8_avx2_k3"), || {
+        kernels::set_qmm_activations(Some(QmmActivations::Q8));
+        codebook::gather_codebook_qmm(&x, &cbt, None, Some(&rhs)).and_then(|y| y.eval()).unwrap();
         kernels::set_qmm_activations(None);
     });
     drop(cbt);
