@@ -169,7 +169,7 @@ PreparedActivations::PreparedActivations(const float* x, int rows, int K, Weight
     a.q8_d = q8_d_.data();
     a.q8_bsums = bsums_.data();
 #ifdef K3_X86
-    if (simd && format == WeightFormat::codebook && codebook_gemm_applies(rows, K, simd)) {
+    if (format == WeightFormat::codebook && codebook_gemm_applies(rows, K, simd)) {
       const size_t tiles = (size_t)(rows + 15) / 16;
       q8_tiles_.resize(tiles * 16 * (K / 4));
       bsums_tiles_.resize(tiles * 16 * (K / 64));

@@ -523,27 +523,12 @@ fn q8_activations_match_the_reference_on_rounded_inputs() {
         let w = randn(&[6, n as i32, k as i32], 21).multiply(0.05f32).unwrap();
         let tiers_of = [Tier::Codebook, Tier::Mxfp4, Tier::Affine, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
         let (t, _) = tiered::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
-        let deq = tiered::dequantize_tiered(&t).unwrap().to_vec_f32().unwrap();
-        let (aq, aspec) = t.affine.as_ref().unwrap();
-        let abias = aq.biases.as_ref().unwrap().to_vec_f32().unwrap(); // [affine experts, N, K / 64]
-        let slots = t.slot.to_vec::<u32>().unwrap();
         let x = randn(&[3, 2, 1, 1, k as i32], 22);
-        let rhs = Array::from_slice(&[5u32, 0, 2, 2, 1, 3, 4, 0, 3, 1, 5, 4], &[3, 2, 2]).unwrap();
+        let experts = [5u32, 0, 2, 2, 1, 3, 4, 0, 3, 1, 5, 4];
+        let rhs = Array::from_slice(&experts, &[3, 2, 2]).unwrap();
         let got = tiered::gather_tiered_qmm(&x, &t, None, Some(&rhs)).unwrap().to_vec_f32().unwrap();
-        let (xv, xr) = (x.to_vec_f32().unwrap(), q8_rounded(&x).to_vec_f32().unwrap());
-        let ng = k / aspec.group_size as usize;
-        let mut want = Vec::new();
-        for (p, &ex) in rhs.to_vec::<u32>().unwrap().iter().enumerate() {
-            let (xs, rs) = (&xv[p / 2 * k..(p / 2 + 1) * k], &xr[p / 2 * k..(p / 2 + 1) * k]);
-            let wx = &deq[ex as usize * n * k..(ex as usize + 1) * n * k];
-            let bias = matches!(tiers_of[ex as usize], Tier::Affine).then(|| {
-                let s = slots[ex as usize] as usize;
-                (&abias[s * n * ng..(s + 1) * n * ng], aspec.group_size as usize)
-            });
-            want.extend(q8_reference_rows(xs, rs, wx, n, bias));
-        }
-        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let e = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+        // Two experts per token: pair p reads row p / 2.
+        let e = rel_err_vec(&got, &tiered_q8_reference(&t, &tiers_of, &x, &experts, |p| p / 2));
         assert!(e <= 2e-5, "tiered q8 scalar={scalar}: rel err {e}");
     }
     kernels::force_scalar(false);
@@ -599,36 +584,59 @@ fn q8_prefill_shapes_match_the_reference() {
     let (t, _) = tiered::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
     let mut tt = t.clone();
     tt.codebook = Some(t.codebook.as_ref().unwrap().to_ternary().unwrap());
-    let deq = tiered::dequantize_tiered(&t).unwrap().to_vec_f32().unwrap();
-    let (aq, aspec) = t.affine.as_ref().unwrap();
-    let abias = aq.biases.as_ref().unwrap().to_vec_f32().unwrap();
-    let slots = t.slot.to_vec::<u32>().unwrap();
     let experts: Vec<u32> =
         [(0u32, 9), (1, 2), (2, 3), (3, 12), (5, 1)].iter().flat_map(|&(e, c)| std::iter::repeat(e).take(c)).collect();
     let p = experts.len();
     let x = randn(&[p as i32, 1, 1, k as i32], 24);
     let rhs = Array::from_slice(&experts, &[p as i32, 1]).unwrap();
-    let (xv, xr) = (x.to_vec_f32().unwrap(), q8_rounded(&x).to_vec_f32().unwrap());
-    let ng = k / aspec.group_size as usize;
-    let mut want = Vec::new();
-    for (i, &ex) in experts.iter().enumerate() {
-        let (xs, rs) = (&xv[i * k..(i + 1) * k], &xr[i * k..(i + 1) * k]);
-        let wx = &deq[ex as usize * n * k..(ex as usize + 1) * n * k];
-        let bias = matches!(tiers_of[ex as usize], Tier::Affine).then(|| {
-            let s = slots[ex as usize] as usize;
-            (&abias[s * n * ng..(s + 1) * n * ng], aspec.group_size as usize)
-        });
-        want.extend(q8_reference_rows(xs, rs, wx, n, bias));
-    }
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let want = tiered_q8_reference(&t, &tiers_of, &x, &experts, |i| i);
     for (layout, t) in [("compact", &t), ("ternary", &tt)] {
         let got = tiered::gather_tiered_qmm(&x, t, None, Some(&rhs)).unwrap().to_vec_f32().unwrap();
-        let e = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+        let e = rel_err_vec(&got, &want);
         assert!(e <= 2e-5, "tiered q8 {layout}, sorted rows: rel err {e}");
         worst = worst.max(e);
     }
     kernels::set_qmm_activations(None);
     println!("q8 codebook kernels at prefill shapes vs reference on rounded activations: {worst:e}");
+}
+
+/// The q8 reference of a tiered stack `t` (built with `tiers_of`) for the routed pairs `experts`, pair i reading
+/// row `row_of(i)` of `x` [rows, .., K]: each pair's `q8_reference_rows` against its expert's dequantized rows,
+/// the affine experts' bias term on the exact activations.
+fn tiered_q8_reference(
+    t: &mlx_k3::tiered::TieredExperts,
+    tiers_of: &[mlx_k3::tiered::Tier],
+    x: &Array,
+    experts: &[u32],
+    row_of: impl Fn(usize) -> usize,
+) -> Vec<f32> {
+    let deq = mlx_k3::tiered::dequantize_tiered(t).unwrap();
+    let (n, k) = (deq.shape()[1] as usize, deq.shape()[2] as usize);
+    let deq = deq.to_vec_f32().unwrap();
+    let (aq, aspec) = t.affine.as_ref().unwrap();
+    let abias = aq.biases.as_ref().unwrap().to_vec_f32().unwrap(); // [affine experts, N, K / group]
+    let slots = t.slot.to_vec::<u32>().unwrap();
+    let (xv, xr) = (x.to_vec_f32().unwrap(), q8_rounded(x).to_vec_f32().unwrap());
+    let (g, ng) = (aspec.group_size as usize, k / aspec.group_size as usize);
+    let mut want = Vec::new();
+    for (i, &ex) in experts.iter().enumerate() {
+        let r = row_of(i);
+        let (xs, rs) = (&xv[r * k..(r + 1) * k], &xr[r * k..(r + 1) * k]);
+        let wx = &deq[ex as usize * n * k..(ex as usize + 1) * n * k];
+        let bias = matches!(tiers_of[ex as usize], mlx_k3::tiered::Tier::Affine).then(|| {
+            let s = slots[ex as usize] as usize;
+            (&abias[s * n * ng..(s + 1) * n * ng], g)
+        });
+        want.extend(q8_reference_rows(xs, rs, wx, n, bias));
+    }
+    want
+}
+
+/// Largest absolute difference over the largest |want|.
+fn rel_err_vec(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
 }
 
 /// One activation row against `n` weight rows `w` [n, k] in f64: the rounded activations `xr` multiply the
