@@ -230,6 +230,38 @@ fn a_closed_stdout_ends_a_report_quietly() {
     assert_eq!(out.status.signal(), Some(13), "ended by SIGPIPE (13 on Linux and macOS): {:?} {stderr}", out.status);
 }
 
+/// K3_POOL_STATS=1 makes the kernel thread pool print one line of counts at exit (a profiling aid); unset or
+/// any other value prints nothing. With two threads some jobs go to the pool, and each has two tasks or more.
+#[test]
+fn pool_stats_are_printed_only_when_asked() {
+    let dir = fixture("a_latent_norm_attnres_q4");
+    let args = ["bench", "--model", dir.to_str().unwrap(), "--prompt-tokens", "5", "--gen-tokens", "3", "--json"];
+    let (ok, _, stderr) = mlx_k3_env(&[("K3_POOL_STATS", "1"), ("K3_NUM_THREADS", "2")], &args);
+    assert!(ok, "{stderr}");
+    let line = stderr.lines().find(|l| l.starts_with("k3 pool: ")).unwrap_or_else(|| panic!("no pool line: {stderr}"));
+    // The integer before `marker` (e.g. "182 pool jobs") or after it ("by workers 5").
+    let before = |marker: &str| -> u64 {
+        let head = &line[..line.find(marker).unwrap_or_else(|| panic!("{marker:?} not in {line}"))];
+        head.trim_end().rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let after = |marker: &str| -> u64 {
+        let tail = &line[line.find(marker).unwrap_or_else(|| panic!("{marker:?} not in {line}")) + marker.len()..];
+        tail.trim_start().split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+    };
+    let jobs = before(" pool jobs");
+    let tasks = after("tasks run by the caller") + after("by workers");
+    assert!(jobs > 0, "{line}");
+    assert!(tasks >= 2 * jobs, "{line}");
+    for value in [None, Some("0"), Some("yes")] {
+        let mut vars = vec![("K3_NUM_THREADS", "2")];
+        if let Some(v) = value {
+            vars.push(("K3_POOL_STATS", v));
+        }
+        let (ok, _, stderr) = mlx_k3_env(&vars, &args);
+        assert!(ok && !stderr.contains("k3 pool:"), "K3_POOL_STATS={value:?}: {stderr}");
+    }
+}
+
 /// `bench --graph` prints one decode step's graph by primitive (its JSON form too), and the rows add up.
 #[test]
 fn bench_graph_reports_a_decode_step_by_primitive() {

@@ -4,10 +4,12 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -73,10 +75,42 @@ bool spin_until(Pred pred) {
   }
 }
 
+// K3_POOL_STATS=1 (any other value: off): counts of how the pool's jobs went, printed to stderr at exit (for profiling a decode step:
+// how often the worker joins a job late, how long the caller waits for a job's last task). Off by default; then
+// nothing below runs but the flag's test.
+struct PoolStats {
+  const bool on = [] {
+    const char* env = std::getenv("K3_POOL_STATS");
+    return env && std::string(env) == "1";
+  }();
+  std::atomic<long> inline_jobs{0}, inline_ns{0}, jobs{0}, jobs_ns{0}, tail_ns{0};
+  std::atomic<long> joins{0}, join_ns{0}, late_joins{0}, late_ns{0}, missed{0}, worker_tasks{0}, caller_tasks{0};
+
+  static long now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  ~PoolStats() {
+    if (!on) return;
+    std::fprintf(stderr,
+                 "k3 pool: %ld jobs run inline (%.1f ms); %ld pool jobs (%.1f ms), the caller waited %.1f ms for their last "
+                 "tasks; the worker joined %ld of them %.1f us late on average, %ld over 20 us (%.1f ms of the %.1f ms), "
+                 "missed %ld; tasks run by the caller %ld, by workers %ld\n",
+                 inline_jobs.load(), inline_ns.load() / 1e6, jobs.load(), jobs_ns.load() / 1e6, tail_ns.load() / 1e6,
+                 joins.load(), joins.load() ? join_ns.load() / 1e3 / joins.load() : 0.0, late_joins.load(),
+                 late_ns.load() / 1e6, join_ns.load() / 1e6, missed.load(), caller_tasks.load(), worker_tasks.load());
+  }
+};
+
+PoolStats& pool_stats() {
+  static PoolStats s;
+  return s;
+}
+
 // One parallel_for call. The caller waits until every task has *run* (not until every worker has woken):
 // on a busy machine a descheduled worker must not add a scheduler tick to each kernel call. A worker that
 // wakes late finds no task left and goes back to sleep; the shared_ptr keeps the job alive for it.
 struct Job {
+  long posted_ns = 0;  // with K3_POOL_STATS
   const std::function<void(size_t)>* fn;
   size_t n_tasks;
   std::atomic<size_t> next{0};
@@ -105,24 +139,37 @@ class Pool {
     auto job = std::make_shared<Job>();
     job->fn = &fn;
     job->n_tasks = n_tasks;
+    auto& st = pool_stats();
+    if (st.on) job->posted_ns = PoolStats::now_ns();
     {
       std::lock_guard<std::mutex> lk(mu_);
       job_ = job;
       generation_.fetch_add(1);
     }
     cv_.notify_all();  // no system call unless a worker sleeps
-    work(*job);
+    const long mine = work(*job);
+    const long own_done_ns = st.on ? PoolStats::now_ns() : 0;
     auto all_done = [&] { return job->done.load() == n_tasks; };
     if (!spin_until(all_done)) {
       std::unique_lock<std::mutex> lk(job->mu);
       job->finished.wait(lk, all_done);
     }
+    if (st.on) {
+      const long end = PoolStats::now_ns();
+      st.jobs++;
+      st.jobs_ns += end - job->posted_ns;
+      st.tail_ns += end - own_done_ns;
+      st.caller_tasks += mine;
+      if (mine == (long)n_tasks) st.missed++;
+    }
     if (job->error) std::rethrow_exception(job->error);  // written before its task counted as done
   }
 
  private:
-  static void work(Job& job) {
-    for (size_t t = job.next.fetch_add(1); t < job.n_tasks; t = job.next.fetch_add(1)) {
+  // Runs tasks of the job until none is left; returns how many this thread ran.
+  static long work(Job& job) {
+    long ran = 0;
+    for (size_t t = job.next.fetch_add(1); t < job.n_tasks; t = job.next.fetch_add(1), ++ran) {
       try {
         (*job.fn)(t);
       } catch (...) {
@@ -134,6 +181,7 @@ class Pool {
         job.finished.notify_all();
       }
     }
+    return ran;
   }
   void loop() {
     size_t seen = 0;
@@ -148,7 +196,19 @@ class Pool {
         seen = generation_.load();
         job = job_;
       }
-      if (job) work(*job);
+      if (!job) continue;
+      auto& st = pool_stats();
+      if (st.on && job->next.load() < job->n_tasks) {
+        const long late = PoolStats::now_ns() - job->posted_ns;
+        st.joins++;
+        st.join_ns += late;
+        if (late > 20000) {
+          st.late_joins++;
+          st.late_ns += late;
+        }
+      }
+      const long ran = work(*job);
+      if (st.on) st.worker_tasks += ran;
     }
   }
 
@@ -178,7 +238,13 @@ void parallel_for(size_t n_tasks, const std::function<void(size_t)>& fn) {
   if (n_tasks == 0) return;
   auto p = pool();
   if (n_tasks == 1 || p->size() == 1) {
+    auto& st = pool_stats();
+    const long t0 = st.on ? PoolStats::now_ns() : 0;
     for (size_t t = 0; t < n_tasks; ++t) fn(t);
+    if (st.on) {
+      st.inline_jobs++;
+      st.inline_ns += PoolStats::now_ns() - t0;
+    }
     return;
   }
   std::lock_guard<std::mutex> serial(run_mu);  // one job at a time across MLX streams
