@@ -75,9 +75,9 @@ bool spin_until(Pred pred) {
   }
 }
 
-// K3_POOL_STATS=1 (any other value: off): counts of how the pool's jobs went, printed to stderr at exit (for profiling a decode step:
-// how often the worker joins a job late, how long the caller waits for a job's last task). Off by default; then
-// nothing below runs but the flag's test.
+// K3_POOL_STATS=1 (any other value: off): counts of how the pool's jobs went, printed to stderr at exit, for
+// profiling a decode step (how late the worker joins a job, how long the caller waits for a job's last task).
+// Off by default; then nothing below runs but the flag's test.
 struct PoolStats {
   const bool on = [] {
     const char* env = std::getenv("K3_POOL_STATS");
@@ -89,8 +89,7 @@ struct PoolStats {
   static long now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
   }
-  ~PoolStats() {
-    if (!on) return;
+  void print() const {
     std::fprintf(stderr,
                  "k3 pool: %ld jobs run inline (%.1f ms); %ld pool jobs (%.1f ms), the caller waited %.1f ms for their last "
                  "tasks; the worker joined %ld of them %.1f us late on average, %ld over 20 us (%.1f ms of the %.1f ms), "
@@ -101,9 +100,14 @@ struct PoolStats {
   }
 };
 
+// Never destroyed (a worker may still count while the process exits); printed by an exit handler.
 PoolStats& pool_stats() {
-  static PoolStats s;
-  return s;
+  static PoolStats* s = [] {
+    auto* p = new PoolStats;
+    if (p->on) std::atexit([] { pool_stats().print(); });
+    return p;
+  }();
+  return *s;
 }
 
 // One parallel_for call. The caller waits until every task has *run* (not until every worker has woken):
