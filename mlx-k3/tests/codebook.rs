@@ -13,6 +13,7 @@ use mlx_k3::codebook::{self, Codebook, CodebookHost};
 use mlx_k3::gguf::GgufFile;
 use mlx_k3::io::Safetensors;
 use mlx_k3::quant::{self, Gather, QuantMode, QuantSpec, Quantized};
+use mlx_k3::tiered::{self, Tier, TieredExperts};
 use mlx_k3::{kernels, ops, random, Array, Dtype};
 
 fn fixture(name: &str) -> PathBuf {
@@ -28,10 +29,7 @@ fn randn(shape: &[i32], seed: u64) -> Array {
 static SCALAR: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn rel_err(got: &Array, want: &Array) -> f32 {
-    let (g, w) = (got.to_vec_f32().unwrap(), want.to_vec_f32().unwrap());
-    assert_eq!(g.len(), w.len());
-    let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-    g.iter().zip(&w).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+    rel_err_vec(&got.to_vec_f32().unwrap(), &want.to_vec_f32().unwrap())
 }
 
 /// A random codebook matrix: random valid planes (any index, scale, sign is a valid IQ1_S block).
@@ -427,7 +425,6 @@ fn fast_gather_qmm_matches_mlx() {
 
 #[test]
 fn gather_tiered_qmm_matches_the_dequantized_stack_on_both_paths() {
-    use mlx_k3::tiered::{self, Tier};
     let (e, n, k) = (6, 40, 512);
     let w = randn(&[e, n, k], 21).multiply(0.05f32).unwrap();
     let tiers_of = [Tier::Codebook, Tier::Mxfp4, Tier::Affine, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
@@ -518,7 +515,6 @@ fn q8_activations_match_the_reference_on_rounded_inputs() {
         let err = rel_err(&got, &want);
         assert!(err <= 2e-5, "q8 gather scalar={scalar}: {err}");
         // Tiered (codebook, MXFP4 and affine experts): every tier in q8 mode, each against its reference.
-        use mlx_k3::tiered::{self, Tier};
         let (n, k) = (40usize, 512usize);
         let w = randn(&[6, n as i32, k as i32], 21).multiply(0.05f32).unwrap();
         let tiers_of = [Tier::Codebook, Tier::Mxfp4, Tier::Affine, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
@@ -578,7 +574,6 @@ fn q8_prefill_shapes_match_the_reference() {
         worst = worst.max(e);
     }
     // Tiered: the codebook experts (0 and 3) get 9 and 12 rows, the MXFP4 and affine ones a few.
-    use mlx_k3::tiered::{self, Tier};
     let w = randn(&[6, n as i32, k as i32], 23).multiply(0.05f32).unwrap();
     let tiers_of = [Tier::Codebook, Tier::Mxfp4, Tier::Affine, Tier::Codebook, Tier::Affine, Tier::Mxfp4];
     let (t, _) = tiered::build_tiered(&w, &tiers_of, QuantSpec::affine(64, 4), None).unwrap();
@@ -604,13 +599,13 @@ fn q8_prefill_shapes_match_the_reference() {
 /// row `row_of(i)` of `x` [rows, .., K]: each pair's `q8_reference_rows` against its expert's dequantized rows,
 /// the affine experts' bias term on the exact activations.
 fn tiered_q8_reference(
-    t: &mlx_k3::tiered::TieredExperts,
-    tiers_of: &[mlx_k3::tiered::Tier],
+    t: &TieredExperts,
+    tiers_of: &[Tier],
     x: &Array,
     experts: &[u32],
     row_of: impl Fn(usize) -> usize,
 ) -> Vec<f32> {
-    let deq = mlx_k3::tiered::dequantize_tiered(t).unwrap();
+    let deq = tiered::dequantize_tiered(t).unwrap();
     let (n, k) = (deq.shape()[1] as usize, deq.shape()[2] as usize);
     let deq = deq.to_vec_f32().unwrap();
     let (aq, aspec) = t.affine.as_ref().unwrap();
@@ -623,7 +618,7 @@ fn tiered_q8_reference(
         let r = row_of(i);
         let (xs, rs) = (&xv[r * k..(r + 1) * k], &xr[r * k..(r + 1) * k]);
         let wx = &deq[ex as usize * n * k..(ex as usize + 1) * n * k];
-        let bias = matches!(tiers_of[ex as usize], mlx_k3::tiered::Tier::Affine).then(|| {
+        let bias = matches!(tiers_of[ex as usize], Tier::Affine).then(|| {
             let s = slots[ex as usize] as usize;
             (&abias[s * n * ng..(s + 1) * n * ng], g)
         });
@@ -635,7 +630,7 @@ fn tiered_q8_reference(
 /// Largest absolute difference over the largest |want|.
 fn rel_err_vec(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
     got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
 }
 
@@ -880,7 +875,6 @@ fn quantized_matmul_many_is_one_node_with_the_single_ops_results() {
 /// scripts/gpu_check.sh runs this on a CUDA GPU.
 #[test]
 fn codebook_and_tiered_matmuls_match_on_gpu_devices() {
-    use mlx_k3::tiered::{self, Tier};
     use mlx_k3::{with_device, Device};
     let gpus: Vec<Device> = Device::available().into_iter().filter(|d| *d != Device::Cpu).collect();
     if gpus.is_empty() {
