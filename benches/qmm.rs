@@ -259,6 +259,30 @@ fn experts(c: &mut Criterion) {
     drop(w);
     g.finish();
 
+    // Short expert rows: the mid-size K3 checkpoint's routed down projection (scripts/bench_e2e.py), 8 of 128
+    // experts, 512 -> 1024, batch 1, affine 2-bit. Four stacks (four layers' worth, 100 MB, more than the L3s of
+    // the development VMs) taken in turn, so the weights come from memory as in a decode step.
+    let mut g = c.benchmark_group("experts_decode_short");
+    g.sample_size(20);
+    let (e, n, k, layers) = (128, 1024, 512, 4);
+    let spec = QuantSpec::affine(64, 2);
+    let stacks: Vec<Quantized> = (0..layers).map(|l| packed(&randn(&[e, n, k], 30 + l as u64), spec)).collect();
+    let x = randn(&[1, 1, 1, k], 34);
+    let idx: Vec<u32> = (0..8).map(|i| (i * 13 + 5) as u32 % e as u32).collect();
+    let rhs = Array::from_slice(&idx, &[1, 8]).unwrap();
+    g.throughput(Throughput::Bytes(qbytes(&stacks[0]) / e as u64 * 8));
+    let mut layer = 0;
+    let mut step = move || {
+        layer = (layer + 1) % layers;
+        kernels::set_qmm_activations(Some(QmmActivations::Q8));
+        kernels::gather_qmm(&x, &stacks[layer], spec, None, Some(&rhs), false).and_then(|y| y.eval()).unwrap();
+        kernels::set_qmm_activations(None);
+    };
+    g.bench_function("affine2_q8_k3", |b| b.iter(&mut step));
+    // AVX-512 off: the AVX2 row kernel, which the AVX-512 VNNI one replaces at K <= 2048 on VNNI CPUs.
+    bench_avx2(&mut g, BenchmarkId::from_parameter("affine2_q8_avx2_k3"), &mut step);
+    g.finish();
+
     let mut g = c.benchmark_group("experts_prefill512");
     g.sample_size(10);
     // 512 tokens x top-8 of 128 experts, sorted by expert (mlx-lm's SwitchGLU sorts when tokens x k >= 64).

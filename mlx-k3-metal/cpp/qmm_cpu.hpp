@@ -103,6 +103,9 @@ struct Activations {
   const int8_t* q8_tiles = nullptr;
   const int16_t* q8_bsums_tiles = nullptr;
   const float* q8_d_tiles = nullptr;
+  // q8 of 2-bit affine rows in the layout of the AVX-512 VNNI kernel (interleave_2bit_q8_256) instead of the AVX2
+  // kernel's (interleave_2bit_q8); set at preparation where that kernel applies (K % 256 == 0, K <= 2048).
+  bool q8_vnni2 = false;
   // The order `permuted` holds (for 2-bit rows it tells the AVX-512 kernel's 256-value order from the AVX2 one).
   ActOrder order = ActOrder::natural;
 };

@@ -128,6 +128,27 @@ static void interleave_2bit_q8(const float* x, int rows, int K, float* out) {
   interleave_rows(x, rows, K, 128, 2, [](int p) { return 32 * (p % 32 / 8) + 4 * (p % 8) + p / 32; }, out);
 }
 
+// The q8 layout of 2-bit affine rows for the AVX-512 VNNI kernel (affine_q8_row2_vnni): in each 256-chunk (64 bytes
+// of codes, one zmm), field s of byte j holds element 4j + s, so position 64s + j takes that element. Only for
+// K % 256 == 0 (the reordering stays within the 256-chunks that q8 scales, so the scales are those of x).
+static void interleave_2bit_q8_256(const float* x, int rows, int K, float* out) {
+  interleave_rows(x, rows, K, 256, 2, [](int p) { return 4 * (p % 64) + p / 64; }, out);
+}
+
+// Whether 2-bit affine rows of K columns take the AVX-512 VNNI q8 kernel (decided once per op, at preparation): the
+// short rows of routed experts, where the AVX2 kernel's fixed costs per row set its pace. Longer rows stream from
+// memory as fast through the AVX2 kernel, and faster at K = 3584 with two threads
+// (benches/probes/affine2_short_rows.cpp, Zen 4 VM: 0.124 ms against 0.141 for 3072 x 3584; 1.0x at K = 2048,
+// 1.2-1.4x at K = 1024, 1.45-1.65x at K = 512).
+static bool vnni2_applies(int K) {
+#ifdef K3_X86
+  return K % 256 == 0 && K <= 2048 && cpu_has_avx512_vnni();
+#else
+  (void)K;
+  return false;
+#endif
+}
+
 // The q8 layout of 4-bit affine rows for the SIMD kernel: in each 64-chunk (32 bytes of codes), position j
 // takes element 2j (byte j's low nibble) and position 32 + j element 2j + 1 (its high nibble). A row's last
 // K % 64 values (one 32-block) are read as one block.
@@ -148,9 +169,9 @@ PreparedActivations::PreparedActivations(const float* x, int rows, int K, Weight
     q8_.resize((size_t)rows * K);
     q8_d_.resize((size_t)rows * codebook_super_blocks(K));
     bsums_.resize((size_t)rows * (K / 32) + 8);
-    // From the order the format's SIMD kernel reads (the reorderings stay within 128 values, so the
-    // 256-chunk scales are those of x; bsums are per 32 values as laid out, which is per block of x except
-    // for the 2/4-bit interleaves, whose kernels do not read them).
+    // From the order the format's SIMD kernel reads (the reorderings stay within 128 values, 256 for the VNNI
+    // 2-bit layout, which needs K % 256 == 0; so the 256-chunk scales are those of x; bsums are per 32 values as
+    // laid out, which is per block of x except for the 2/4-bit interleaves, whose kernels do not read them).
     const float* src = a.permuted;
     std::vector<float> inter;
 #ifdef K3_X86
@@ -160,7 +181,9 @@ PreparedActivations::PreparedActivations(const float* x, int rows, int K, Weight
 #endif
     if (interleave) {
       inter.resize((size_t)rows * K);
-      if (bits == 2) interleave_2bit_q8(x, rows, K, inter.data());
+      a.q8_vnni2 = bits == 2 && vnni2_applies(K);
+      if (a.q8_vnni2) interleave_2bit_q8_256(x, rows, K, inter.data());
+      else if (bits == 2) interleave_2bit_q8(x, rows, K, inter.data());
       else interleave_4bit_q8(x, rows, K, inter.data());
       src = inter.data();
     }

@@ -652,9 +652,11 @@ fn q8_reference_rows(x: &[f32], xr: &[f32], w: &[f32], n: usize, bias: Option<(&
 }
 
 /// q8 mode for MLX's formats (the SIMD paths; the scalar ones are checked through the tiered stack above):
-/// affine 2/4/8-bit with groups 32/64/128 and MXFP4, K = 512, 544, 576, 640, 704, match `q8_reference_rows`;
-/// f32, bf16 and f16 scales/biases (the 2/4/8-bit q8 kernels read them in their own dtype); widths without q8
-/// kernels (3/5/6-bit) give exactly their f32 results.
+/// affine 2/4/8-bit with groups 32/64/128 and MXFP4, K = 256 to 1024, match `q8_reference_rows`; f32, bf16 and
+/// f16 scales/biases (the 2/4/8-bit q8 kernels read them in their own dtype); widths without q8 kernels
+/// (3/5/6-bit) give exactly their f32 results. With the AVX-512 paths on and off: 2-bit rows with K % 256 == 0
+/// take the AVX-512 VNNI kernel where the CPU has it (one activation row: four weight rows at a time, n = 70
+/// leaving a remainder), the AVX2 kernel otherwise.
 #[test]
 fn q8_activations_for_mlx_formats() {
     use kernels::QmmActivations::{F32, Q8};
@@ -674,6 +676,10 @@ fn q8_activations_for_mlx_formats() {
         specs.push((QuantSpec::affine(g, b), k, Dtype::F32));
     }
     specs.push((QuantSpec::default_for(QuantMode::Mxfp4), 544, Dtype::F32));
+    // Other K % 256 == 0 (the 2-bit VNNI kernel's one and four chunks per row).
+    for (g, b, k) in [(64, 2, 256), (64, 2, 1024), (128, 2, 1024), (32, 2, 256)] {
+        specs.push((QuantSpec::affine(g, b), k, Dtype::F32));
+    }
     // Half-precision scales and biases (what bf16/f16 checkpoints carry).
     for (g, b, k, dt) in [
         (32, 2, 512, Dtype::BF16),
@@ -682,48 +688,53 @@ fn q8_activations_for_mlx_formats() {
         (64, 2, 576, Dtype::BF16),
         (64, 4, 512, Dtype::BF16),
         (32, 8, 512, Dtype::F16),
+        (64, 2, 1024, Dtype::BF16),
     ] {
         specs.push((QuantSpec::affine(g, b), k, dt));
     }
-    for (i, (spec, k, wdt)) in specs.into_iter().enumerate() {
-        let w = randn(&[n as i32, k as i32], 70 + i as u64).astype(wdt).unwrap();
-        let q = quant::quantize(&w, spec, None).unwrap();
-        // The reference decodes with f32 scales and biases (MLX's dequantize of half scales rounds each weight
-        // to that precision; the kernels keep w = scale * code + bias in f32).
-        let f32_scales = |a: &Array| if a.dtype() == Dtype::U8 { a.clone() } else { a.astype(Dtype::F32).unwrap() };
-        let qf = Quantized {
-            weight: q.weight.clone(),
-            scales: f32_scales(&q.scales),
-            biases: q.biases.as_ref().map(|b| b.astype(Dtype::F32).unwrap()),
-        };
-        let wd = quant::dequantize(&qf, spec, None, Some(Dtype::F32)).unwrap().to_vec_f32().unwrap();
-        let bias = q.biases.as_ref().map(|b| (b.to_vec_f32().unwrap(), spec.group_size as usize));
-        for m in [1, 5] {
-            let x = randn(&[m, k as i32], 80 + i as u64);
-            kernels::set_qmm_activations(Some(Q8));
-            let got = kernels::fast_quantized_matmul(&x, &q, spec).unwrap().to_vec_f32().unwrap();
-            assert_eq!(q.scales.dtype(), if matches!(spec.mode, QuantMode::Affine) { wdt } else { Dtype::U8 });
-            kernels::set_qmm_activations(Some(F32));
-            let exact = kernels::fast_quantized_matmul(&x, &q, spec).unwrap().to_vec_f32().unwrap();
-            if matches!(spec.mode, QuantMode::Affine) && ![2, 4, 8].contains(&spec.bits) {
-                assert_eq!(got, exact, "{spec:?}: no q8 kernel, so f32 results");
-                continue;
+    for avx512 in [true, false] {
+        kernels::set_avx512(Some(avx512));
+        for (i, &(spec, k, wdt)) in specs.iter().enumerate() {
+            let w = randn(&[n as i32, k as i32], 70 + i as u64).astype(wdt).unwrap();
+            let q = quant::quantize(&w, spec, None).unwrap();
+            // The reference decodes with f32 scales and biases (MLX's dequantize of half scales rounds each weight
+            // to that precision; the kernels keep w = scale * code + bias in f32).
+            let f32_scales = |a: &Array| if a.dtype() == Dtype::U8 { a.clone() } else { a.astype(Dtype::F32).unwrap() };
+            let qf = Quantized {
+                weight: q.weight.clone(),
+                scales: f32_scales(&q.scales),
+                biases: q.biases.as_ref().map(|b| b.astype(Dtype::F32).unwrap()),
+            };
+            let wd = quant::dequantize(&qf, spec, None, Some(Dtype::F32)).unwrap().to_vec_f32().unwrap();
+            let bias = q.biases.as_ref().map(|b| (b.to_vec_f32().unwrap(), spec.group_size as usize));
+            for m in [1, 5] {
+                let x = randn(&[m, k as i32], 80 + i as u64);
+                kernels::set_qmm_activations(Some(Q8));
+                let got = kernels::fast_quantized_matmul(&x, &q, spec).unwrap().to_vec_f32().unwrap();
+                assert_eq!(q.scales.dtype(), if matches!(spec.mode, QuantMode::Affine) { wdt } else { Dtype::U8 });
+                kernels::set_qmm_activations(Some(F32));
+                let exact = kernels::fast_quantized_matmul(&x, &q, spec).unwrap().to_vec_f32().unwrap();
+                if matches!(spec.mode, QuantMode::Affine) && ![2, 4, 8].contains(&spec.bits) {
+                    assert_eq!(got, exact, "{spec:?}: no q8 kernel, so f32 results");
+                    continue;
+                }
+                let (xv, xr) = (x.to_vec_f32().unwrap(), q8_rounded(&x).to_vec_f32().unwrap());
+                let want: Vec<f32> = (0..m as usize)
+                    .flat_map(|r| {
+                        let b = bias.as_ref().map(|(b, g)| (b.as_slice(), *g));
+                        q8_reference_rows(&xv[r * k..(r + 1) * k], &xr[r * k..(r + 1) * k], &wd, n, b)
+                    })
+                    .collect();
+                let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let e = got.iter().zip(&want).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / scale;
+                assert!(e <= 2e-5, "q8 {spec:?} {wdt:?} m={m} k={k} avx512={avx512}: rel err {e}");
+                let r = exact.iter().zip(&got).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / scale;
+                assert!(r > 1e-4 && r < 0.03, "q8 vs f32 activations {spec:?} m={m} k={k}: {r}");
+                worst = worst.max(e);
             }
-            let (xv, xr) = (x.to_vec_f32().unwrap(), q8_rounded(&x).to_vec_f32().unwrap());
-            let want: Vec<f32> = (0..m as usize)
-                .flat_map(|r| {
-                    let b = bias.as_ref().map(|(b, g)| (b.as_slice(), *g));
-                    q8_reference_rows(&xv[r * k..(r + 1) * k], &xr[r * k..(r + 1) * k], &wd, n, b)
-                })
-                .collect();
-            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let e = got.iter().zip(&want).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / scale;
-            assert!(e <= 2e-5, "q8 {spec:?} {wdt:?} m={m} k={k}: rel err {e}");
-            let r = exact.iter().zip(&got).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / scale;
-            assert!(r > 1e-4 && r < 0.03, "q8 vs f32 activations {spec:?} m={m} k={k}: {r}");
-            worst = worst.max(e);
         }
     }
+    kernels::set_avx512(None);
     kernels::set_qmm_activations(None);
     println!("q8 affine/mxfp4 kernels vs reference: worst rel err {worst:e}");
 }
