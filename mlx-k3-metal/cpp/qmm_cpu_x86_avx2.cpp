@@ -1012,12 +1012,12 @@ static void affine_q8_sums(const AffineRows& w, const Activations& a, int m0, in
 #pragma GCC diagnostic ignored "-Wuninitialized"
 // 2 bits with AVX-512 VNNI (K % 256 == 0 and K <= 2048: the activations in the layout of interleave_2bit_q8_256,
 // marked by Activations::q8_vnni2): a 256-chunk's 64 bytes of codes are one zmm, and field s of its bytes (shift
-// 2s, mask 3) meets the chunk's positions 64s .. 64s + 63, which hold elements 4j + s. vpdpbusd multiplies the unsigned codes by
-// the int8 activations and sums each four into an i32 lane: lane i covers elements 16i .. 16i + 15 of the chunk, so
-// all its products belong to group 16i / G and the four fields accumulate in one i32 (at most 16 * 3 * 127). One
-// permute spreads the chunk's group scales over the lanes. Per 256 weights: one load of codes, three shifts, four
-// masks, four activation loads, four vpdpbusd and three f32 operations (the AVX2 kernel above: about 45
-// instructions). The result equals the AVX2 kernel's up to the association of f32 additions.
+// 2s, mask 3) meets the chunk's positions 64s .. 64s + 63, which hold elements 4j + s. vpdpbusd multiplies the
+// unsigned codes by the int8 activations and sums each four into an i32 lane: lane i covers elements 16i .. 16i + 15
+// of the chunk, so all its products belong to group 16i / G and the four fields accumulate in one i32 (at most
+// 16 * 3 * 127). One permute spreads the chunk's group scales over the lanes. Per 256 weights: one load of codes,
+// three shifts, four masks, four activation loads, four vpdpbusd and three f32 operations (the AVX2 kernel above:
+// about 45 instructions). The result equals the AVX2 kernel's up to the association of f32 additions.
 template <int MB, Sdt T>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c"))) static void affine_q8_row2_vnni(
     const AffineRows& w, const void* scales, const void* biases, const Activations& a, const AffineQ8Sums& sums,
@@ -1035,8 +1035,10 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f1
     prefetch_ahead(p);
     const __m512i wb = _mm512_loadu_si512(p);
     const __m512i f0 = _mm512_and_si512(wb, m3), f1 = _mm512_and_si512(_mm512_srli_epi16(wb, 2), m3);
-    const __m512i f2 = _mm512_and_si512(_mm512_srli_epi16(wb, 4), m3), f3 = _mm512_and_si512(_mm512_srli_epi16(wb, 6), m3);
-    const __m512 sv = _mm512_permutexvar_ps(lane_group, _mm512_castps256_ps512(load_scales<T>(scales, s0 + (size_t)c * gpc, gpc)));
+    const __m512i f2 = _mm512_and_si512(_mm512_srli_epi16(wb, 4), m3);
+    const __m512i f3 = _mm512_and_si512(_mm512_srli_epi16(wb, 6), m3);
+    const __m512 sv =
+        _mm512_permutexvar_ps(lane_group, _mm512_castps256_ps512(load_scales<T>(scales, s0 + (size_t)c * gpc, gpc)));
     for (int m = 0; m < MB; ++m) {
       const int8_t* q = a.q8 + (size_t)(m0 + m) * K + 256 * c;
       __m512i s01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), f0, _mm512_loadu_si512(q));
